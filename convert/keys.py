@@ -1,0 +1,143 @@
+"""The one key table from HF tensor names to nanojax params, with the fusing and transposing done here.
+
+Every tensor is shape-checked against the config; a missing, unmapped or duplicated tensor is an error that
+names it. Linear weights arrive as HF's [out, in] and leave as [in, out]; GPT-2's Conv1D already is [in, out].
+"""
+from typing import Callable, Mapping
+
+import numpy as np
+from tqdm import tqdm
+
+from nanojax.config import ModelConfig
+
+
+class CheckpointError(ValueError):
+    """A source checkpoint that does not match its config; the message names the tensor."""
+
+
+# Tensors a checkpoint may hold that carry no weights (GPT-2's causal-mask buffers in old files).
+_IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
+
+
+class _Reader:
+    """Hands out tensors by HF name, checks their shapes and remembers which ones were used."""
+
+    def __init__(self, tensors: Mapping[str, Callable[[], np.ndarray]], prefix: str = ""):
+        self.tensors, self.prefix, self.used = tensors, prefix, set()
+
+    def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        full = self.prefix + name
+        if full not in self.tensors:
+            raise CheckpointError(f"missing tensor {full!r} (expected shape {shape})")
+        self.used.add(full)
+        array = np.asarray(self.tensors[full]())
+        if array.shape != shape:
+            raise CheckpointError(f"tensor {full!r} has shape {array.shape}, config expects {shape}")
+        return array
+
+    def check_all_used(self, ignored: set[str]) -> None:
+        unmapped = sorted(set(self.tensors) - self.used - ignored)
+        if unmapped:
+            raise CheckpointError(f"{len(unmapped)} unmapped tensor(s) in the checkpoint: {unmapped[:8]}")
+
+
+def _interleaved_to_halves(w: np.ndarray, heads: int, head_dim: int) -> np.ndarray:
+    """Reorder rows of a [heads*D, ...] projection from (x0, x1) RoPE pairs to (first half, second half)."""
+    rest = w.shape[1:]
+    return w.reshape(heads, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(heads * head_dim, *rest)
+
+
+def _llama_layer(r: _Reader, c: ModelConfig, i: int, ernie: bool) -> dict:
+    p, h, d = f"model.layers.{i}.", c.hidden_size, c.head_dim
+    q = r.get(p + "self_attn.q_proj.weight", (c.q_size, h))
+    k = r.get(p + "self_attn.k_proj.weight", (c.kv_size, h))
+    v = r.get(p + "self_attn.v_proj.weight", (c.kv_size, h))
+    if ernie:
+        q, k = _interleaved_to_halves(q, c.num_heads, d), _interleaved_to_halves(k, c.num_kv_heads, d)
+    layer = {
+        "attn_norm": {"scale": r.get(p + "input_layernorm.weight", (h,))},
+        "qkv": {"w": np.concatenate([q, k, v]).T},
+        "o": {"w": r.get(p + "self_attn.o_proj.weight", (h, c.q_size)).T},
+        "mlp_norm": {"scale": r.get(p + "post_attention_layernorm.weight", (h,))},
+        "up": {"w": np.concatenate([r.get(p + f"mlp.{n}_proj.weight", (c.intermediate_size, h))
+                                    for n in ("gate", "up")]).T},
+        "down": {"w": r.get(p + "mlp.down_proj.weight", (h, c.intermediate_size)).T},
+    }
+    if c.qkv_bias:
+        qb = r.get(p + "self_attn.q_proj.bias", (c.q_size,))
+        kb = r.get(p + "self_attn.k_proj.bias", (c.kv_size,))
+        if ernie:
+            qb, kb = _interleaved_to_halves(qb, c.num_heads, d), _interleaved_to_halves(kb, c.num_kv_heads, d)
+        layer["qkv"]["b"] = np.concatenate([qb, kb, r.get(p + "self_attn.v_proj.bias", (c.kv_size,))])
+    if c.o_bias:
+        layer["o"]["b"] = r.get(p + "self_attn.o_proj.bias", (h,))
+    if c.mlp_bias:
+        layer["up"]["b"] = np.concatenate([r.get(p + f"mlp.{n}_proj.bias", (c.intermediate_size,))
+                                           for n in ("gate", "up")])
+        layer["down"]["b"] = r.get(p + "mlp.down_proj.bias", (h,))
+    if c.qk_norm:
+        layer["q_norm"] = r.get(p + "self_attn.q_norm.weight", (d,))
+        layer["k_norm"] = r.get(p + "self_attn.k_norm.weight", (d,))
+    return layer
+
+
+def _gpt2_layer(r: _Reader, c: ModelConfig, i: int) -> dict:
+    p, h, f = f"h.{i}.", c.hidden_size, c.intermediate_size
+
+    def ln(name):
+        return {"scale": r.get(p + name + ".weight", (h,)), "bias": r.get(p + name + ".bias", (h,))}
+
+    def conv1d(name, n_in, n_out):
+        return {"w": r.get(p + name + ".weight", (n_in, n_out)), "b": r.get(p + name + ".bias", (n_out,))}
+
+    return {
+        "attn_norm": ln("ln_1"),
+        "qkv": conv1d("attn.c_attn", h, 3 * h),
+        "o": conv1d("attn.c_proj", h, h),
+        "mlp_norm": ln("ln_2"),
+        "up": conv1d("mlp.c_fc", h, f),
+        "down": conv1d("mlp.c_proj", f, h),
+    }
+
+
+def hf_to_params(config: ModelConfig, model_type: str, tensors: Mapping[str, Callable[[], np.ndarray]],
+                 dtype, progress: bool = False) -> dict:
+    """tensors: HF name -> loader of the array. Returns the nanojax params pytree in `dtype` (numpy)."""
+    c, vh = config, (config.vocab_size, config.hidden_size)
+    gpt2 = model_type == "gpt2"
+    prefix = "transformer." if gpt2 and any(n.startswith("transformer.") for n in tensors) else ""
+    r = _Reader(tensors, prefix)
+    layers = []
+    for i in tqdm(range(c.num_layers), desc="converting layers", disable=not progress):
+        layers.append(_gpt2_layer(r, c, i) if gpt2 else _llama_layer(r, c, i, ernie=model_type == "ernie4_5"))
+    if gpt2:
+        params = {
+            "embed": r.get("wte.weight", vh),
+            "pos_embed": r.get("wpe.weight", (c.max_position_embeddings, c.hidden_size)),
+            "final_norm": {"scale": r.get("ln_f.weight", (c.hidden_size,)),
+                           "bias": r.get("ln_f.bias", (c.hidden_size,))},
+        }
+    else:
+        params = {"embed": r.get("model.embed_tokens.weight", vh),
+                  "final_norm": {"scale": r.get("model.norm.weight", (c.hidden_size,))}}
+    params["layers"] = tuple(layers)
+    ignored = {n for n in tensors if gpt2 and n.endswith(_IGNORED_SUFFIXES)}
+    if c.tie_word_embeddings:
+        if "lm_head.weight" in tensors:  # a tied copy some checkpoints still store
+            r.used.add("lm_head.weight")
+            tied = np.asarray(tensors["lm_head.weight"]())
+            if tied.shape != vh or not np.array_equal(tied, params["embed"]):
+                raise CheckpointError("lm_head.weight differs from the embedding but the config ties them")
+    else:
+        r.prefix = ""
+        params["lm_head"] = r.get("lm_head.weight", vh).T
+    r.check_all_used(ignored)
+    return _cast(params, dtype)
+
+
+def _cast(tree, dtype):
+    if isinstance(tree, dict):
+        return {k: _cast(v, dtype) for k, v in tree.items()}
+    if isinstance(tree, tuple):
+        return tuple(_cast(v, dtype) for v in tree)
+    return np.ascontiguousarray(tree.astype(dtype))

@@ -1,0 +1,5 @@
+"""nanojax: a small, fast LLM inference engine in JAX."""
+from nanojax.llm import LLM, RequestOutput
+from nanojax.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput"]

@@ -1,0 +1,74 @@
+"""python -m nanojax.generate [--model M] --prompt "..." | --chat  — streams the reply, then one stats line."""
+import argparse
+import sys
+import time
+
+from nanojax.llm import LLM
+from nanojax.sampling_params import SamplingParams
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m nanojax.generate", description=__doc__.split("—")[0].strip())
+    p.add_argument("--model", default=None, help="checkpoint, HF folder, 'org/name' in the HF cache or .gguf "
+                   "(default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--prompt", help="the prompt (required unless --chat)")
+    p.add_argument("--chat", action="store_true", help="interactive multi-turn chat")
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template to --prompt")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    args = p.parse_args(argv)
+    if not args.chat and args.prompt is None:
+        p.error("--prompt is required unless --chat is given")
+    return args
+
+
+def stream_reply(llm: LLM, prompt_ids: list[int], params: SamplingParams) -> str:
+    """Prints the reply as it is generated, then the stats line; returns the reply text."""
+    start, text, final = time.perf_counter(), "", None
+    for event in llm.stream([prompt_ids], params):
+        print(event.delta, end="", flush=True)
+        text, final = event.text, event
+    elapsed = time.perf_counter() - start
+    ttft = final.time_to_first_token or elapsed
+    decoded = max(len(final.token_ids) - 1, 0)
+    rate = decoded / (elapsed - ttft) if elapsed > ttft and decoded else 0.0
+    print(f"\n[prompt tokens {len(prompt_ids)} | generated {len(final.token_ids)} | time to first token "
+          f"{ttft * 1e3:.0f} ms | decode {rate:.1f} tok/s | finish {final.finish_reason}]", file=sys.stderr)
+    return text
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                max_tokens=args.max_tokens, seed=args.seed)
+        llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=1)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    templated = llm.tokenizer is not None and bool(llm.tokenizer.chat_template) and not args.raw
+    if not args.chat:
+        ids = llm.apply_chat_template([{"role": "user", "content": args.prompt}]) if templated else llm.encode(
+            args.prompt)
+        stream_reply(llm, ids, params)
+        return 0
+    messages = []
+    while True:
+        try:
+            user = input("> ")
+        except EOFError:
+            return 0
+        if user.strip() in ("/exit", "/quit"):
+            return 0
+        messages.append({"role": "user", "content": user})
+        messages.append({"role": "assistant", "content": stream_reply(llm, llm.apply_chat_template(messages),
+                                                                      params)})
+
+
+if __name__ == "__main__":
+    sys.exit(main())

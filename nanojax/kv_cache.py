@@ -1,0 +1,68 @@
+"""The paged KV cache: one page pool per layer and the step's view of it (`Batch`).
+
+Page layout is defined in `pallas_kernels.paged_attention`: [num_pages, num_kv_heads, page_size, head_dim].
+"""
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from nanojax.config import ModelConfig
+
+
+@flax.struct.dataclass
+class KVCache:
+    """k[i], v[i]: layer i's page pool, [num_pages, num_kv_heads, page_size, head_dim]."""
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+
+    @classmethod
+    def create(cls, config: ModelConfig, num_pages: int, page_size: int, dtype) -> "KVCache":
+        shape = (num_pages, config.num_kv_heads, page_size, config.head_dim)
+        layers = range(config.num_layers)
+        return cls(k=tuple(jnp.zeros(shape, dtype) for _ in layers), v=tuple(jnp.zeros(shape, dtype) for _ in layers))
+
+    @property
+    def num_pages(self) -> int:
+        return self.k[0].shape[0]
+
+    @property
+    def page_size(self) -> int:
+        return self.k[0].shape[2]
+
+
+@flax.struct.dataclass
+class Batch:
+    """Which sequences a step computes, padded to [B, T] tokens.
+
+    page_table: [B, pages_per_seq] int32, the pages of each sequence in order.
+    seq_lens: [B] int32, tokens in the cache for the sequence once this step has run.
+    q_lens: [B] int32, new tokens this step; they sit at positions seq_lens - q_lens + t, t < q_lens.
+    Rows with q_lens == 0 are padding.
+    """
+
+    page_table: jax.Array
+    seq_lens: jax.Array
+    q_lens: jax.Array
+
+    def positions(self, num_tokens: int) -> jax.Array:
+        """[B, T] absolute positions, -1 on padding tokens."""
+        t = jnp.arange(num_tokens)[None, :]
+        pos = (self.seq_lens - self.q_lens)[:, None] + t
+        return jnp.where(t < self.q_lens[:, None], pos, -1)
+
+
+def write_kv(k_pages, v_pages, k, v, page_table, positions):
+    """Scatter new keys/values into their pages.
+
+    k_pages, v_pages: [num_pages, Hkv, S, D]; k, v: [B, T, Hkv, D]; page_table: [B, P]; positions: [B, T] (-1 = pad).
+    Padding tokens get an out-of-range page index and are dropped.
+    """
+    num_pages, _, page_size, _ = k_pages.shape
+    safe_pos = jnp.maximum(positions, 0)
+    page_idx = jnp.take_along_axis(page_table, jnp.minimum(safe_pos // page_size, page_table.shape[1] - 1), axis=1)
+    page_idx = jnp.where(positions >= 0, page_idx, num_pages)
+    slot = safe_pos % page_size
+    k_pages = k_pages.at[page_idx, :, slot].set(k.astype(k_pages.dtype), mode="drop")
+    v_pages = v_pages.at[page_idx, :, slot].set(v.astype(v_pages.dtype), mode="drop")
+    return k_pages, v_pages

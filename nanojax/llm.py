@@ -1,0 +1,228 @@
+"""The public engine: `LLM(model).generate(prompts, SamplingParams(...))`, streaming and chat.
+
+Each step the scheduler picks what to compute (decodes first, then prefill chunks under the token budget); the
+runner computes it in compiled steps; here the sampled tokens are checked against the stop conditions.
+"""
+import dataclasses
+import time
+from typing import Iterable, Iterator
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from nanojax.attention import get_attention
+from nanojax.block_manager import BlockManager
+from nanojax.loader import load_model
+from nanojax.runner import ModelRunner
+from nanojax.sampling_params import SamplingParams
+from nanojax.scheduler import Scheduler, SchedulerConfig
+from nanojax.sequence import Sequence
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    index: int  # position of the prompt in the call
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated tokens (a stop token included)
+    text: str  # generated text, special tokens skipped, a stop string cut off
+    finish_reason: str | None  # "stop" | "length" | None while running
+    delta: str = ""  # text added since the previous streamed event
+    time_to_first_token: float | None = None
+
+
+@dataclasses.dataclass
+class _Request:
+    output: RequestOutput
+    params: SamplingParams
+    stop_ids: frozenset[int]
+    start: float
+    emitted_text: str = ""
+
+
+class LLM:
+    """An inference engine over one model.
+
+    model: a nanojax checkpoint folder, an HF folder, an 'org/name' in the local HF cache, a .gguf file, or None
+    for the embedded default (SmolLM2-135M-Instruct).
+    dtype: "bfloat16" (default on GPU) or "float32" (default on CPU).
+    num_pages: KV pages in the pool; None sizes it from free device memory (`memory_fraction`).
+    decode_steps: decode steps run on device per dispatch when a step is decode-only.
+    attention: "reference" (jnp), "pallas", or "auto" (Pallas on GPU).
+    """
+
+    def __init__(self, model: str | None = None, *, dtype: str | None = None, max_model_len: int | None = None,
+                 page_size: int = 16, num_pages: int | None = None, memory_fraction: float = 0.85,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int | None = None, chunk_size: int | None = None,
+                 decode_steps: int = 8, attention: str = "auto", seed: int = 0):
+        on_gpu = jax.default_backend() == "gpu"
+        self.dtype = dtype or ("bfloat16" if on_gpu else "float32")
+        self.config, params, self.tokenizer = load_model(model, self.dtype)
+        self.max_model_len = min(max_model_len or 4096, self.config.max_position_embeddings)
+        if max_model_len and max_model_len > self.config.max_position_embeddings:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
+                             f"{self.config.max_position_embeddings}")
+        if decode_steps < 1:
+            raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")
+        self.decode_steps = decode_steps
+        max_num_batched_tokens = max_num_batched_tokens or max(2048, self.max_model_len)
+        pages_per_seq = -(-self.max_model_len // page_size)
+        if num_pages is None:
+            num_pages = self._pages_that_fit(page_size, memory_fraction, max_num_seqs * pages_per_seq)
+        vocab_limit = min(len(self.tokenizer), self.config.vocab_size) if self.tokenizer else self.config.vocab_size
+        self.runner = ModelRunner(
+            self.config, params, num_pages=num_pages, page_size=page_size, pages_per_seq=pages_per_seq,
+            dtype=params["embed"].dtype, attention=get_attention(attention), vocab_limit=vocab_limit,
+            max_num_seqs=max_num_seqs, max_tokens_per_row=min(max_num_batched_tokens, chunk_size or 1 << 30))
+        self.block_manager = BlockManager(num_pages, page_size)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=self.max_model_len, chunk_size=chunk_size, block_size=page_size), self.block_manager)
+        self.eos_ids = frozenset(self.config.eos_token_ids)
+        self._rng = np.random.default_rng(seed)
+
+    def _pages_that_fit(self, page_size: int, fraction: float, wanted: int) -> int:
+        c = self.config
+        itemsize = np.dtype(self.dtype).itemsize if self.dtype != "bfloat16" else 2
+        page_bytes = 2 * c.num_layers * c.num_kv_heads * page_size * c.head_dim * itemsize
+        stats = jax.devices()[0].memory_stats() or {}
+        if "bytes_limit" in stats:
+            budget = stats["bytes_limit"] * fraction - stats.get("bytes_in_use", 0)
+        else:  # CPU: no allocator limit to read, keep the pool modest
+            budget = 2 << 30
+        return int(max(1, min(wanted, budget // page_bytes)))
+
+    # ----- requests -----
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this checkpoint has no tokenizer: pass prompts as lists of token ids")
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("empty prompt")
+        if min(ids) < 0 or max(ids) >= self.config.vocab_size:
+            raise ValueError(f"token ids must be in [0, {self.config.vocab_size}), got {min(ids)}..{max(ids)}")
+        return ids
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        if self.tokenizer is None or not self.tokenizer.chat_template:
+            raise ValueError("this model's tokenizer has no chat template")
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False)
+
+    def _add(self, index: int, prompt_ids: list[int], params: SamplingParams) -> _Request:
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(f"prompt {index} has {len(prompt_ids)} tokens; max_model_len={self.max_model_len} "
+                             "leaves no room to generate")
+        if params.seed is None:
+            params = dataclasses.replace(params, seed=int(self._rng.integers(2**32)))
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
+        request = _Request(RequestOutput(index, prompt_ids, [], "", None), params, stop_ids, time.perf_counter())
+        self.scheduler.add(Sequence(prompt_ids, params=request))
+        return request
+
+    # ----- the loop -----
+    def stream(self, prompts: Iterable[str | list[int]],
+               sampling_params: SamplingParams | list[SamplingParams] | None = None) -> Iterator[RequestOutput]:
+        """Runs the prompts together; yields a RequestOutput each time a request gains text or finishes."""
+        prompts = list(prompts)
+        params = sampling_params or SamplingParams()
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        ids = [self.encode(p) for p in prompts]
+        for i, (p, sp) in enumerate(zip(ids, params)):
+            self._add(i, p, sp)
+        while self.scheduler.has_unfinished():
+            yield from self._step()
+
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Outputs in prompt order. A single prompt (str or token-id list) may be passed as is."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        done: dict[int, RequestOutput] = {}
+        with tqdm(total=len(prompts), desc="generating", disable=not use_tqdm) as bar:
+            for out in self.stream(prompts, sampling_params):
+                if out.finish_reason is not None:
+                    done[out.index] = out
+                    bar.update(1)
+        return [done[i] for i in range(len(prompts))]
+
+    def _step(self) -> list[RequestOutput]:
+        chunks = self.scheduler.schedule(decode_steps=self.decode_steps)
+        sampled: dict[int, list[int]] = {}
+        if chunks and chunks[0].num_steps > 1:  # decode-only step run as num_steps steps on device
+            sampled.update(self._run(chunks, chunks[0].num_steps))
+        else:  # decodes and prefill chunks as separate dispatches, so decodes are not padded to chunk length
+            for group in ([c for c in chunks if c.num_tokens == 1], [c for c in chunks if c.num_tokens > 1]):
+                if group:
+                    sampled.update(self._run(group, 1))
+        accepted = {c.seq.seq_id: self._accept(c.seq, sampled[c.seq.seq_id]) for c in chunks if c.sample}
+        self.scheduler.update(chunks, accepted)
+        events = [self._emit(c.seq) for c in chunks if c.sample]
+        return [e for e in events if e is not None]
+
+    def _run(self, chunks, num_steps: int) -> dict[int, list[int]]:
+        """Computes the chunks; returns the sampled tokens of the chunks that end their sequence's tokens."""
+        tokens = [c.seq.token_ids[c.start:c.end] for c in chunks]
+        out = self.runner.run(tokens, [c.seq.block_table for c in chunks], [c.end for c in chunks],
+                              self._sampling_arrays(chunks), num_steps)
+        return {c.seq.seq_id: out[:, i].tolist() for i, c in enumerate(chunks) if c.sample}
+
+    def _sampling_arrays(self, chunks) -> dict[str, np.ndarray]:
+        reqs = [c.seq.params for c in chunks]
+        banned = [sorted(r.stop_ids) if r.params.min_tokens > len(r.output.token_ids) else [] for r in reqs]
+        width = max(1, max(len(b) for b in banned))
+        banned_ids = np.full((len(reqs), width), -1, np.int32)
+        for i, b in enumerate(banned):
+            banned_ids[i, :len(b)] = b
+        return {
+            "temperature": np.array([r.params.temperature for r in reqs], np.float32),
+            "top_k": np.array([r.params.top_k for r in reqs], np.int32),
+            "top_p": np.array([r.params.top_p for r in reqs], np.float32),
+            "min_p": np.array([r.params.min_p for r in reqs], np.float32),
+            "seeds": np.array([r.params.seed for r in reqs], np.uint32),
+            "counters": np.array([len(r.output.token_ids) for r in reqs], np.int32),
+            "banned_ids": banned_ids,
+            "ban_steps": np.array([max(0, r.params.min_tokens - len(r.output.token_ids)) for r in reqs], np.int32),
+        }
+
+    def _accept(self, seq: Sequence, new_tokens: list[int]) -> list[int]:
+        """The prefix of new_tokens the request keeps; marks it finished when a stop condition is met."""
+        req: _Request = seq.params
+        out = req.output
+        kept = []
+        for tok in new_tokens:
+            kept.append(tok)
+            out.token_ids.append(tok)
+            if out.time_to_first_token is None:
+                out.time_to_first_token = time.perf_counter() - req.start
+            if tok in req.stop_ids and len(out.token_ids) > req.params.min_tokens:
+                out.finish_reason = "stop"
+            elif len(out.token_ids) >= req.params.max_tokens or seq.num_tokens + len(kept) >= self.max_model_len:
+                out.finish_reason = "length"
+            if out.finish_reason:
+                break
+        return kept
+
+    def _emit(self, seq: Sequence) -> RequestOutput | None:
+        req: _Request = seq.params
+        out = req.output
+        if self.tokenizer is not None:
+            out.text = self._text(out.token_ids)
+            if req.params.stop:
+                cut = min((i for i in (out.text.find(s) for s in req.params.stop) if i >= 0), default=-1)
+                if cut >= 0:
+                    out.text, out.finish_reason = out.text[:cut], "stop"
+        if out.finish_reason is not None:
+            self.scheduler.finish(seq)
+        stable = out.text if out.finish_reason else out.text.rstrip("\ufffd")
+        out.delta, req.emitted_text = stable[len(req.emitted_text):], stable
+        if not out.delta and out.finish_reason is None:
+            return None
+        return dataclasses.replace(out, token_ids=list(out.token_ids))
+
+    def _text(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)

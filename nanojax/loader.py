@@ -1,0 +1,52 @@
+"""Resolve what the user named into (config, params, tokenizer): a nanojax checkpoint, or any source that
+convert/ reads (HF folder, hub-cache id, GGUF), converted in memory."""
+from pathlib import Path
+
+from nanojax.config import ModelConfig
+
+
+def load_model(model: str | None, dtype: str) -> tuple[ModelConfig, dict, object | None]:
+    """-> (config, params as numpy arrays of `dtype`, HF tokenizer or None)."""
+    # convert/ builds on nanojax.config, so it is imported here rather than at module level.
+    from convert import is_checkpoint, load_checkpoint, open_source, params_from_source
+    from convert.checkpoint import DTYPES
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    if model is None:
+        from nanojax.default_model import default_checkpoint
+
+        model = str(default_checkpoint())
+    if is_checkpoint(model):
+        config, params, manifest = load_checkpoint(model)
+        params = _cast(params, DTYPES[dtype])
+        return config, params, _tokenizer(model) if manifest.get("tokenizer") else None
+    source = open_source(model)
+    config, params = params_from_source(source, dtype)
+    return config, params, _tokenizer(source.description) if source.format == "safetensors" else _gguf_tokenizer(
+        source.description)
+
+
+def _cast(params, dtype):
+    import jax
+
+    return jax.tree.map(lambda x: x.astype(dtype), params)
+
+
+def _tokenizer(folder):
+    """None for a weights-only folder (transformers would otherwise make up an empty tokenizer)."""
+    from transformers import AutoTokenizer
+
+    from convert.sources import has_tokenizer_files
+
+    return AutoTokenizer.from_pretrained(folder) if has_tokenizer_files(folder) else None
+
+
+def _gguf_tokenizer(path):
+    import tempfile
+
+    from convert.gguf_source import save_gguf_tokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        save_gguf_tokenizer(path, tmp)
+        return _tokenizer(Path(tmp))

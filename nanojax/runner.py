@@ -1,0 +1,125 @@
+"""The compiled steps: embed -> layers -> final norm -> LM head -> sampling in one jit, the KV cache donated.
+
+Shapes are padded to buckets (batch rows, tokens per row) so steady state never recompiles; the page table
+always has `pages_per_seq` columns.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nanojax.config import ModelConfig
+from nanojax.kv_cache import Batch, KVCache
+from nanojax.model import forward, lm_logits
+from nanojax.sampling import SamplingBatch, sample
+
+_STATIC = ("config", "attention", "vocab_limit", "filtered")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnums=(1,))
+def step(params, cache, tokens, batch: Batch, sampling: SamplingBatch, *, config, attention, vocab_limit, filtered):
+    """tokens: [B, T] -> (next token of every row [B], cache). Rows still mid-prompt discard theirs."""
+    hidden, cache = forward(params, tokens, cache, batch, config=config, attention=attention)
+    last = jnp.take_along_axis(hidden, jnp.maximum(batch.q_lens - 1, 0)[:, None, None], axis=1)[:, 0]
+    logits = lm_logits(params, last, config)
+    return sample(logits, sampling, 0, vocab_limit=vocab_limit, filtered=filtered), cache
+
+
+@functools.partial(jax.jit, static_argnames=(*_STATIC, "num_steps"), donate_argnums=(1,))
+def multi_decode(params, cache, tokens, batch: Batch, sampling: SamplingBatch, *, config, attention, vocab_limit,
+                 filtered, num_steps):
+    """num_steps decode steps in one dispatch (fixed trip count: no host sync between them).
+
+    tokens: [B] last token of each row; batch describes the first step (q_lens 1, 0 on padding rows).
+    Returns ([num_steps, B] sampled tokens, cache). Rows that finish early keep decoding into pages the
+    scheduler reserved; the host drops what follows their end.
+    """
+    active = batch.q_lens
+
+    def body(i, carry):
+        tokens, cache, seq_lens, out = carry
+        hidden, cache = forward(params, tokens[:, None], cache, batch.replace(seq_lens=seq_lens),
+                                config=config, attention=attention)
+        nxt = sample(lm_logits(params, hidden[:, 0], config), sampling, i, vocab_limit=vocab_limit,
+                     filtered=filtered)
+        return nxt, cache, seq_lens + active, out.at[i].set(nxt)
+
+    out = jnp.zeros((num_steps, tokens.shape[0]), jnp.int32)
+    _, cache, _, out = jax.lax.fori_loop(0, num_steps, body, (tokens, cache, batch.seq_lens, out))
+    return out, cache
+
+
+def bucket(n: int, buckets: tuple[int, ...]) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    raise ValueError(f"{n} is larger than the largest bucket {buckets[-1]}")
+
+
+def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= 2
+    return tuple(out) + (hi,)
+
+
+class ModelRunner:
+    """Holds params and the KV cache on device and runs padded steps.
+
+    attention: the paged attention function (reference or Pallas), static under jit.
+    """
+
+    def __init__(self, config: ModelConfig, params, *, num_pages: int, page_size: int, pages_per_seq: int,
+                 dtype, attention, vocab_limit: int, max_num_seqs: int, max_tokens_per_row: int):
+        self.config, self.attention, self.vocab_limit = config, attention, vocab_limit
+        self.params = jax.device_put(params)
+        self.cache = KVCache.create(config, num_pages, page_size, dtype)
+        self.pages_per_seq = pages_per_seq
+        self.batch_buckets = pow2_buckets(1, max_num_seqs)
+        self.token_buckets = pow2_buckets(16, max_tokens_per_row) if max_tokens_per_row > 16 else (
+            max_tokens_per_row,)
+        self.compiles = 0
+
+    def _statics(self, filtered: bool) -> dict:
+        return dict(config=self.config, attention=self.attention, vocab_limit=self.vocab_limit, filtered=filtered)
+
+    def run(self, tokens: list[list[int]], page_tables: list[list[int]], seq_lens: list[int],
+            sampling: dict[str, np.ndarray], num_steps: int = 1) -> np.ndarray:
+        """One step over rows of new tokens (any lengths), or num_steps decode steps (one token per row).
+
+        Returns [num_steps, rows] sampled tokens (one step: [1, rows]).
+        """
+        rows = len(tokens)
+        b = bucket(rows, self.batch_buckets)
+        q_lens = np.zeros(b, np.int32)
+        q_lens[:rows] = [len(t) for t in tokens]
+        t_pad = 1 if num_steps > 1 or q_lens.max() == 1 else bucket(int(q_lens.max()), self.token_buckets)
+        tok = np.zeros((b, t_pad), np.int32)
+        table = np.zeros((b, self.pages_per_seq), np.int32)
+        lens = np.zeros(b, np.int32)
+        for i, (t, pages) in enumerate(zip(tokens, page_tables)):
+            tok[i, :len(t)] = t
+            table[i, :len(pages)] = pages
+        lens[:rows] = seq_lens
+        batch = Batch(page_table=jnp.asarray(table), seq_lens=jnp.asarray(lens), q_lens=jnp.asarray(q_lens))
+        samp = SamplingBatch(**{k: jnp.asarray(_pad_rows(v, b)) for k, v in sampling.items()})
+        filtered = bool(np.any(sampling["top_k"] > 0) | np.any(sampling["top_p"] < 1) | np.any(sampling["min_p"] > 0))
+        fn = step if num_steps == 1 else functools.partial(multi_decode, num_steps=num_steps)
+        args = (jnp.asarray(tok) if num_steps == 1 else jnp.asarray(tok[:, 0]))
+        before = _cache_size(fn)
+        out, self.cache = fn(self.params, self.cache, args, batch, samp, **self._statics(filtered))
+        self.compiles += _cache_size(fn) - before
+        out = np.asarray(out)
+        return (out[None] if num_steps == 1 else out)[:, :rows]
+
+
+def _pad_rows(v: np.ndarray, rows: int) -> np.ndarray:
+    pad = [(0, rows - v.shape[0])] + [(0, 0)] * (v.ndim - 1)
+    return np.pad(v, pad, constant_values=-1 if v.dtype.kind == "i" and v.ndim == 2 else 0)
+
+
+def _cache_size(fn) -> int:
+    fn = getattr(fn, "func", fn)
+    return fn._cache_size()

@@ -1,0 +1,78 @@
+"""Shared fixtures: tiny random HF models saved with save_pretrained (float32), and the HF greedy oracle."""
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+# Small configs covering each architecture's flags: GQA ratios 1..4, head_dim from config or hidden/heads,
+# tied and untied embeddings, odd vocabulary sizes, biases, Llama 3 rope scaling.
+TINY = {
+    "llama": dict(model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=101, tie_word_embeddings=False,
+                  max_position_embeddings=256),
+    "llama3": dict(model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                   num_attention_heads=8, num_key_value_heads=2, head_dim=16, vocab_size=131,
+                   tie_word_embeddings=True, max_position_embeddings=256, attention_bias=True,
+                   rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                    "original_max_position_embeddings": 32}),
+    "qwen2": dict(model_type="qwen2", hidden_size=56, intermediate_size=80, num_hidden_layers=2,
+                  num_attention_heads=7, num_key_value_heads=1, vocab_size=103, tie_word_embeddings=True,
+                  max_position_embeddings=256),
+    "qwen3": dict(model_type="qwen3", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=4, head_dim=32, vocab_size=97,
+                  tie_word_embeddings=False, max_position_embeddings=256),
+    "ernie4_5": dict(model_type="ernie4_5", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=1, head_dim=16, vocab_size=99, use_bias=True,
+                     max_position_embeddings=256),
+    "gpt2": dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=95, n_positions=256),
+}
+
+
+def build_hf_model(spec: dict, seed: int = 0):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kw = dict(spec)
+    config = AutoConfig.for_model(kw.pop("model_type"), **kw)
+    config.bos_token_id = config.eos_token_id = config.pad_token_id = None
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():  # larger than HF's init so logits are well separated and greedy has no near-ties
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    return model
+
+
+@pytest.fixture(scope="session")
+def hf_model_dir(tmp_path_factory):
+    """hf_model_dir(name) -> (folder with config.json + model.safetensors, the torch model)."""
+    made = {}
+
+    def make(name: str):
+        if name not in made:
+            model = build_hf_model(TINY[name])
+            folder = tmp_path_factory.mktemp(name)
+            model.save_pretrained(folder)
+            made[name] = (folder, model)
+        return made[name]
+
+    return make
+
+
+def hf_greedy(model, prompt: list[int], num_tokens: int) -> list[int]:
+    """The oracle: greedy continuation by full HF forwards (no HF cache involved)."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(num_tokens):
+            logits = model(torch.tensor([ids])).logits[0, -1]
+            ids.append(int(torch.argmax(logits)))
+    return ids[len(prompt):]
+
+
+def random_prompts(vocab: int, lengths, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, n).tolist() for n in lengths]
