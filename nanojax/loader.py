@@ -1,30 +1,40 @@
 """Resolve what the user named into (config, params, tokenizer): a nanojax checkpoint, or any source that
 convert/ reads (HF folder, hub-cache id, GGUF), converted in memory."""
+import dataclasses
 from pathlib import Path
 
 from nanojax.config import ModelConfig
 
 
-def load_model(model: str | None, dtype: str) -> tuple[ModelConfig, dict, object | None]:
-    """-> (config, params as numpy arrays of `dtype`, HF tokenizer or None)."""
+@dataclasses.dataclass
+class LoadedModel:
+    config: ModelConfig
+    params: dict  # numpy arrays, see nanojax.model
+    tokenizer: object | None  # an HF tokenizer, or None for weights-only checkpoints
+
+
+def load_model(model: "str | LoadedModel | None", dtype: str) -> LoadedModel:
+    """Resolve `model` and cast its params to `dtype`."""
     # convert/ builds on nanojax.config, so it is imported here rather than at module level.
     from convert import is_checkpoint, load_checkpoint, open_source, params_from_source
     from convert.checkpoint import DTYPES
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    if isinstance(model, LoadedModel):
+        return dataclasses.replace(model, params=_cast(model.params, DTYPES[dtype]))
     if model is None:
         from nanojax.default_model import default_checkpoint
 
         model = str(default_checkpoint())
     if is_checkpoint(model):
         config, params, manifest = load_checkpoint(model)
-        params = _cast(params, DTYPES[dtype])
-        return config, params, _tokenizer(model) if manifest.get("tokenizer") else None
+        return LoadedModel(config, _cast(params, DTYPES[dtype]), _tokenizer(model) if manifest["tokenizer"] else None)
     source = open_source(model)
     config, params = params_from_source(source, dtype)
-    return config, params, _tokenizer(source.description) if source.format == "safetensors" else _gguf_tokenizer(
-        source.description)
+    if source.format == "gguf":
+        return LoadedModel(config, params, _gguf_tokenizer(source.description))
+    return LoadedModel(config, params, _tokenizer(source.description))
 
 
 def _cast(params, dtype):

@@ -1,0 +1,70 @@
+"""A request's token sequence and its scheduling state (plain Python, no JAX).
+
+A :class:`Sequence` is created by the engine from a tokenized prompt, handed to
+``Scheduler.add`` and then mutated only by the scheduler / block manager:
+
+* ``token_ids``            prompt + generated tokens (grows via :meth:`append_token`).
+* ``num_prompt_tokens``    length of the original prompt (never changes, also not
+                           when a preempted sequence recomputes its generated tokens).
+* ``num_computed_tokens``  tokens ``token_ids[:num_computed_tokens]`` have their KV in
+                           the cache (prefix-cache hits included).
+* ``num_cached_tokens``    how many of those came from the prefix cache at the last
+                           admission (statistics only).
+* ``block_table``          physical KV block ids; token position ``p`` lives in block
+                           ``block_table[p // block_size]`` at offset ``p % block_size``.
+* ``status``               :class:`SequenceStatus`.
+* ``params``               opaque object for the engine (sampling params, stop strings,
+                           ...); the scheduler never looks inside.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from typing import Any, Iterable
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+class Sequence:
+    _next_id = itertools.count()
+
+    def __init__(self, token_ids: Iterable[int], params: Any = None):
+        self.token_ids: list[int] = [int(t) for t in token_ids]
+        if not self.token_ids:
+            raise ValueError("a sequence needs at least one prompt token")
+        self.seq_id: int = next(Sequence._next_id)
+        self.num_prompt_tokens: int = len(self.token_ids)
+        self.num_computed_tokens: int = 0
+        self.num_cached_tokens: int = 0
+        self.block_table: list[int] = []
+        self.status: SequenceStatus = SequenceStatus.WAITING
+        self.params: Any = params
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt + generated tokens."""
+        return len(self.token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        """Generated tokens (``num_tokens - num_prompt_tokens``)."""
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    def append_token(self, token_id: int) -> None:
+        """Append one generated token (numpy / 0-d array scalars are converted to int)."""
+        self.token_ids.append(int(token_id))
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, status={self.status.name}, tokens={self.num_tokens}, "
+            f"prompt={self.num_prompt_tokens}, computed={self.num_computed_tokens}, "
+            f"blocks={len(self.block_table)})"
+        )
