@@ -15,6 +15,7 @@ from nanojax.attention import get_attention
 from nanojax.block_manager import BlockManager
 from nanojax.loader import LoadedModel, load_model
 from nanojax.runner import ModelRunner
+from nanojax.sampling import PAD_ID, SamplingMode
 from nanojax.sampling_params import SamplingParams
 from nanojax.scheduler import Scheduler, SchedulerConfig
 from nanojax.sequence import Sequence
@@ -28,6 +29,7 @@ class RequestOutput:
     text: str  # generated text, special tokens skipped, a stop string cut off
     finish_reason: str | None  # "stop" | "length" | None while running
     delta: str = ""  # text added since the previous streamed event
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     time_to_first_token: float | None = None
 
 
@@ -38,6 +40,25 @@ class _Request:
     stop_ids: frozenset[int]
     start: float
     emitted_text: str = ""
+
+    def seen_counts(self) -> dict[int, int]:
+        """Every token of prompt and output -> its count in the output (for the penalties)."""
+        counts = dict.fromkeys(self.output.prompt_token_ids, 0)
+        for t in self.output.token_ids:
+            counts[t] = counts.get(t, 0) + 1
+        return counts
+
+
+def _ragged(rows: list[list[tuple[int, float]]], value_dtype=np.int32) -> tuple[np.ndarray, np.ndarray]:
+    """Per-row (token id, value) lists -> ([B, W] ids padded with PAD_ID, [B, W] values); W a power of two so
+    the compiled step sees few shapes."""
+    width = 1 << max(0, (max(len(r) for r in rows) - 1).bit_length())
+    ids = np.full((len(rows), width), PAD_ID, np.int32)
+    values = np.zeros((len(rows), width), value_dtype)
+    for i, r in enumerate(rows):
+        if r:
+            ids[i, :len(r)], values[i, :len(r)] = zip(*r)
+    return ids, values
 
 
 class LLM:
@@ -116,6 +137,11 @@ class LLM:
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(f"prompt {index} has {len(prompt_ids)} tokens; max_model_len={self.max_model_len} "
                              "leaves no room to generate")
+        total = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
+        pages = -(-total // self.block_manager.block_size)
+        if pages > self.block_manager.num_blocks:
+            raise ValueError(f"prompt {index} needs up to {pages} KV pages ({total} tokens) but the pool has only "
+                             f"{self.block_manager.num_blocks}: lower max_tokens or raise num_pages")
         if params.seed is None:
             params = dataclasses.replace(params, seed=int(self._rng.integers(2**32)))
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
@@ -156,7 +182,9 @@ class LLM:
         return [done[i] for i in range(len(prompts))]
 
     def _step(self, stream_text: bool) -> list[RequestOutput]:
-        chunks = self.scheduler.schedule(decode_steps=self.decode_steps)
+        # The penalties count the output so far, so their requests decode one step per dispatch.
+        penalized = any(seq.params.params.penalized for seq in self.scheduler.running)
+        chunks = self.scheduler.schedule(decode_steps=1 if penalized else self.decode_steps)
         sampled: dict[int, list[int]] = {}
         if chunks and chunks[0].num_steps > 1:  # decode-only step run as num_steps steps on device
             sampled.update(self._run(chunks, chunks[0].num_steps))
@@ -172,27 +200,37 @@ class LLM:
     def _run(self, chunks, num_steps: int) -> dict[int, list[int]]:
         """Computes the chunks; returns the sampled tokens of the chunks that end their sequence's tokens."""
         tokens = [c.seq.token_ids[c.start:c.end] for c in chunks]
-        out = self.runner.run(tokens, [c.seq.block_table for c in chunks], [c.end for c in chunks],
-                              self._sampling_arrays(chunks), num_steps)
+        arrays, mode = self._sampling_arrays(chunks)
+        out = self.runner.run(tokens, [c.seq.block_table for c in chunks], [c.end for c in chunks], arrays, mode,
+                              num_steps)
         return {c.seq.seq_id: out[:, i].tolist() for i, c in enumerate(chunks) if c.sample}
 
-    def _sampling_arrays(self, chunks) -> dict[str, np.ndarray]:
-        reqs = [c.seq.params for c in chunks]
-        banned = [sorted(r.stop_ids) if r.params.min_tokens > len(r.output.token_ids) else [] for r in reqs]
-        width = max(1, max(len(b) for b in banned))
-        banned_ids = np.full((len(reqs), width), -1, np.int32)
-        for i, b in enumerate(banned):
-            banned_ids[i, :len(b)] = b
-        return {
-            "temperature": np.array([r.params.temperature for r in reqs], np.float32),
-            "top_k": np.array([r.params.top_k for r in reqs], np.int32),
-            "top_p": np.array([r.params.top_p for r in reqs], np.float32),
-            "min_p": np.array([r.params.min_p for r in reqs], np.float32),
-            "seeds": np.array([r.params.seed for r in reqs], np.uint32),
-            "counters": np.array([len(r.output.token_ids) for r in reqs], np.int32),
-            "banned_ids": banned_ids,
-            "ban_steps": np.array([max(0, r.params.min_tokens - len(r.output.token_ids)) for r in reqs], np.int32),
+    def _sampling_arrays(self, chunks) -> tuple[dict[str, np.ndarray], SamplingMode]:
+        reqs: list[_Request] = [c.seq.params for c in chunks]
+        params = [r.params for r in reqs]
+        generated = [len(r.output.token_ids) for r in reqs]
+        banned = [sorted(r.stop_ids) if p.min_tokens > n else [] for r, p, n in zip(reqs, params, generated)]
+        bias = [sorted((p.logit_bias or {}).items()) for p in params]
+        seen = [sorted(r.seen_counts().items()) if p.penalized else [] for r, p in zip(reqs, params)]
+        mode = SamplingMode(random=any(p.temperature > 0 for p in params),
+                            filtered=any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params),
+                            adjusted=any(bias) or any(p.penalized for p in params))
+        arrays = {
+            "temperature": np.array([p.temperature for p in params], np.float32),
+            "top_k": np.array([p.top_k for p in params], np.int32),
+            "top_p": np.array([p.top_p for p in params], np.float32),
+            "min_p": np.array([p.min_p for p in params], np.float32),
+            "seeds": np.array([p.seed for p in params], np.uint32),
+            "counters": np.array(generated, np.int32),
+            "banned_ids": _ragged([[(i, 0) for i in b] for b in banned])[0],
+            "ban_steps": np.array([max(0, p.min_tokens - n) for p, n in zip(params, generated)], np.int32),
+            "repetition_penalty": np.array([p.repetition_penalty for p in params], np.float32),
+            "presence_penalty": np.array([p.presence_penalty for p in params], np.float32),
+            "frequency_penalty": np.array([p.frequency_penalty for p in params], np.float32),
         }
+        arrays["bias_ids"], arrays["bias_values"] = _ragged(bias, np.float32)
+        arrays["seen_ids"], arrays["seen_counts"] = _ragged(seen, np.int32)
+        return arrays, mode
 
     def _accept(self, seq: Sequence, new_tokens: list[int]) -> list[int]:
         """The prefix of new_tokens the request keeps; marks it finished when a stop condition is met."""
@@ -223,6 +261,7 @@ class LLM:
                     out.text, out.finish_reason = out.text[:cut], "stop"
         if out.finish_reason is not None:
             self.scheduler.finish(seq)
+        out.num_cached_tokens = seq.num_cached_tokens
         stable = out.text if out.finish_reason else out.text.rstrip("\ufffd")
         out.delta, req.emitted_text = stable[len(req.emitted_text):], stable
         if not out.delta and out.finish_reason is None:

@@ -12,23 +12,23 @@ import numpy as np
 from nanojax.config import ModelConfig
 from nanojax.kv_cache import Batch, KVCache
 from nanojax.model import forward, lm_logits
-from nanojax.sampling import SamplingBatch, sample
+from nanojax.sampling import PAD_ID, SamplingBatch, SamplingMode, sample
 
-_STATIC = ("config", "attention", "vocab_limit", "filtered")
+_STATIC = ("config", "attention", "vocab_limit", "mode")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnums=(1,))
-def step(params, cache, tokens, batch: Batch, sampling: SamplingBatch, *, config, attention, vocab_limit, filtered):
+def step(params, cache, tokens, batch: Batch, sampling: SamplingBatch, *, config, attention, vocab_limit, mode):
     """tokens: [B, T] -> (next token of every row [B], cache). Rows still mid-prompt discard theirs."""
     hidden, cache = forward(params, tokens, cache, batch, config=config, attention=attention)
     last = jnp.take_along_axis(hidden, jnp.maximum(batch.q_lens - 1, 0)[:, None, None], axis=1)[:, 0]
     logits = lm_logits(params, last, config)
-    return sample(logits, sampling, 0, vocab_limit=vocab_limit, filtered=filtered), cache
+    return sample(logits, sampling, 0, vocab_limit=vocab_limit, mode=mode), cache
 
 
 @functools.partial(jax.jit, static_argnames=(*_STATIC, "num_steps"), donate_argnums=(1,))
 def multi_decode(params, cache, tokens, batch: Batch, sampling: SamplingBatch, *, config, attention, vocab_limit,
-                 filtered, num_steps):
+                 mode, num_steps):
     """num_steps decode steps in one dispatch (fixed trip count: no host sync between them).
 
     tokens: [B] last token of each row; batch describes the first step (q_lens 1, 0 on padding rows).
@@ -41,8 +41,7 @@ def multi_decode(params, cache, tokens, batch: Batch, sampling: SamplingBatch, *
         tokens, cache, seq_lens, out = carry
         hidden, cache = forward(params, tokens[:, None], cache, batch.replace(seq_lens=seq_lens),
                                 config=config, attention=attention)
-        nxt = sample(lm_logits(params, hidden[:, 0], config), sampling, i, vocab_limit=vocab_limit,
-                     filtered=filtered)
+        nxt = sample(lm_logits(params, hidden[:, 0], config), sampling, i, vocab_limit=vocab_limit, mode=mode)
         return nxt, cache, seq_lens + active, out.at[i].set(nxt)
 
     out = jnp.zeros((num_steps, tokens.shape[0]), jnp.int32)
@@ -82,11 +81,9 @@ class ModelRunner:
             max_tokens_per_row,)
         self.compiles = 0
 
-    def _statics(self, filtered: bool) -> dict:
-        return dict(config=self.config, attention=self.attention, vocab_limit=self.vocab_limit, filtered=filtered)
 
     def run(self, tokens: list[list[int]], page_tables: list[list[int]], seq_lens: list[int],
-            sampling: dict[str, np.ndarray], num_steps: int = 1) -> np.ndarray:
+            sampling: dict[str, np.ndarray], mode: SamplingMode, num_steps: int = 1) -> np.ndarray:
         """One step over rows of new tokens (any lengths), or num_steps decode steps (one token per row).
 
         Returns [num_steps, rows] sampled tokens (one step: [1, rows]).
@@ -104,20 +101,31 @@ class ModelRunner:
             table[i, :len(pages)] = pages
         lens[:rows] = seq_lens
         batch = Batch(page_table=jnp.asarray(table), seq_lens=jnp.asarray(lens), q_lens=jnp.asarray(q_lens))
-        samp = SamplingBatch(**{k: jnp.asarray(_pad_rows(v, b)) for k, v in sampling.items()})
-        filtered = bool(np.any(sampling["top_k"] > 0) | np.any(sampling["top_p"] < 1) | np.any(sampling["min_p"] > 0))
+        samp = SamplingBatch(**{k: jnp.asarray(_pad_rows(v, b, PAD_ID if k.endswith("_ids") else 0))
+                                for k, v in sampling.items()})
         fn = step if num_steps == 1 else functools.partial(multi_decode, num_steps=num_steps)
         args = (jnp.asarray(tok) if num_steps == 1 else jnp.asarray(tok[:, 0]))
         before = _cache_size(fn)
-        out, self.cache = fn(self.params, self.cache, args, batch, samp, **self._statics(filtered))
+        out, self.cache = fn(self.params, self.cache, args, batch, samp, config=self.config, attention=self.attention,
+                             vocab_limit=self.vocab_limit, mode=mode)
         self.compiles += _cache_size(fn) - before
         out = np.asarray(out)
         return (out[None] if num_steps == 1 else out)[:, :rows]
 
 
-def _pad_rows(v: np.ndarray, rows: int) -> np.ndarray:
-    pad = [(0, rows - v.shape[0])] + [(0, 0)] * (v.ndim - 1)
-    return np.pad(v, pad, constant_values=-1 if v.dtype.kind == "i" and v.ndim == 2 else 0)
+def _pad_rows(v: np.ndarray, rows: int, fill) -> np.ndarray:
+    return np.pad(v, [(0, rows - v.shape[0])] + [(0, 0)] * (v.ndim - 1), constant_values=fill)
+
+
+def greedy_sampling(rows: int) -> tuple[dict[str, np.ndarray], SamplingMode]:
+    """Sampling arrays for `rows` greedy rows with no adjustments (benchmarks drive the runner with these)."""
+    zeros_f, zeros_i, none = np.zeros(rows, np.float32), np.zeros(rows, np.int32), np.full((rows, 1), PAD_ID)
+    arrays = dict(temperature=zeros_f, top_k=zeros_i, top_p=zeros_f + 1, min_p=zeros_f,
+                  seeds=zeros_i.astype(np.uint32), counters=zeros_i, banned_ids=none, ban_steps=zeros_i,
+                  bias_ids=none, bias_values=np.zeros((rows, 1), np.float32), seen_ids=none,
+                  seen_counts=np.zeros((rows, 1), np.int32), repetition_penalty=zeros_f + 1,
+                  presence_penalty=zeros_f, frequency_penalty=zeros_f)
+    return arrays, SamplingMode(random=False, filtered=False, adjusted=False)
 
 
 def _cache_size(fn) -> int:

@@ -1,12 +1,17 @@
 """Token sampling on device, inside the compiled step: per-row parameters, reproducible per-request seeds."""
+import dataclasses
+
 import flax.struct
 import jax
 import jax.numpy as jnp
 
 
+PAD_ID = 2**31 - 1  # out of range, so scatters drop it (a negative index would wrap around to the last token)
+
+
 @flax.struct.dataclass
 class SamplingBatch:
-    """Per-row sampling state, [B] each (banned_ids: [B, N], -1 padded).
+    """Per-row sampling state; [B] unless noted. Sparse per-row token lists are padded with PAD_ID.
 
     temperature 0 means greedy. seeds and counters give each row its own key: fold_in(key(seed), counter), so a
     seeded request draws the same numbers whatever else shares its batch.
@@ -18,30 +23,57 @@ class SamplingBatch:
     min_p: jax.Array
     seeds: jax.Array
     counters: jax.Array
-    banned_ids: jax.Array  # ids that may not be drawn (EOS/stop ids before min_tokens) ...
+    banned_ids: jax.Array  # [B, N] ids that may not be drawn (EOS/stop ids before min_tokens) ...
     ban_steps: jax.Array  # ... during the next ban_steps steps of this row
+    bias_ids: jax.Array  # [B, L] logit_bias token ids ...
+    bias_values: jax.Array  # [B, L] ... and the values added to their logits
+    seen_ids: jax.Array  # [B, U] distinct tokens of prompt + output (repetition penalty) ...
+    seen_counts: jax.Array  # [B, U] ... and how often each occurs in the output (presence/frequency)
+    repetition_penalty: jax.Array
+    presence_penalty: jax.Array
+    frequency_penalty: jax.Array
 
 
-def sample(logits, s: SamplingBatch, step, *, vocab_limit: int, filtered: bool):
+@dataclasses.dataclass(frozen=True)
+class SamplingMode:
+    """Static: which parts of sampling a batch needs, so a greedy batch compiles to a bare argmax."""
+
+    random: bool  # some row has temperature > 0
+    filtered: bool  # some row uses top-k / top-p / min-p (needs a full-vocabulary sort)
+    adjusted: bool  # some row uses logit_bias or penalties
+
+
+def sample(logits, s: SamplingBatch, step, *, vocab_limit: int, mode: SamplingMode):
     """logits: [B, V] f32 -> tokens [B] int32, for the `step`-th step of a multi-step dispatch (0 for one step).
 
-    Rows past `vocab_limit` (embedding padding the tokenizer never produces) are never drawn. `filtered` is static:
-    False skips the full-vocabulary sort when no row uses top-k/top-p/min-p.
+    Rows past `vocab_limit` (embedding padding the tokenizer never produces) are never drawn.
     """
-    vocab = logits.shape[-1]
-    ids = jnp.arange(vocab)
-    banned_now = jnp.any(ids[None, None, :] == s.banned_ids[:, :, None], axis=1) & (step < s.ban_steps)[:, None]
-    banned = (ids[None, :] >= vocab_limit) | banned_now
-    logits = jnp.where(banned, -jnp.inf, logits)
-    greedy = jnp.argmax(logits, axis=-1)
+    batch, vocab = logits.shape
+    rows = jnp.arange(batch)[:, None]
+    if mode.adjusted:
+        logits = _adjust(logits, s, rows)
+    banned = jnp.zeros((batch, vocab), bool).at[rows, s.banned_ids].set((step < s.ban_steps)[:, None], mode="drop")
+    logits = jnp.where(banned | (jnp.arange(vocab) >= vocab_limit)[None, :], -jnp.inf, logits)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if not mode.random:
+        return greedy
     scaled = logits / jnp.maximum(s.temperature, 1e-6)[:, None]
     keys = jax.vmap(lambda seed, c: jax.random.fold_in(jax.random.key(seed), c))(s.seeds, s.counters + step)
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (vocab,), jnp.float32))(keys)
-    if filtered:
-        drawn = _sample_filtered(scaled, gumbel, s)
-    else:
-        drawn = jnp.argmax(scaled + gumbel, axis=-1)
+    drawn = _sample_filtered(scaled, gumbel, s) if mode.filtered else jnp.argmax(scaled + gumbel, axis=-1)
     return jnp.where(s.temperature > 0, drawn, greedy).astype(jnp.int32)
+
+
+def _adjust(logits, s: SamplingBatch, rows):
+    """logit_bias, then the repetition penalty (HF's: over prompt and output) and the presence/frequency
+    penalties (OpenAI's: over the output only)."""
+    logits = logits.at[rows, s.bias_ids].add(s.bias_values, mode="drop")
+    seen = jnp.take_along_axis(logits, jnp.minimum(s.seen_ids, logits.shape[1] - 1), axis=1)
+    rep = s.repetition_penalty[:, None]
+    penalized = jnp.where(seen > 0, seen / rep, seen * rep)
+    counts = s.seen_counts.astype(jnp.float32)
+    penalized -= s.frequency_penalty[:, None] * counts + s.presence_penalty[:, None] * (counts > 0)
+    return logits.at[rows, s.seen_ids].set(penalized, mode="drop")
 
 
 def _sample_filtered(scaled, gumbel, s: SamplingBatch):

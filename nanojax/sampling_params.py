@@ -8,6 +8,7 @@ class SamplingParams:
 
     seed: makes this request's samples reproducible whatever else is in the batch.
     stop_token_ids: end generation (like EOS); stop: strings that end generation, cut from the text.
+    min_tokens: EOS and stop_token_ids cannot end generation before this many tokens.
     """
 
     temperature: float = 1.0
@@ -20,6 +21,10 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
+    logit_bias: dict[int, float] | None = None
+    repetition_penalty: float = 1.0  # HF's: divides positive / multiplies negative logits of seen tokens
+    presence_penalty: float = 0.0  # OpenAI's: subtracted once from every token already in the output
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted per occurrence in the output
 
     def __post_init__(self):
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
@@ -36,11 +41,17 @@ class SamplingParams:
             (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
              f"stop_token_ids must be non-negative ints, got {self.stop_token_ids}"),
             (all(isinstance(s, str) and s for s in self.stop), f"stop must be non-empty strings, got {self.stop}"),
+            (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+            (-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
+            (-2 <= self.frequency_penalty <= 2,
+             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
+            (all(isinstance(t, int) and t >= 0 for t in (self.logit_bias or {})),
+             f"logit_bias keys must be non-negative token ids, got {list(self.logit_bias or {})[:4]}"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
 
     @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0

@@ -22,17 +22,10 @@ from random_model import loaded_model, random_hf_model, weight_bytes  # noqa: E4
 
 from nanojax import LLM, SamplingParams  # noqa: E402
 from nanojax.attention import get_attention  # noqa: E402
-from nanojax.runner import ModelRunner  # noqa: E402
+from nanojax.runner import ModelRunner, greedy_sampling  # noqa: E402
 
 HBM_BYTES_PER_S = 2.83e12
 PAGE = 16
-
-
-def greedy_arrays(rows: int) -> dict:
-    zeros_f, zeros_i = np.zeros(rows, np.float32), np.zeros(rows, np.int32)
-    return dict(temperature=zeros_f, top_k=zeros_i, top_p=np.ones(rows, np.float32), min_p=zeros_f,
-                seeds=np.zeros(rows, np.uint32), counters=zeros_i, banned_ids=np.full((rows, 1), -1, np.int32),
-                ban_steps=zeros_i)
 
 
 def check_parity(name: str, attention: str, num_tokens: int = 8) -> bool:
@@ -72,11 +65,11 @@ def bench_point(runner: ModelRunner, batch: int, context: int, steps: int) -> di
     tables = [list(range(b * pps, (b + 1) * pps)) for b in range(batch)]
     tokens = [[int(t)] for t in np.random.default_rng(batch).integers(0, 1000, batch)]
     lens = [context] * batch
-    samp = greedy_arrays(batch)
+    samp, mode = greedy_sampling(batch)
     t0 = time.perf_counter()
-    runner.run(tokens, tables, lens, samp, num_steps=steps)
+    runner.run(tokens, tables, lens, samp, mode, num_steps=steps)
     compile_s = time.perf_counter() - t0
-    seconds = time_call(lambda: runner.run(tokens, tables, lens, samp, num_steps=steps), iters=5)
+    seconds = time_call(lambda: runner.run(tokens, tables, lens, samp, mode, num_steps=steps), iters=5)
     return {"compile_s": compile_s, "ms_per_step": seconds / steps * 1e3}
 
 
@@ -90,7 +83,7 @@ def random_cache(runner: ModelRunner, key) -> None:
 def ttft(runner: ModelRunner, prompt_len: int) -> float:
     tables = [list(range(runner.pages_per_seq))]
     tokens = [np.random.default_rng(prompt_len).integers(0, 1000, prompt_len).tolist()]
-    run = lambda: runner.run(tokens, tables, [prompt_len], greedy_arrays(1))  # noqa: E731
+    run = lambda: runner.run(tokens, tables, [prompt_len], *greedy_sampling(1))  # noqa: E731
     run()
     return time_call(run, iters=5)
 

@@ -1,0 +1,25 @@
+"""The one place for jax-version differences in the Pallas Triton API (supported: jax 0.10.x and 0.11.x).
+
+Both versions export `CompilerParams`, `load` and `store` from `jax.experimental.pallas.triton`. Passing Triton
+compiler params is what selects the Triton lowering: without them jax >= 0.11 lowers GPU kernels with Mosaic GPU,
+which does not support the pointer-gather loads these kernels use.
+"""
+from jax.experimental.pallas import triton as plgpu
+
+load = plgpu.load
+store = plgpu.store
+
+
+def triton_params(num_warps: int, num_stages: int):
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def can_lower_for_cuda() -> bool:
+    """Whether Triton kernels can be lowered for 'cuda' here (e.g. on a CPU-only machine, to check the lowering):
+    jaxlib <= 0.10.2 embeds the Triton IR in the HLO, later versions compile it while lowering and need the CUDA
+    plugin's compiler. Uses jaxlib internals, so anything unexpected means "no"."""
+    try:
+        from jax._src.lib import triton, version
+        return version <= (0, 10, 2) or triton.has_compilation_handler("cuda")
+    except (ImportError, AttributeError):
+        return False

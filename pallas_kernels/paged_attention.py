@@ -1,0 +1,331 @@
+"""Paged attention over the KV page pool.
+
+KV page layout (shared by the model, the cache writer and the kernels):
+    k_pages, v_pages: [num_pages, num_kv_heads, page_size, head_dim]
+A page holds `page_size` consecutive tokens of one sequence for all KV heads. Each (page, kv_head) tile is one
+contiguous page_size x head_dim run, so a kernel program that owns one KV head streams whole tiles with wide,
+coalesced loads, and a page (all heads) is one contiguous block for the cache writer and for page copies.
+
+Query layout (prefill, chunked prefill and decode alike):
+    q: [batch, q_tokens, num_q_heads, head_dim], padded per sequence.
+Row b holds q_lens[b] new tokens whose KV is already written; token t of row b sits at absolute position
+seq_lens[b] - q_lens[b] + t and attends to cached positions 0..that position (causal). Rows t >= q_lens[b] are
+padding and come out as zeros. Query head h reads KV head h // (num_q_heads // num_kv_heads), as HF's repeat_kv.
+"""
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels._compat import load, store, triton_params
+
+
+def paged_attention_reference(q, k_pages, v_pages, page_table, seq_lens, q_lens, *, scale):
+    """Plain jnp paged attention.
+
+    q: [B, T, Hq, D]; k_pages, v_pages: [num_pages, Hkv, S, D]; page_table: [B, pages_per_seq] int32;
+    seq_lens, q_lens: [B] int32. Returns [B, T, Hq, D] in q.dtype (f32 math).
+    """
+    batch, q_tokens, num_q_heads, head_dim = q.shape
+    _, num_kv_heads, page_size, _ = k_pages.shape
+    group = num_q_heads // num_kv_heads
+    pages_per_seq = page_table.shape[1]
+    ctx = pages_per_seq * page_size
+
+    def gather(pages):  # -> [B, Hkv, ctx, D]
+        seq_pages = pages[page_table]  # [B, P, Hkv, S, D]
+        return seq_pages.transpose(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, ctx, head_dim).astype(jnp.float32)
+
+    k, v = gather(k_pages), gather(v_pages)
+    qg = q.reshape(batch, q_tokens, num_kv_heads, group, head_dim).astype(jnp.float32)
+    scores = jnp.einsum("btgrd,bgkd->bgrtk", qg, k, precision=jax.lax.Precision.HIGHEST) * scale
+
+    t = jnp.arange(q_tokens)
+    q_pos = (seq_lens - q_lens)[:, None] + t[None, :]  # [B, T]
+    k_pos = jnp.arange(ctx)
+    valid_q = t[None, :] < q_lens[:, None]  # [B, T]
+    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & valid_q[:, :, None]  # [B, T, ctx]
+    mask = mask[:, None, None]  # [B, 1, 1, T, ctx]
+    scores = jnp.where(mask, scores, -jnp.inf)
+    row_max = jnp.max(scores, axis=-1, keepdims=True)
+    probs = jnp.where(mask, jnp.exp(scores - jnp.where(jnp.isfinite(row_max), row_max, 0.0)), 0.0)
+    denom = jnp.sum(probs, axis=-1, keepdims=True)
+    probs = probs / jnp.where(denom > 0, denom, 1.0)
+    out = jnp.einsum("bgrtk,bgkd->btgrd", probs, v, precision=jax.lax.Precision.HIGHEST)
+    return out.reshape(batch, q_tokens, num_q_heads, head_dim).astype(q.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Pallas (Triton) kernel.
+#
+# One kernel serves decode and prefill. A program owns (sequence, query block, KV head, KV split). Its query rows are
+# (token, query head) pairs of that KV head, `group_pad` = next_pow2(group) rows per token: one K/V tile then feeds
+# every query head that reads it (GQA), and decode's 1..8 heads are padded to the >= 16 rows that tl.dot needs.
+# K/V rows are gathered token by token through the page table, so block_k is independent of page_size (8-token pages
+# work, and a 256-token page is streamed in block_k slices). The softmax runs online, in log2 units.
+
+_LOG2E = math.log2(math.e)
+# Finite "minus infinity": exp2(_MASK - m) == 0 for any real m and _MASK - _MASK == 0, so fully masked rows and empty
+# splits never produce inf - inf = NaN.
+_MASK = -1e30
+# Automatic k_splits aims for this many programs: 2 per SM of an H100 (132 SMs).
+_PROGRAMS_TO_FILL_GPU = 264
+
+
+def _is_power_of_2(n):
+    return n >= 1 and n & (n - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedAttentionConfig:
+    """Tiling of the paged attention kernel.
+
+    block_m: query rows per program, an upper bound (shrunk to the chunk, never below 16); a power of two.
+    block_k: KV tokens per inner-loop step; a power of two >= 16, independent of page_size.
+    k_splits: programs sharing one query block's KV range (flash decoding); None picks enough to fill the GPU.
+    """
+    block_m: int = 128
+    block_k: int = 64
+    k_splits: int | None = 1
+    num_warps: int = 8
+    num_stages: int = 5
+
+    def __post_init__(self):
+        if not all(_is_power_of_2(b) and b >= 16 for b in (self.block_m, self.block_k)):
+            raise ValueError(f"block_m and block_k must be powers of two >= 16, got {self}")
+        if self.k_splits is not None and self.k_splits < 1:
+            raise ValueError(f"k_splits must be None or >= 1, got {self.k_splits}")
+
+
+# num_stages: the page-table load is one level of indirection in front of the K/V loads, and Triton's pipeliner
+# splits the stages between the two; 5 stages give K/V two buffers (one tile computing, one in flight), fewer give one
+# buffer and no overlap of loads with compute inside a program (checked on Triton 3.6 TTGIR for sm_90).
+# Decode is memory-bound: 16 rows, 2 x 16 KiB K/V tiles (D=128, bf16), ~72 KiB shared memory, k_splits fills the GPU.
+DECODE_CONFIG = PagedAttentionConfig(block_m=16, block_k=64, k_splits=None, num_warps=4, num_stages=5)
+# Prefill is compute-bound: FlashAttention-2's usual 128 x 64 tiles.
+PREFILL_CONFIG = PagedAttentionConfig()
+
+
+def _default_config(config, dtype):
+    """config (DECODE_CONFIG or PREFILL_CONFIG, sized for 2-byte dtypes), with block_m and block_k halved for f32
+    so that the pipelined tiles fit in shared memory and the f32 operands in registers (no spills at D=128)."""
+    if jnp.dtype(dtype).itemsize <= 2:
+        return config
+    return dataclasses.replace(config, block_m=max(16, config.block_m // 2), block_k=max(16, config.block_k // 2))
+
+
+def _cdiv(a, b):
+    """Ceil division of non-negative traced ints with lax.div (jnp's // adds floor-rounding fix-ups)."""
+    return lax.div(a + (b - 1), b)
+
+
+def _dot(a, b, *, trans_b=False):
+    """f32-accumulating dot; HIGHEST keeps f32 inputs in IEEE f32 on GPU (DEFAULT would mean tf32)."""
+    dims = (((1,), (1 if trans_b else 0,)), ((), ()))
+    return lax.dot_general(a, b, dims, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+
+
+def _query_rows(first_token, kv_head, block_m, group, group_pad):
+    """-> token, query head, head_ok: each [block_m], for this program's query rows."""
+    rows = jnp.arange(block_m)
+    slot = lax.rem(rows, group_pad)
+    return first_token + lax.div(rows, group_pad), kv_head * group + slot, slot < group
+
+
+def _kv_range(seq_len, q_len, first_token, block_tokens, split, block_k, k_splits):
+    """-> [start, end) of the KV positions this program attends to.
+
+    Causal skip: a query block needs the positions up to its last valid query, a block of padding tokens none. The
+    range is cut into k_splits block_k-aligned chunks, so tiles stay page-aligned whenever block_k <= page_size.
+    """
+    last_token = jnp.minimum(q_len, first_token + block_tokens)
+    kv_end = jnp.where(first_token < q_len, seq_len - q_len + last_token, 0)
+    chunk = _cdiv(_cdiv(kv_end, k_splits), block_k) * block_k
+    start = split * chunk
+    return start, jnp.minimum(start + chunk, kv_end)
+
+
+def _load_kv_tile(k_ref, v_ref, page_table_ref, pos, valid):
+    """Gathers the K and V rows of KV positions pos [N] -> two [N, D] tiles, zero where not valid.
+
+    Masking the loads, not just the scores, keeps stale or NaN cache slots and unused page-table entries out: a masked
+    lane is never read, whereas a 0 probability times a NaN V row would poison the output.
+    """
+    page_size, head_dim = k_ref.shape[1:]
+    page = load(page_table_ref.at[lax.div(pos, page_size)], mask=valid, other=0)
+    idx = (page[:, None], lax.rem(pos, page_size)[:, None], jnp.arange(head_dim)[None, :])
+    return load(k_ref.at[idx], mask=valid[:, None], other=0.0), load(v_ref.at[idx], mask=valid[:, None], other=0.0)
+
+
+def _attend(q, q_pos, row_ok, k_ref, v_ref, page_table_ref, kv_start, kv_end, *, block_k, scale):
+    """Online softmax of q [M, D] over the KV positions [kv_start, kv_end), causal on q_pos [M].
+
+    -> o [M, D] f32 unnormalized, m [M] running max (log2 units), l [M] softmax denominator.
+    """
+    def body(i, carry):
+        o, m, l = carry
+        pos = kv_start + i * block_k + jnp.arange(block_k)
+        valid = pos < kv_end
+        k, v = _load_kv_tile(k_ref, v_ref, page_table_ref, pos, valid)
+        s = _dot(q, k, trans_b=True) * (scale * _LOG2E)  # [M, block_k]
+        mask = row_ok[:, None] & (pos[None, :] <= q_pos[:, None]) & valid[None, :]
+        s = jnp.where(mask, s, _MASK)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        alpha = jnp.exp2(m - m_new)
+        # Explicit zeros: in a row with nothing valid yet s - m_new == 0, and exp2 would count masked keys as 1.
+        p = jnp.where(mask, jnp.exp2(s - m_new[:, None]), 0.0)
+        return alpha[:, None] * o + _dot(p.astype(v.dtype), v), m_new, alpha * l + p.sum(axis=1)
+
+    block_m, head_dim = q.shape
+    init = (jnp.zeros((block_m, head_dim), jnp.float32), jnp.full((block_m,), _MASK, jnp.float32),
+            jnp.zeros((block_m,), jnp.float32))
+    return lax.fori_loop(0, _cdiv(jnp.maximum(kv_end - kv_start, 0), block_k), body, init)
+
+
+def _paged_attention_kernel(q_ref, k_ref, v_ref, page_table_ref, seq_len_ref, q_len_ref, o_ref, *stat_refs,
+                            block_m, group, group_pad, block_k, k_splits, scale):
+    # q_ref: [T, Hq, D] this sequence's queries
+    # k_ref, v_ref: [num_pages, S, D] the page pool of this program's KV head
+    # page_table_ref: [P] this sequence's pages
+    # seq_len_ref, q_len_ref: [] cached tokens (this chunk included) and new tokens; q_len_ref is None for decode
+    # o_ref: [T, Hq, D] the output (k_splits == 1), or this split's f32 unnormalized output (k_splits > 1)
+    # stat_refs: () or (m_ref, l_ref), each [T, Hq] f32: this split's running max (log2 units) and denominator
+    num_tokens, _, head_dim = q_ref.shape
+    # Query blocks in reverse: causal work grows with the block index, and launching the heaviest first shortens the
+    # tail of the grid.
+    q_block = pl.num_programs(1) - 1 - pl.program_id(1)
+    kv_head, split = pl.program_id(2), pl.program_id(3)
+    block_tokens = block_m // group_pad
+    first_token = q_block * block_tokens
+    token, head, head_ok = _query_rows(first_token, kv_head, block_m, group, group_pad)
+    seq_len = seq_len_ref[...]
+    # Decode: one new token per live sequence; a padding row (seq_len 0) has none.
+    q_len = jnp.minimum(seq_len, 1) if q_len_ref is None else q_len_ref[...]
+    row_ok = head_ok & (token < q_len)
+    idx = (token[:, None], head[:, None], jnp.arange(head_dim)[None, :])
+    q = load(q_ref.at[idx], mask=row_ok[:, None], other=0.0)
+    kv_start, kv_end = _kv_range(seq_len, q_len, first_token, block_tokens, split, block_k, k_splits)
+    o, m, l = _attend(q, seq_len - q_len + token, row_ok, k_ref, v_ref, page_table_ref, kv_start, kv_end,
+                      block_k=block_k, scale=scale)
+    out_ok = head_ok & (token < num_tokens)  # padding tokens are written too: as zeros (l == 0, o == 0)
+    if stat_refs:
+        m_ref, l_ref = stat_refs
+        store(o_ref.at[idx], o, mask=out_ok[:, None])
+        store(m_ref.at[token, head], m, mask=out_ok)
+        store(l_ref.at[token, head], l, mask=out_ok)
+    else:
+        store(o_ref.at[idx], (o / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype), mask=out_ok[:, None])
+
+
+def _combine_splits(o, m, l, dtype):
+    """Log-sum-exp merge of per-split results: o [splits, ..., D] unnormalized, m and l [splits, ...] -> [..., D]."""
+    weight = jnp.exp2(m - m.max(axis=0))  # <= 1; empty splits have l == 0 and o == 0 and drop out
+    denom = (weight * l).sum(axis=0)
+    out = (weight[..., None] * o).sum(axis=0) / jnp.where(denom > 0, denom, 1.0)[..., None]
+    return out.astype(dtype)
+
+
+def _num_splits(config, programs, max_kv_tokens):
+    if config.k_splits is not None:
+        return config.k_splits
+    # Enough programs to fill the GPU, but at least two KV tiles per split for the longest sequence the table holds.
+    return max(1, min(_PROGRAMS_TO_FILL_GPU // programs, max_kv_tokens // (2 * config.block_k)))
+
+
+def _paged_attention(q, k_pages, v_pages, page_table, seq_lens, q_lens, *, scale, config, interpret):
+    """q: [B, T, Hq, D] -> [B, T, Hq, D]; q_lens None means decode (q_len = min(seq_len, 1))."""
+    batch, num_tokens, num_q_heads, head_dim = q.shape
+    num_pages, num_kv_heads, page_size, _ = k_pages.shape
+    pages_per_seq = page_table.shape[1]
+    group = num_q_heads // num_kv_heads
+    group_pad = pl.next_power_of_2(group)
+    block_m = max(16, group_pad, min(config.block_m, pl.next_power_of_2(num_tokens * group_pad)))
+    q_blocks = pl.cdiv(num_tokens, block_m // group_pad)
+    k_splits = _num_splits(config, batch * q_blocks * num_kv_heads, pages_per_seq * page_size)
+
+    seq_spec = pl.BlockSpec((None,), lambda b, i, h, s: (b,))
+    kv_spec = pl.BlockSpec((num_pages, None, page_size, head_dim), lambda b, i, h, s: (0, h, 0, 0))
+    q_spec = pl.BlockSpec((None, *q.shape[1:]), lambda b, i, h, s: (b, 0, 0, 0))
+    in_specs = [q_spec, kv_spec, kv_spec, pl.BlockSpec((None, pages_per_seq), lambda b, i, h, s: (b, 0)),
+                seq_spec, None if q_lens is None else seq_spec]
+    if k_splits == 1:
+        out_specs, out_shape = q_spec, jax.ShapeDtypeStruct(q.shape, q.dtype)
+    else:
+        out_specs = [pl.BlockSpec((None, None, *q.shape[1:]), lambda b, i, h, s: (s, b, 0, 0, 0))] + 2 * [
+            pl.BlockSpec((None, None, num_tokens, num_q_heads), lambda b, i, h, s: (s, b, 0, 0))]
+        out_shape = [jax.ShapeDtypeStruct((k_splits, *q.shape), jnp.float32)] + 2 * [
+            jax.ShapeDtypeStruct((k_splits, *q.shape[:-1]), jnp.float32)]
+    kernel = functools.partial(_paged_attention_kernel, block_m=block_m, group=group, group_pad=group_pad,
+                               block_k=config.block_k, k_splits=k_splits, scale=scale)
+    out = pl.pallas_call(
+        kernel,
+        grid=(batch, q_blocks, num_kv_heads, k_splits),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=triton_params(config.num_warps, config.num_stages),
+        interpret=interpret,
+        name="paged_attention",
+    )(q, k_pages, v_pages, page_table, seq_lens, q_lens)
+    return out if k_splits == 1 else _combine_splits(*out, q.dtype)
+
+
+def _check_inputs(q, k_pages, v_pages, page_table, seq_lens, q_lens):
+    """Raises ValueError for inputs the kernel cannot take; q is [B, T, Hq, D] here."""
+    if k_pages.ndim != 4 or v_pages.shape != k_pages.shape:
+        raise ValueError(f"k_pages and v_pages must both be [num_pages, Hkv, page_size, D], got {k_pages.shape} "
+                         f"and {v_pages.shape}")
+    batch, _, num_q_heads, head_dim = q.shape
+    _, num_kv_heads, page_size, kv_head_dim = k_pages.shape
+    if not q.dtype == k_pages.dtype == v_pages.dtype or not jnp.issubdtype(q.dtype, jnp.floating):
+        raise ValueError(f"q, k_pages and v_pages must share one float dtype, got {q.dtype}, {k_pages.dtype}, "
+                         f"{v_pages.dtype}")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if head_dim != kv_head_dim or head_dim < 16 or not _is_power_of_2(head_dim):
+        raise ValueError(f"head_dim must match ({head_dim} vs {kv_head_dim}) and be a power of two >= 16")
+    if not _is_power_of_2(page_size):
+        raise ValueError(f"page_size must be a power of two, got {page_size}")
+    if page_table.ndim != 2 or page_table.shape[0] != batch or page_table.dtype != jnp.int32:
+        raise ValueError(f"page_table must be int32 [{batch}, pages_per_seq], got {page_table.dtype}{page_table.shape}")
+    for name, lens in (("seq_lens", seq_lens), ("q_lens", q_lens)):
+        if lens is not None and (lens.shape != (batch,) or lens.dtype != jnp.int32):
+            raise ValueError(f"{name} must be int32 [{batch}], got {lens.dtype}{lens.shape}")
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "config", "interpret"))
+def paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, *, scale, config=None, interpret=False):
+    """One new token per sequence, its KV already in the cache (position seq_lens - 1).
+
+    q: [B, Hq, D]; k_pages, v_pages: [num_pages, Hkv, page_size, D]; page_table: [B, P] int32; seq_lens: [B] int32
+    (0 marks a padding row, whose output is zeros). Returns [B, Hq, D] in q.dtype, as paged_attention_reference with
+    T = 1 and q_lens = 1. config None: DECODE_CONFIG (smaller blocks for f32).
+    """
+    if q.ndim != 3:
+        raise ValueError(f"q must be [batch, num_q_heads, head_dim], got shape {q.shape}")
+    _check_inputs(q[:, None], k_pages, v_pages, page_table, seq_lens, None)
+    config = config or _default_config(DECODE_CONFIG, q.dtype)
+    out = _paged_attention(q[:, None], k_pages, v_pages, page_table, seq_lens, None, scale=scale, config=config,
+                           interpret=interpret)
+    return out[:, 0]
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "config", "interpret"))
+def paged_prefill_attention(q, k_pages, v_pages, page_table, seq_lens, q_lens, *, scale, config=None,
+                            interpret=False):
+    """Ragged chunked prefill with prefix cache: exactly paged_attention_reference (see the module docstring).
+
+    q: [B, T, Hq, D]; k_pages, v_pages: [num_pages, Hkv, page_size, D]; page_table: [B, P] int32;
+    seq_lens, q_lens: [B] int32 with q_lens <= T and q_lens <= seq_lens <= P * page_size. Returns [B, T, Hq, D].
+    config None: PREFILL_CONFIG (smaller blocks for f32).
+    """
+    if q.ndim != 4:
+        raise ValueError(f"q must be [batch, q_tokens, num_q_heads, head_dim], got shape {q.shape}")
+    _check_inputs(q, k_pages, v_pages, page_table, seq_lens, q_lens)
+    config = config or _default_config(PREFILL_CONFIG, q.dtype)
+    return _paged_attention(q, k_pages, v_pages, page_table, seq_lens, q_lens, scale=scale, config=config,
+                            interpret=interpret)

@@ -1,0 +1,269 @@
+"""Benchmark nanojax's Pallas kernels against XLA and JAX's own Pallas GPU ops (Qwen3-0.6B shapes, bf16).
+
+    python scripts/bench_kernels.py --check --out bench.json      # on the GPU
+    python scripts/bench_kernels.py --interpret --tiny --check    # CPU smoke test of this script
+
+Timing: one jitted function runs `calls` back-to-back invocations (so Python dispatch is paid once per timed run,
+not per call), the timed runs come after a compile + warm-up run, and the result is the median over `--repeats` runs
+divided by `calls`. Inputs rotate over enough copies that each call reads its data from HBM, not from the 50 MB L2,
+and every call sees its inputs through an optimization_barrier with a distinct counter so that XLA cannot merge the
+repeated calls. Bandwidth is the bytes a kernel must read (KV cache, or the weight) over the time, against 2.83 TB/s.
+"""
+import argparse
+import functools
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from pallas_kernels.paged_attention import paged_attention_reference, paged_decode_attention, paged_prefill_attention
+from pallas_kernels.rmsnorm_matmul import rmsnorm_matmul, rmsnorm_matmul_reference
+
+L2_BYTES = 50e6
+EPS = 1e-6
+DTYPE = jnp.bfloat16
+QWEN3_06B = {"num_q_heads": 16, "num_kv_heads": 8, "head_dim": 128, "hidden": 1024}
+TINY = {"num_q_heads": 4, "num_kv_heads": 2, "head_dim": 64, "hidden": 64}
+
+
+# ------------------------------------------------------------------------------------------------------------ timing
+def time_per_call(fn, arg_sets, *, work_seconds, repeats, dep_arg=0, calls=None, target_seconds=5e-3):
+    """Median seconds per call of fn(*args), args cycling over arg_sets. work_seconds: a rough lower bound on one
+    call (bytes / bandwidth), used to pick enough calls (unless given) that a timed run lasts ~target_seconds.
+
+    The calls run in a fori_loop, and each call's input `dep_arg` (pick a small one) is offset by a value computed
+    from the previous call's output (always zero, but not to the compiler), so XLA can neither merge the calls
+    nor hoist them out of the loop: every call really runs, one after the other.
+    """
+    calls = calls or max(len(arg_sets), 4, min(200, math.ceil(target_seconds / max(work_seconds, 1e-6))))
+
+    def one_call(args, token):
+        args = list(args)
+        args[dep_arg] = args[dep_arg] + token.astype(args[dep_arg].dtype)
+        out = fn(*args)
+        return jnp.where(jnp.isnan(out.ravel()[0].astype(jnp.float32)), 1.0, 0.0)
+
+    @jax.jit
+    def run(arg_sets):
+        branches = [functools.partial(one_call, args) for args in arg_sets]
+        body = lambda i, token: jax.lax.switch(i % len(branches), branches, token)  # noqa: E731
+        return jax.lax.fori_loop(0, calls, body, jnp.float32(0))
+
+    jax.block_until_ready(run(arg_sets))  # compile and warm up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(run(arg_sets))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) / calls
+
+
+def rotations(args, bytes_per_set):
+    """Copies of the inputs so that cycling through them overflows L2 three times over."""
+    return int(min(args.max_rotations, max(1, math.ceil(3 * L2_BYTES / bytes_per_set))))
+
+
+def try_time(name, fn, arg_sets, **kw):
+    """time_per_call, or None (printed as n/a) when the implementation rejects the shape or the platform."""
+    try:
+        return time_per_call(fn, arg_sets, **kw)
+    except Exception as e:  # noqa: BLE001 - a peer that cannot run this point is reported, not fatal
+        print(f"    {name}: n/a ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
+        return None
+
+
+# ------------------------------------------------------------------------------------------------------------ inputs
+def normal(rng, shape, std=1.0):
+    """Random DTYPE array made on the device by one fused kernel (the largest KV pools, 8.6 GB each, would not fit
+    in host memory, nor next to an f32 intermediate)."""
+    return _normal(jax.random.key(rng.integers(2 ** 31)), shape, std)
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _normal(key, shape, std):
+    return (std * jax.random.normal(key, shape, jnp.float32)).astype(DTYPE)
+
+
+def paged_inputs(rng, batch, ctx, q_tokens, model, page_size):
+    """Random q [B, q_tokens, Hq, D] and a KV pool holding `batch` sequences of `ctx` tokens on shuffled pages."""
+    hkv, d = model["num_kv_heads"], model["head_dim"]
+    pages_per_seq = -(-ctx // page_size)
+    num_pages = batch * pages_per_seq
+    table = jnp.asarray(rng.permutation(num_pages).reshape(batch, pages_per_seq), jnp.int32)
+    q = normal(rng, (batch, q_tokens, model["num_q_heads"], d))
+    k, v = (normal(rng, (num_pages, hkv, page_size, d)) for _ in range(2))
+    return q, k, v, table, jnp.full((batch,), ctx, jnp.int32)
+
+
+def assert_close(name, out, ref, tol=2e-2):
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    assert np.isfinite(out).all(), f"{name}: non-finite output"
+    np.testing.assert_allclose(out, ref, rtol=tol, atol=tol, err_msg=name)
+    print(f"    check {name}: ok (max abs err {np.abs(out - ref).max():.2e})")
+
+
+# ------------------------------------------------------------------------------------------------------------ decode
+def jax_pallas_decode(interpret):
+    """JAX's Pallas paged_attention on its own layout [Hkv, pages, S, D]; tries a few tilings it may accept."""
+    from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
+
+    def fn(q, k_t, v_t, table, lens):
+        for k_splits, pages_per_block in ((16, 8), (4, 4), (1, 1)):
+            try:
+                return jax_paged.paged_attention(q, k_t, v_t, table, lens, k_splits=k_splits,
+                                                 pages_per_compute_block=pages_per_block, interpret=interpret)
+            except (AssertionError, ValueError):
+                continue
+        raise ValueError("no accepted tiling")
+    return fn
+
+
+def bench_decode(args, model, grid, page_size, rng):
+    scale = model["head_dim"] ** -0.5
+    ours = lambda q, k, v, t, s: paged_decode_attention(q, k, v, t, s, scale=scale, interpret=args.interpret)
+    xla = jax.jit(lambda q, k, v, t, s: paged_attention_reference(q[:, None], k, v, t, s, jnp.ones_like(s),
+                                                                  scale=scale)[:, 0])
+    theirs = jax_pallas_decode(args.interpret)
+    rows = []
+    for batch, ctx in grid:
+        kv_bytes = 2 * batch * ctx * model["num_kv_heads"] * model["head_dim"] * 2
+        if kv_bytes > args.max_kv_bytes:
+            print(f"  decode B={batch} ctx={ctx}: skipped, {kv_bytes / 1e9:.1f} GB of KV")
+            continue
+        sets = [paged_inputs(rng, batch, ctx, 1, model, page_size) for _ in range(rotations(args, kv_bytes))]
+        sets = [(q[:, 0], k, v, t, s) for q, k, v, t, s in sets]
+        # The XLA reference gathers K and V to f32 and transposes them: budget 4x the KV bytes.
+        xla_fits = 4 * kv_bytes <= args.max_kv_bytes
+        if args.check and xla_fits:
+            assert_close(f"decode B={batch} ctx={ctx}", ours(*sets[0]), xla(*sets[0]))
+        kw = {"work_seconds": kv_bytes / args.hbm_bw, "repeats": args.repeats, "calls": args.calls, "dep_arg": 4}
+        t_ours = time_per_call(ours, sets, **kw)
+        t_xla = try_time("xla", xla, sets, **kw) if xla_fits else None
+        t_sets = [(q, k.transpose(1, 0, 2, 3), v.transpose(1, 0, 2, 3), t, s) for q, k, v, t, s in sets]
+        del sets
+        t_theirs = try_time("jax_pallas_paged_attention", theirs, t_sets, **kw)
+        del t_sets
+        rows.append(row("decode_attention", f"B={batch} ctx={ctx}", t_ours,
+                        {"xla_reference": t_xla, "jax_pallas_paged_attention": t_theirs}, kv_bytes, args.hbm_bw))
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------- rmsnorm + matmul
+def bench_rmsnorm_matmul(args, model, m_values, rng):
+    from jax.experimental.pallas.ops.gpu import rms_norm as jax_rms_norm
+    k, n = model["hidden"], (model["num_q_heads"] + 2 * model["num_kv_heads"]) * model["head_dim"]
+    ours = lambda x, s, w: rmsnorm_matmul(x, s, w, eps=EPS, interpret=args.interpret)
+    xla = jax.jit(lambda x, s, w: rmsnorm_matmul_reference(x, s, w, eps=EPS))
+
+    def theirs(x, s, w):  # JAX's Pallas RMSNorm (it wants [B, T, K] and a bias) followed by an XLA dot
+        normed = jax_rms_norm.rms_norm(x[None], s, jnp.zeros_like(s), None, 3, EPS, "triton", args.interpret)[0]
+        return jnp.dot(normed, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+    rows = []
+    for m in m_values:
+        w_bytes = k * n * 2
+        sets = [(normal(rng, (m, k)), 1 + normal(rng, (k,), 0.1), normal(rng, (k, n), k ** -0.5))
+                for _ in range(rotations(args, w_bytes + m * k * 2))]
+        if args.check:
+            assert_close(f"rmsnorm_matmul M={m}", ours(*sets[0]), xla(*sets[0]))
+        kw = {"work_seconds": w_bytes / args.hbm_bw, "repeats": args.repeats, "calls": args.calls, "dep_arg": 1}
+        t_ours = time_per_call(ours, sets, **kw)
+        peers = {"xla_reference": try_time("xla", xla, sets, **kw),
+                 "jax_pallas_rms_norm+xla_dot": try_time("jax_pallas_rms_norm", theirs, sets, **kw)}
+        rows.append(row("rmsnorm_qkv", f"M={m} K={k} N={n}", t_ours, peers, w_bytes, args.hbm_bw))
+    return rows
+
+
+# -------------------------------------------------------------------------------------------------------- prefill
+def bench_prefill(args, model, tokens, page_size, rng):
+    scale = model["head_dim"] ** -0.5
+    q, k, v, table, lens = paged_inputs(rng, 1, tokens, tokens, model, page_size)
+    ours = lambda q, k, v, t, s: paged_prefill_attention(q, k, v, t, s, s, scale=scale, interpret=args.interpret)
+    if args.check:
+        assert_close(f"prefill T={tokens}", ours(q, k, v, table, lens),
+                     paged_attention_reference(q, k, v, table, lens, lens, scale=scale))
+    # The same sequence as contiguous [1, T, H, D] K/V for jax.nn.dot_product_attention.
+    contiguous = [a[table[0]].transpose(0, 2, 1, 3).reshape(1, -1, model["num_kv_heads"], model["head_dim"])
+                  for a in (k, v)]
+    flops = 2 * 2 * tokens * tokens // 2 * model["num_q_heads"] * model["head_dim"]  # QK^T and PV, causal half
+    # q is perturbed for every implementation alike (an elementwise pass over q, small next to attention).
+    kw = {"work_seconds": flops / 700e12, "repeats": args.repeats, "calls": args.calls}
+    t_ours = time_per_call(ours, [(q, k, v, table, lens)], **kw)
+    peers = {}
+    for impl in (None, "xla", "cudnn"):
+        dpa = lambda q, k, v, impl=impl: jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
+                                                                      implementation=impl)
+        peers[f"dot_product_attention[{impl or 'default'}]"] = try_time(f"dpa {impl}", dpa, [(q, *contiguous)], **kw)
+    r = row("prefill_attention", f"B=1 T={tokens}", t_ours, peers, None, args.hbm_bw)
+    r["ours_tflops"] = flops / t_ours / 1e12
+    return [r]
+
+
+# ---------------------------------------------------------------------------------------------------------- report
+def row(kernel, shape, t_ours, peers, bytes_read, hbm_bw):
+    r = {"kernel": kernel, "shape": shape, "ours_ms": t_ours * 1e3,
+         "peers_ms": {name: None if t is None else t * 1e3 for name, t in peers.items()},
+         "speedup_vs_peer": {name: None if t is None else t / t_ours for name, t in peers.items()}}
+    if bytes_read is not None:
+        r["bytes_read"] = bytes_read
+        r["ours_hbm_pct"] = 100 * bytes_read / t_ours / hbm_bw
+    print(f"  {kernel} {shape}: ours {t_ours * 1e3:.4f} ms" + "".join(
+        f", {name} {'n/a' if t is None else f'{t * 1e3:.4f} ms'}" for name, t in peers.items()))
+    return r
+
+
+def print_table(rows):
+    print(f"\n{'kernel':<18} {'shape':<26} {'ours ms':>9} {'%HBM':>6}  peers: ms (peer / ours)")
+    for r in rows:
+        pct = f"{r['ours_hbm_pct']:.0f}%" if "ours_hbm_pct" in r else f"{r.get('ours_tflops', 0):.0f}TF"
+        peers = "  ".join(f"{name} " + ("n/a" if ms is None else f"{ms:.4f} (x{r['speedup_vs_peer'][name]:.2f})")
+                          for name, ms in r["peers_ms"].items())
+        print(f"{r['kernel']:<18} {r['shape']:<26} {r['ours_ms']:>9.4f} {pct:>6}  {peers}")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", help="write the results as JSON here")
+    p.add_argument("--check", action="store_true", help="assert each kernel matches its reference before timing")
+    p.add_argument("--interpret", action="store_true", help="run the Pallas kernels in interpret mode (CPU)")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes, for a smoke test of this script")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--hbm-bw", type=float, default=2.83e12, help="bytes/s that %%HBM is relative to")
+    p.add_argument("--max-kv-bytes", type=float, default=20e9, help="skip decode points with more KV than this")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--calls", type=int, help="calls per timed run (default: enough for ~5 ms)")
+    args = p.parse_args()
+    args.max_rotations = 64
+
+    rng = np.random.default_rng(0)
+    if args.tiny:
+        model, decode_grid, m_values, prefill_tokens = TINY, [(1, 16), (3, 40)], [1, 8], 32
+        args.repeats, args.calls, args.max_rotations = min(args.repeats, 2), args.calls or 2, 2
+    else:
+        model, m_values, prefill_tokens = QWEN3_06B, [1, 8, 64, 2048], 2048
+        decode_grid = [(b, c) for b in (1, 8, 64, 256) for c in (128, 1024, 4096, 16384)]
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; model {model}")
+    rows = []
+    print("decode attention:")
+    rows += bench_decode(args, model, decode_grid, args.page_size, rng)
+    print("fused RMSNorm + QKV projection:")
+    rows += bench_rmsnorm_matmul(args, model, m_values, rng)
+    print("prefill attention:")
+    rows += bench_prefill(args, model, prefill_tokens, args.page_size, rng)
+    print_table(rows)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"jax": jax.__version__, "device": jax.devices()[0].device_kind, "model": model,
+                       "hbm_bw": args.hbm_bw, "rows": rows}, f, indent=1)
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""The engine: greedy outputs are identical across batching, prefix-cache hits, chunked prefill, preemption and
+multi-step decode, and equal to HF; bad requests get clear errors; steady state does not recompile."""
+import pytest
+from conftest import hf_greedy, random_prompts
+
+from nanojax import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def qwen3(hf_model_dir):
+    folder, model = hf_model_dir("qwen3")
+    prompts = random_prompts(97, [3, 21, 9, 40, 16], seed=5)
+    shared = random_prompts(97, [26], seed=6)[0]  # a shared "system prompt" over several pages
+    prompts += [shared + p for p in random_prompts(97, [4, 11], seed=7)]
+    expected = [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts]
+    return str(folder), prompts, expected
+
+
+@pytest.mark.parametrize("engine_args", [
+    dict(),  # whole prompts, 8 decode steps per dispatch
+    dict(decode_steps=1),
+    dict(chunk_size=5, max_num_batched_tokens=12, max_num_seqs=4),  # chunked prefill mixed with decodes
+    dict(num_pages=18, max_num_seqs=4),  # a tiny pool: preemption by recompute
+    dict(max_num_seqs=1),  # one at a time
+], ids=["default", "k1", "chunked", "preempt", "serial"])
+def test_greedy_equal_to_hf_under_every_engine_path(qwen3, engine_args):
+    folder, prompts, expected = qwen3
+    llm = LLM(folder, dtype="float32", page_size=4, max_model_len=96, **engine_args)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == expected
+    if "num_pages" in engine_args:
+        assert llm.scheduler.num_preemptions > 0
+    llm.block_manager.check_invariants()
+    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+
+
+def test_prefix_cache_hits_give_the_same_tokens(qwen3):
+    folder, prompts, expected = qwen3
+    llm = LLM(folder, dtype="float32", page_size=4, max_model_len=96)
+    first = llm.generate(prompts, GREEDY, use_tqdm=False)
+    again = llm.generate(prompts, GREEDY, use_tqdm=False)  # every prompt's full pages are cached now
+    assert [o.token_ids for o in again] == [o.token_ids for o in first] == expected
+    assert [o.num_cached_tokens for o in again] == [(len(p) - 1) // 4 * 4 for p in prompts]
+
+
+def test_shared_prefix_is_computed_once(qwen3):
+    folder, prompts, expected = qwen3
+    llm = LLM(folder, dtype="float32", page_size=4, max_model_len=96)
+    first = llm.generate([prompts[-2]], GREEDY, use_tqdm=False)[0]
+    second = llm.generate([prompts[-1]], GREEDY, use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens == 24  # the shared 26-token prefix: 6 full pages of 4
+    assert [first.token_ids, second.token_ids] == expected[-2:]
+
+
+def test_no_recompiles_in_steady_state(qwen3):
+    folder, prompts, _ = qwen3
+    llm = LLM(folder, dtype="float32", page_size=4, max_model_len=96, max_num_seqs=8)
+    llm.generate(prompts, GREEDY, use_tqdm=False)
+    compiled = llm.runner.compiles
+    llm.generate(prompts[::-1], GREEDY, use_tqdm=False)
+    assert llm.runner.compiles == compiled
+
+
+def test_bad_requests_are_rejected_clearly(qwen3):
+    folder, prompts, _ = qwen3
+    llm = LLM(folder, dtype="float32", page_size=4, max_model_len=32)
+    with pytest.raises(ValueError, match="max_model_len=32"):
+        llm.generate([list(range(40))], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 97\)"):
+        llm.generate([[5, 97]], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.generate(["a string prompt"], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    small_pool = LLM(folder, dtype="float32", page_size=4, max_model_len=96, num_pages=6)
+    with pytest.raises(ValueError, match="KV pages"):
+        small_pool.generate([prompts[0]], SamplingParams(max_tokens=40), use_tqdm=False)
+    with pytest.raises(ValueError, match="max_model_len=100000"):
+        LLM(folder, max_model_len=100000)
+
+
+def test_stop_tokens_max_tokens_and_finish_reasons(qwen3):
+    folder, prompts, expected = qwen3
+    llm = LLM(folder, dtype="float32", page_size=4, max_model_len=96)
+    stop_at = expected[1][5]
+    out = llm.generate([prompts[1]], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_at]),
+                       use_tqdm=False)[0]
+    cut = expected[1].index(stop_at) + 1
+    assert out.token_ids == expected[1][:cut] and out.finish_reason == "stop"
+    out = llm.generate([prompts[1]], SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert out.token_ids == expected[1][:7] and out.finish_reason == "length"
+    banned_early = SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_at], min_tokens=cut + 1)
+    out = llm.generate([prompts[1]], banned_early, use_tqdm=False)[0]
+    assert stop_at not in out.token_ids[:cut + 1]

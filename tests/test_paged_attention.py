@@ -1,0 +1,277 @@
+"""paged_decode_attention and paged_prefill_attention against paged_attention_reference.
+
+CPU tests run the kernels in interpret mode at small shapes; the `gpu` variants run the Triton kernels at model sizes.
+Every case uses shuffled page ids and poisons with NaN every cache slot a sequence does not own (the tail of its last
+page, unused page-table entries, unowned pages) and the queries of padding tokens. The kernel must never read them:
+its output must match the reference run on a cleaned copy, be finite everywhere and be exactly zero on padding rows.
+Interpret mode also fills output buffers with NaN before the kernel runs, so an element it fails to write shows up.
+"""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels._compat import can_lower_for_cuda
+from pallas_kernels.paged_attention import (
+    DECODE_CONFIG,
+    PREFILL_CONFIG,
+    PagedAttentionConfig,
+    paged_attention_reference,
+    paged_decode_attention,
+    paged_prefill_attention,
+)
+
+TOLERANCE = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 2e-2}
+
+
+def requires_gpu(test):
+    """Marks a test `gpu` and skips it unless jax runs on a GPU."""
+    return pytest.mark.gpu(pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")(test))
+
+
+@dataclasses.dataclass
+class Case:
+    q: jax.Array  # [B, T, Hq, D], NaN in padding tokens
+    k_pages: jax.Array  # NaN wherever no live token is stored
+    v_pages: jax.Array
+    page_table: jax.Array
+    seq_lens: jax.Array
+    q_lens: jax.Array
+    scale: float
+
+    def reference(self):
+        q, k, v = (jnp.nan_to_num(a) for a in (self.q, self.k_pages, self.v_pages))
+        return paged_attention_reference(q, k, v, self.page_table, self.seq_lens, self.q_lens, scale=self.scale)
+
+
+def make_case(seed, seq_lens, q_lens, *, q_tokens, num_q_heads, num_kv_heads, head_dim, page_size,
+              dtype=jnp.float32):
+    rng = np.random.default_rng(seed)
+    seq_lens, q_lens = np.asarray(seq_lens, np.int32), np.asarray(q_lens, np.int32)
+    batch = len(seq_lens)
+    pages_per_seq = -(-int(seq_lens.max()) // page_size) + 1  # always one unused table entry
+    num_pages = batch * pages_per_seq + 2
+    ids = rng.permutation(num_pages)
+    page_table, poison_page = ids[:batch * pages_per_seq].reshape(batch, pages_per_seq), ids[-1]
+    live = np.zeros((num_pages, page_size), bool)  # cache slots holding a token of some sequence
+    for b, n in enumerate(seq_lens):
+        used = -(-n // page_size)
+        for j in range(used):
+            live[page_table[b, j], :min(page_size, n - j * page_size)] = True
+        page_table[b, used:] = poison_page
+
+    def pages():
+        x = rng.standard_normal((num_pages, num_kv_heads, page_size, head_dim), np.float32)
+        return jnp.asarray(np.where(live[:, None, :, None], x, np.nan), dtype)
+
+    q = rng.standard_normal((batch, q_tokens, num_q_heads, head_dim), np.float32)
+    q = np.where((np.arange(q_tokens)[None] < q_lens[:, None])[:, :, None, None], q, np.nan)
+    return Case(jnp.asarray(q, dtype), pages(), pages(), jnp.asarray(page_table, jnp.int32), jnp.asarray(seq_lens),
+                jnp.asarray(q_lens), scale=head_dim ** -0.5)
+
+
+def check(out, ref, q_valid, dtype):
+    """out, ref: [B, T, Hq, D]; q_valid: [B, T] -> asserts finiteness, zero padding rows and closeness."""
+    out, ref = np.asarray(out.astype(jnp.float32)), np.asarray(ref.astype(jnp.float32))
+    assert np.isfinite(out).all(), "NaN/inf in the output"
+    assert (out[~np.asarray(q_valid)] == 0).all(), "padding rows must be zero"
+    tol = TOLERANCE[dtype]
+    np.testing.assert_allclose(out, ref, rtol=tol, atol=tol)
+
+
+def run_decode(case, config=None, interpret=True):
+    out = paged_decode_attention(case.q[:, 0], case.k_pages, case.v_pages, case.page_table, case.seq_lens,
+                                 scale=case.scale, config=config, interpret=interpret)
+    check(out[:, None], case.reference()[:, :1], case.seq_lens[:, None] > 0, case.q.dtype)
+
+
+def run_prefill(case, config=None, interpret=True):
+    out = paged_prefill_attention(case.q, case.k_pages, case.v_pages, case.page_table, case.seq_lens, case.q_lens,
+                                  scale=case.scale, config=config, interpret=interpret)
+    q_valid = jnp.arange(case.q.shape[1])[None] < case.q_lens[:, None]
+    check(out, case.reference(), q_valid, case.q.dtype)
+
+
+def decode_case(seed, seq_lens, **kw):
+    """One query token per row; rows with seq_len 0 are padding."""
+    return make_case(seed, seq_lens, np.minimum(seq_lens, 1), q_tokens=1, **kw)
+
+
+# Lengths around page boundaries (page_size 16): 1, page - 1, page, page + 1, several pages; 0 is a padding row.
+DECODE_LENS = [1, 15, 16, 17, 0, 70]
+
+
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(2, 2), (4, 2), (4, 1), (7, 1), (8, 1)])
+def test_decode_gqa_ratios(num_q_heads, num_kv_heads):
+    case = decode_case(0, DECODE_LENS, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=64,
+                       page_size=16)
+    run_decode(case)
+
+
+@pytest.mark.parametrize("page_size,block_k,k_splits", [(8, 16, 1), (8, 32, 3), (16, 32, None), (32, 16, 4)])
+def test_decode_pages_and_splits(page_size, block_k, k_splits):
+    lens = [1, page_size - 1, page_size, page_size + 1, 5 * page_size + 3]
+    case = decode_case(1, lens, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=page_size)
+    run_decode(case, dataclasses.replace(DECODE_CONFIG, block_k=block_k, k_splits=k_splits))
+
+
+def test_decode_head_dim_128_batch_1():
+    case = decode_case(2, [45], num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=16)
+    run_decode(case, dataclasses.replace(DECODE_CONFIG, k_splits=2))
+
+
+def test_decode_page_256():
+    case = decode_case(3, [300, 1, 256], num_q_heads=2, num_kv_heads=1, head_dim=64, page_size=256)
+    run_decode(case, dataclasses.replace(DECODE_CONFIG, k_splits=2))
+
+
+@pytest.mark.parametrize("k_splits", [1, 4])
+def test_decode_bf16(k_splits):
+    case = decode_case(4, DECODE_LENS, num_q_heads=7, num_kv_heads=1, head_dim=64, page_size=16,
+                       dtype=jnp.bfloat16)
+    run_decode(case, dataclasses.replace(DECODE_CONFIG, k_splits=k_splits))
+
+
+# Prefill rows: (seq_len, q_len). q_len == seq_len is a fresh prompt, q_len < seq_len a chunk behind a cached prefix
+# (prefix-cache hit, chunked prefill, a later chat turn); q_len 0 is a padding row.
+PREFILL_ROWS = [(13, 13), (40, 9), (0, 0), (17, 1), (33, 16)]
+
+
+def prefill_case(seed, rows, q_tokens, **kw):
+    seq_lens, q_lens = zip(*rows)
+    return make_case(seed, seq_lens, q_lens, q_tokens=q_tokens, **kw)
+
+
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(2, 2), (4, 2), (4, 1), (7, 1), (8, 1)])
+def test_prefill_gqa_ratios(num_q_heads, num_kv_heads):
+    # block_m 32 -> 32 / next_pow2(ratio) tokens per query block; T = 19 is a multiple of none of them.
+    case = prefill_case(5, PREFILL_ROWS, 19, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=64,
+                        page_size=16)
+    run_prefill(case, dataclasses.replace(PREFILL_CONFIG, block_m=32, block_k=16))
+
+
+@pytest.mark.parametrize("page_size", [8, 16, 32])
+def test_prefill_page_sizes(page_size):
+    case = prefill_case(6, [(11, 11), (2 * page_size + 5, page_size + 1)], 13, num_q_heads=4, num_kv_heads=2,
+                        head_dim=64, page_size=page_size)
+    run_prefill(case, dataclasses.replace(PREFILL_CONFIG, block_m=16, block_k=16))
+
+
+def test_prefill_head_dim_128_batch_1_no_prefix():
+    case = prefill_case(7, [(37, 37)], 37, num_q_heads=2, num_kv_heads=1, head_dim=128, page_size=16)
+    run_prefill(case, dataclasses.replace(PREFILL_CONFIG, block_m=32, block_k=32))
+
+
+def test_prefill_k_splits():
+    case = prefill_case(8, [(50, 7), (9, 9), (0, 0)], 8, num_q_heads=4, num_kv_heads=1, head_dim=64, page_size=8)
+    run_prefill(case, dataclasses.replace(PREFILL_CONFIG, block_m=16, block_k=16, k_splits=3))
+
+
+def test_prefill_default_config_bf16():
+    case = prefill_case(9, PREFILL_ROWS, 16, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16,
+                        dtype=jnp.bfloat16)
+    run_prefill(case)
+
+
+def test_decode_matches_prefill_with_one_token():
+    case = decode_case(10, [1, 30], num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=8)
+    args = (case.k_pages, case.v_pages, case.page_table, case.seq_lens)
+    dec = paged_decode_attention(case.q[:, 0], *args, scale=case.scale, interpret=True)
+    pre = paged_prefill_attention(case.q, *args, case.q_lens, scale=case.scale, interpret=True)
+    np.testing.assert_allclose(np.asarray(dec), np.asarray(pre[:, 0]), rtol=1e-6, atol=1e-6)
+
+
+def _inputs():
+    """Valid prefill inputs: B=2, T=3, Hq=4, Hkv=2, D=64, page_size=16 (each test breaks one thing)."""
+    pages = jnp.zeros((6, 2, 16, 64))
+    lens = jnp.ones((2,), jnp.int32)
+    return {"q": jnp.zeros((2, 3, 4, 64)), "k_pages": pages, "v_pages": pages,
+            "page_table": jnp.zeros((2, 3), jnp.int32), "seq_lens": lens, "q_lens": lens}
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"q": jnp.zeros((2, 4, 64))}, "q must be"),
+    ({"k_pages": jnp.zeros((6, 2, 16, 64)), "v_pages": jnp.zeros((6, 2, 8, 64))}, "k_pages and v_pages"),
+    ({"k_pages": jnp.zeros((6, 3, 16, 64)), "v_pages": jnp.zeros((6, 3, 16, 64))}, "multiple of num_kv_heads"),
+    ({"q": jnp.zeros((2, 3, 4, 48)), "k_pages": jnp.zeros((6, 2, 16, 48)), "v_pages": jnp.zeros((6, 2, 16, 48))},
+     "power of two"),
+    ({"q": jnp.zeros((2, 3, 4, 64), jnp.bfloat16)}, "dtype"),
+    ({"k_pages": jnp.zeros((6, 2, 12, 64)), "v_pages": jnp.zeros((6, 2, 12, 64))}, "page_size"),
+    ({"page_table": jnp.zeros((3, 3), jnp.int32)}, "page_table"),
+    ({"page_table": jnp.zeros((2, 3), jnp.float32)}, "page_table"),
+    ({"seq_lens": jnp.ones((3,), jnp.int32)}, "seq_lens"),
+    ({"q_lens": jnp.ones((2,), jnp.float32)}, "q_lens"),
+])
+def test_prefill_rejects_bad_inputs(change, message):
+    args = {**_inputs(), **change}
+    with pytest.raises(ValueError, match=message):
+        paged_prefill_attention(**args, scale=1.0, interpret=True)
+
+
+def test_decode_rejects_bad_inputs():
+    args = _inputs()
+    del args["q_lens"]
+    with pytest.raises(ValueError, match="q must be"):
+        paged_decode_attention(**args, scale=1.0, interpret=True)  # q is 4-D here
+    with pytest.raises(ValueError, match="seq_lens"):
+        paged_decode_attention(**{**args, "q": args["q"][:, 0], "seq_lens": jnp.ones((2, 1), jnp.int32)},
+                               scale=1.0, interpret=True)
+
+
+@pytest.mark.parametrize("field,value", [("block_m", 8), ("block_k", 48), ("k_splits", 0)])
+def test_config_rejects_bad_blocks(field, value):
+    with pytest.raises(ValueError):
+        PagedAttentionConfig(**{field: value})
+
+
+# Qwen3-0.6B: 16 query heads, 8 KV heads, head_dim 128; Llama-3.2-1B: 32 / 8, head_dim 64.
+MODELS = {"qwen3-0.6b": {"num_q_heads": 16, "num_kv_heads": 8, "head_dim": 128},
+          "llama-3.2-1b": {"num_q_heads": 32, "num_kv_heads": 8, "head_dim": 64}}
+
+
+@pytest.mark.skipif(not can_lower_for_cuda(), reason="this jaxlib compiles Triton kernels while lowering")
+@pytest.mark.parametrize("model", ["qwen3-0.6b", "llama-3.2-1b"])
+def test_lowers_to_triton(model):
+    """The Triton lowering rules (power-of-two tensors, supported primitives), checked on CPU by lowering for cuda."""
+    hq, hkv, d = (MODELS[model][key] for key in ("num_q_heads", "num_kv_heads", "head_dim"))
+    pages = jax.ShapeDtypeStruct((1000, hkv, 16, d), jnp.bfloat16)
+    table, lens = jax.ShapeDtypeStruct((4, 64), jnp.int32), jax.ShapeDtypeStruct((4,), jnp.int32)
+    for fn, q in ((paged_decode_attention, (4, hq, d)), (paged_prefill_attention, (4, 300, hq, d))):
+        extra = () if fn is paged_decode_attention else (lens,)
+        args = (jax.ShapeDtypeStruct(q, jnp.bfloat16), pages, pages, table, lens, *extra)
+        lowered = jax.jit(lambda *a, fn=fn: fn(*a, scale=0.1)).trace(*args).lower(lowering_platforms=("cuda",))
+        assert "triton" in lowered.as_text()
+
+
+# ------------------------------------------------------------------------------------------------ GPU, model sizes
+@requires_gpu
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_gpu_decode(model, dtype):
+    lens = [1, 15, 16, 17, 0, 1000, 4097] + list(np.random.default_rng(11).integers(1, 3000, 57))
+    case = decode_case(11, lens, page_size=16, dtype=dtype, **MODELS[model])
+    for k_splits in (1, 4, None):
+        run_decode(case, dataclasses.replace(DECODE_CONFIG, k_splits=k_splits), interpret=False)
+    # Batch 1 and 3: the automatic k_splits is large (up to 33 for 8 KV heads).
+    for seed, lens in ((15, [4097]), (16, [3000, 0, 17])):
+        run_decode(decode_case(seed, lens, page_size=16, dtype=dtype, **MODELS[model]), interpret=False)
+
+
+@requires_gpu
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_gpu_prefill(model, dtype):
+    rows = [(2048, 2048), (1500, 700), (0, 0), (300, 1), (777, 777)]
+    run_prefill(prefill_case(12, rows, 2048, page_size=16, dtype=dtype, **MODELS[model]), interpret=False)
+
+
+@requires_gpu
+@pytest.mark.parametrize("page_size", [8, 32, 256])
+def test_gpu_page_sizes(page_size):
+    case = prefill_case(13, [(900, 300), (33, 33)], 300, page_size=page_size, dtype=jnp.bfloat16,
+                        **MODELS["qwen3-0.6b"])
+    run_prefill(case, interpret=False)
+    run_decode(decode_case(14, [1, page_size + 1, 2000], page_size=page_size, dtype=jnp.bfloat16,
+                           **MODELS["qwen3-0.6b"]), interpret=False)
