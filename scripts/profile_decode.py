@@ -32,14 +32,17 @@ def gpu_kernel_events(trace_dir: str):
     from jax.profiler import ProfileData
 
     (path,) = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
-    events = []
+    events, seen = [], []
     for plane in ProfileData.from_file(path).planes:
-        if not plane.name.startswith("/device:GPU"):
+        seen.append((plane.name, [line.name for line in plane.lines]))
+        if "gpu" not in plane.name.lower():
             continue
         for line in plane.lines:
-            if "stream" not in line.name.lower() or "memcpy" in line.name.lower():
+            if "compute" not in line.name.lower():  # e.g. 'Stream #14(Compute,MemcpyD2D)'; skip copy-only streams
                 continue
             events += [(ev.name, ev.duration_ns / 1e3) for ev in line.events]
+    if not events:
+        raise SystemExit(f"no GPU kernel events; planes and lines in the trace: {seen}")
     return events
 
 
