@@ -51,18 +51,9 @@ class Batch:
         pos = (self.seq_lens - self.q_lens)[:, None] + t
         return jnp.where(t < self.q_lens[:, None], pos, -1)
 
-
-def write_kv(k_pages, v_pages, k, v, page_table, positions):
-    """Scatter new keys/values into their pages.
-
-    k_pages, v_pages: [num_pages, Hkv, S, D]; k, v: [B, T, Hkv, D]; page_table: [B, P]; positions: [B, T] (-1 = pad).
-    Padding tokens get an out-of-range page index and are dropped.
-    """
-    num_pages, _, page_size, _ = k_pages.shape
-    safe_pos = jnp.maximum(positions, 0)
-    page_idx = jnp.take_along_axis(page_table, jnp.minimum(safe_pos // page_size, page_table.shape[1] - 1), axis=1)
-    page_idx = jnp.where(positions >= 0, page_idx, num_pages)
-    slot = safe_pos % page_size
-    k_pages = k_pages.at[page_idx, :, slot].set(k.astype(k_pages.dtype), mode="drop")
-    v_pages = v_pages.at[page_idx, :, slot].set(v.astype(v_pages.dtype), mode="drop")
-    return k_pages, v_pages
+    def slots(self, positions: jax.Array, page_size: int) -> jax.Array:
+        """[B, T] flat cache slots (page * page_size + offset) of the tokens at `positions`, -1 on padding."""
+        safe = jnp.maximum(positions, 0)
+        last = self.page_table.shape[1] - 1
+        page = jnp.take_along_axis(self.page_table, jnp.minimum(safe // page_size, last), axis=1)
+        return jnp.where(positions >= 0, page * page_size + safe % page_size, -1)

@@ -5,6 +5,10 @@ params (built by convert/, weights as [in, out]):
     layers: tuple of {attn_norm, qkv {w [H, q+2kv], b?}, q_norm [D]?, k_norm [D]?, o {w [q, H], b?},
                       mlp_norm, up {w [H, 2I] (gate|up, swiglu) or [H, I] (gelu), b?}, down {w [I, H], b?}}
     a norm is {scale [H], bias [H]?}.
+
+Inside a layer the step's [B, T] tokens are one flat list of N = B * T rows; only attention sees [B, T] again. Each
+fused step (projection with its norm / activation / residual, the QKV epilogue with the cache write, attention) goes
+through `Ops`, the switch between the jnp references and the Pallas kernels.
 """
 import functools
 
@@ -13,10 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from nanojax.config import ModelConfig
-from nanojax.kv_cache import Batch, KVCache, write_kv
-from pallas_kernels.paged_attention import paged_attention_reference
-
-HIGHEST = jax.lax.Precision.HIGHEST
+from nanojax.kv_cache import Batch, KVCache
+from nanojax.ops import Ops
 
 
 def rms_norm(x, scale, eps):
@@ -39,13 +41,6 @@ def norm(x, p, config: ModelConfig):
     return rms_norm(x, p["scale"], config.norm_eps)
 
 
-def linear(x, p):
-    out = jnp.dot(x, p["w"], precision=HIGHEST, preferred_element_type=jnp.float32)
-    if "b" in p:
-        out = out + p["b"].astype(jnp.float32)
-    return out.astype(x.dtype)
-
-
 @functools.lru_cache(maxsize=None)
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:
     """[head_dim // 2] float32 inverse frequencies, as HF computes them (Llama 3 scaling included)."""
@@ -66,69 +61,56 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def apply_rope(x, positions, inv_freq):
-    """x: [B, T, heads, D], rotating the two halves of D (HF rotate_half); positions: [B, T]."""
-    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
-    cos = jnp.cos(freqs)[:, :, None, :].astype(x.dtype)
-    sin = jnp.sin(freqs)[:, :, None, :].astype(x.dtype)
-    x1, x2 = jnp.split(x, 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+def project(ops: Ops, x, p, config: ModelConfig, *, norm=None, residual=None, activation=None):
+    """[norm](x) @ w [+ b] [-> activation] [+ residual] for x: [N, K]. RMSNorm and SiLU-and-mul fuse into the
+    projection; GPT-2's LayerNorm and GELU run beside it."""
+    norm_scale = None
+    if norm is not None and config.norm == "rms":
+        norm_scale = norm["scale"]
+    elif norm is not None:
+        x = layer_norm(x, norm["scale"], norm["bias"], config.norm_eps)
+    if activation == "gelu_tanh":
+        return jax.nn.gelu(ops.project(x, p, norm_scale=norm_scale, eps=config.norm_eps), approximate=True)
+    return ops.project(x, p, norm_scale=norm_scale, eps=config.norm_eps, residual=residual, activation=activation)
 
 
-def attention_block(lp, x, positions, k_pages, v_pages, batch: Batch, config: ModelConfig, attention):
-    """x: [B, T, H] -> ([B, T, H], k_pages, v_pages)."""
-    b, t, _ = x.shape
-    qkv = linear(norm(x, lp["attn_norm"], config), lp["qkv"])
-    q, k, v = jnp.split(qkv, [config.q_size, config.q_size + config.kv_size], axis=-1)
-    q = q.reshape(b, t, config.num_heads, config.head_dim)
-    k = k.reshape(b, t, config.num_kv_heads, config.head_dim)
-    v = v.reshape(b, t, config.num_kv_heads, config.head_dim)
-    if config.qk_norm:
-        q = rms_norm(q, lp["q_norm"], config.norm_eps)
-        k = rms_norm(k, lp["k_norm"], config.norm_eps)
-    if config.rope_theta is not None:
-        inv_freq = rope_inv_freq(config)
-        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-    k_pages, v_pages = write_kv(k_pages, v_pages, k, v, batch.page_table, positions)
-    out = attention(q, k_pages, v_pages, batch.page_table, batch.seq_lens, batch.q_lens,
-                    scale=config.head_dim**-0.5)
-    return linear(out.reshape(b, t, config.q_size), lp["o"]), k_pages, v_pages
+def layer(ops: Ops, lp, x, positions, slots, k_pages, v_pages, batch: Batch, config: ModelConfig):
+    """x: [N, H]; positions, slots: [N] -> (x after the layer, k_pages, v_pages)."""
+    qkv = project(ops, x, lp["qkv"], config, norm=lp["attn_norm"])
+    inv_freq = None if config.rope_theta is None else jnp.asarray(rope_inv_freq(config))
+    q, k_pages, v_pages = ops.qkv_rope_cache(qkv, positions, slots, k_pages, v_pages, inv_freq, lp.get("q_norm"),
+                                             lp.get("k_norm"), eps=config.norm_eps)
+    b, t = batch.q_lens.shape[0], x.shape[0] // batch.q_lens.shape[0]
+    attn = ops.attention(q.reshape(b, t, config.num_heads, config.head_dim), k_pages, v_pages, batch.page_table,
+                         batch.seq_lens, batch.q_lens, scale=config.head_dim**-0.5)
+    x = project(ops, attn.reshape(b * t, config.q_size), lp["o"], config, residual=x)
+    h = project(ops, x, lp["up"], config, norm=lp["mlp_norm"],
+                activation="silu_mul" if config.mlp == "swiglu" else "gelu_tanh")
+    return project(ops, h, lp["down"], config, residual=x), k_pages, v_pages
 
 
-def mlp_block(lp, x, config: ModelConfig):
-    h = linear(norm(x, lp["mlp_norm"], config), lp["up"])
-    if config.mlp == "swiglu":
-        gate, up = jnp.split(h, 2, axis=-1)
-        h = jax.nn.silu(gate) * up
-    else:
-        h = jax.nn.gelu(h, approximate=True)
-    return linear(h, lp["down"])
-
-
-def forward(params, tokens, kv_cache: KVCache, batch: Batch, *, config: ModelConfig, attention=None):
-    """tokens: [B, T] int32 -> (hidden [B, T, H] after the final norm, updated kv_cache).
-
-    `attention(q, k_pages, v_pages, page_table, seq_lens, q_lens, scale=)` is the paged attention
-    implementation (the jnp reference by default; the Pallas kernels drop in here).
-    """
-    attention = attention or paged_attention_reference
-    positions = batch.positions(tokens.shape[1])
-    x = params["embed"][tokens]
+def forward(params, tokens, kv_cache: KVCache, batch: Batch, *, config: ModelConfig, ops: Ops):
+    """tokens: [B, T] int32 -> (hidden [B, T, H] after the final norm, updated kv_cache)."""
+    b, t = tokens.shape
+    positions = batch.positions(t)
+    slots = batch.slots(positions, kv_cache.page_size).reshape(-1)
+    positions = positions.reshape(-1)
+    x = params["embed"][tokens.reshape(-1)]
     if config.rope_theta is None:
         x = x + params["pos_embed"][jnp.maximum(positions, 0)]
     new_k, new_v = [], []
     for lp, k_pages, v_pages in zip(params["layers"], kv_cache.k, kv_cache.v):
-        attn_out, k_pages, v_pages = attention_block(lp, x, positions, k_pages, v_pages, batch, config, attention)
-        x = x + attn_out
-        x = x + mlp_block(lp, x, config)
+        x, k_pages, v_pages = layer(ops, lp, x, positions, slots, k_pages, v_pages, batch, config)
         new_k.append(k_pages)
         new_v.append(v_pages)
-    return norm(x, params["final_norm"], config), KVCache(k=tuple(new_k), v=tuple(new_v))
+    hidden = norm(x, params["final_norm"], config).reshape(b, t, -1)
+    return hidden, KVCache(k=tuple(new_k), v=tuple(new_v))
 
 
 def lm_logits(params, hidden, config: ModelConfig):
     """hidden: [..., H] -> float32 logits [..., V]."""
+    precision = jax.lax.Precision.HIGHEST
     if config.tie_word_embeddings:
-        return jnp.einsum("...h,vh->...v", hidden, params["embed"], precision=HIGHEST,
+        return jnp.einsum("...h,vh->...v", hidden, params["embed"], precision=precision,
                           preferred_element_type=jnp.float32)
-    return jnp.dot(hidden, params["lm_head"], precision=HIGHEST, preferred_element_type=jnp.float32)
+    return jnp.dot(hidden, params["lm_head"], precision=precision, preferred_element_type=jnp.float32)

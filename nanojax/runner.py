@@ -14,21 +14,21 @@ from nanojax.kv_cache import Batch, KVCache
 from nanojax.model import forward, lm_logits
 from nanojax.sampling import PAD_ID, SamplingBatch, SamplingMode, sample
 
-_STATIC = ("config", "attention", "vocab_limit", "mode")
+_STATIC = ("config", "ops", "vocab_limit", "mode")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnums=(1,))
-def step(params, cache, tokens, batch: Batch, sampling: SamplingBatch, *, config, attention, vocab_limit, mode):
+def step(params, cache, tokens, batch: Batch, sampling: SamplingBatch, *, config, ops, vocab_limit, mode):
     """tokens: [B, T] -> (next token of every row [B], cache). Rows still mid-prompt discard theirs."""
-    hidden, cache = forward(params, tokens, cache, batch, config=config, attention=attention)
+    hidden, cache = forward(params, tokens, cache, batch, config=config, ops=ops)
     last = jnp.take_along_axis(hidden, jnp.maximum(batch.q_lens - 1, 0)[:, None, None], axis=1)[:, 0]
     logits = lm_logits(params, last, config)
     return sample(logits, sampling, 0, vocab_limit=vocab_limit, mode=mode), cache
 
 
 @functools.partial(jax.jit, static_argnames=(*_STATIC, "num_steps"), donate_argnums=(1,))
-def multi_decode(params, cache, tokens, batch: Batch, sampling: SamplingBatch, *, config, attention, vocab_limit,
-                 mode, num_steps):
+def multi_decode(params, cache, tokens, batch: Batch, sampling: SamplingBatch, *, config, ops, vocab_limit, mode,
+                 num_steps):
     """num_steps decode steps in one dispatch (fixed trip count: no host sync between them).
 
     tokens: [B] last token of each row; batch describes the first step (q_lens 1, 0 on padding rows).
@@ -40,7 +40,7 @@ def multi_decode(params, cache, tokens, batch: Batch, sampling: SamplingBatch, *
     def body(i, carry):
         tokens, cache, seq_lens, out = carry
         hidden, cache = forward(params, tokens[:, None], cache, batch.replace(seq_lens=seq_lens),
-                                config=config, attention=attention)
+                                config=config, ops=ops)
         nxt = sample(lm_logits(params, hidden[:, 0], config), sampling, i, vocab_limit=vocab_limit, mode=mode)
         return nxt, cache, seq_lens + active, out.at[i].set(nxt)
 
@@ -67,12 +67,14 @@ def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
 class ModelRunner:
     """Holds params and the KV cache on device and runs padded steps.
 
-    attention: the paged attention function (reference or Pallas), static under jit.
+    Compiled shapes: decode [B, 1] for B in `batch_buckets` (one step, and `decode_steps` steps per dispatch),
+    and prefill [1, T] for T in `token_buckets`: a prefill chunk runs as its own row, so the shapes stay a short
+    list that `warmup` compiles up front. ops: the kernel switch (nanojax.ops).
     """
 
     def __init__(self, config: ModelConfig, params, *, num_pages: int, page_size: int, pages_per_seq: int,
-                 dtype, attention, vocab_limit: int, max_num_seqs: int, max_tokens_per_row: int):
-        self.config, self.attention, self.vocab_limit = config, attention, vocab_limit
+                 dtype, ops, vocab_limit: int, max_num_seqs: int, max_tokens_per_row: int):
+        self.config, self.ops, self.vocab_limit = config, ops, vocab_limit
         self.params = jax.device_put(params)
         self.cache = KVCache.create(config, num_pages, page_size, dtype)
         self.pages_per_seq = pages_per_seq
@@ -81,36 +83,53 @@ class ModelRunner:
             max_tokens_per_row,)
         self.compiles = 0
 
-
-    def run(self, tokens: list[list[int]], page_tables: list[list[int]], seq_lens: list[int],
-            sampling: dict[str, np.ndarray], mode: SamplingMode, num_steps: int = 1) -> np.ndarray:
-        """One step over rows of new tokens (any lengths), or num_steps decode steps (one token per row).
-
-        Returns [num_steps, rows] sampled tokens (one step: [1, rows]).
-        """
-        rows = len(tokens)
+    def decode(self, last_tokens: list[int], page_tables: list[list[int]], seq_lens: list[int],
+               sampling: dict[str, np.ndarray], mode: SamplingMode, num_steps: int = 1) -> np.ndarray:
+        """num_steps decode steps for each row (seq_lens counts the last token). Returns [num_steps, rows]."""
+        rows = len(last_tokens)
         b = bucket(rows, self.batch_buckets)
-        q_lens = np.zeros(b, np.int32)
-        q_lens[:rows] = [len(t) for t in tokens]
-        t_pad = 1 if num_steps > 1 or q_lens.max() == 1 else bucket(int(q_lens.max()), self.token_buckets)
-        tok = np.zeros((b, t_pad), np.int32)
-        table = np.zeros((b, self.pages_per_seq), np.int32)
-        lens = np.zeros(b, np.int32)
-        for i, (t, pages) in enumerate(zip(tokens, page_tables)):
-            tok[i, :len(t)] = t
+        tokens = np.zeros((b, 1), np.int32)
+        tokens[:rows, 0] = last_tokens
+        q_lens = (np.arange(b) < rows).astype(np.int32)
+        out = self._call(tokens, page_tables, seq_lens, q_lens, sampling, mode, num_steps)
+        return out[:, :rows]
+
+    def prefill(self, tokens: list[int], page_table: list[int], seq_len: int, sampling: dict[str, np.ndarray],
+                mode: SamplingMode) -> int:
+        """Computes a chunk of one sequence ending at seq_len; returns the token sampled after it."""
+        padded = np.zeros((1, bucket(len(tokens), self.token_buckets)), np.int32)
+        padded[0, :len(tokens)] = tokens
+        out = self._call(padded, [page_table], [seq_len], np.array([len(tokens)], np.int32), sampling, mode, 1)
+        return int(out[0, 0])
+
+    def warmup(self, decode_steps: int, modes: list[SamplingMode]) -> None:
+        """Compiles every bucket for each sampling mode, on padding rows that write nothing to the cache."""
+        for mode in modes:
+            for b in self.batch_buckets:
+                for steps in sorted({1, decode_steps}):
+                    self._call(np.zeros((b, 1), np.int32), [], [], np.zeros(b, np.int32),
+                               greedy_sampling(b)[0], mode, steps)
+            for t in self.token_buckets:
+                self._call(np.zeros((1, t), np.int32), [], [], np.zeros(1, np.int32), greedy_sampling(1)[0], mode, 1)
+
+    def _call(self, tokens: np.ndarray, page_tables, seq_lens, q_lens: np.ndarray, sampling, mode, num_steps):
+        rows = tokens.shape[0]
+        table = np.zeros((rows, self.pages_per_seq), np.int32)
+        for i, pages in enumerate(page_tables):
             table[i, :len(pages)] = pages
-        lens[:rows] = seq_lens
+        lens = np.zeros(rows, np.int32)
+        lens[:len(seq_lens)] = seq_lens
         batch = Batch(page_table=jnp.asarray(table), seq_lens=jnp.asarray(lens), q_lens=jnp.asarray(q_lens))
-        samp = SamplingBatch(**{k: jnp.asarray(_pad_rows(v, b, PAD_ID if k.endswith("_ids") else 0))
+        samp = SamplingBatch(**{k: jnp.asarray(_pad_rows(v, rows, PAD_ID if k.endswith("_ids") else 0))
                                 for k, v in sampling.items()})
         fn = step if num_steps == 1 else functools.partial(multi_decode, num_steps=num_steps)
-        args = (jnp.asarray(tok) if num_steps == 1 else jnp.asarray(tok[:, 0]))
         before = _cache_size(fn)
-        out, self.cache = fn(self.params, self.cache, args, batch, samp, config=self.config, attention=self.attention,
+        out, self.cache = fn(self.params, self.cache, jnp.asarray(tokens if num_steps == 1 else tokens[:, 0]),
+                             batch, samp, config=self.config, ops=self.ops,
                              vocab_limit=self.vocab_limit, mode=mode)
         self.compiles += _cache_size(fn) - before
         out = np.asarray(out)
-        return (out[None] if num_steps == 1 else out)[:, :rows]
+        return out[None] if num_steps == 1 else out
 
 
 def _pad_rows(v: np.ndarray, rows: int, fill) -> np.ndarray:

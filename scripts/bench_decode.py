@@ -21,19 +21,19 @@ sys.path.insert(0, str(Path(__file__).parent))
 from random_model import loaded_model, random_hf_model, weight_bytes  # noqa: E402
 
 from nanojax import LLM, SamplingParams  # noqa: E402
-from nanojax.attention import get_attention  # noqa: E402
+from nanojax.ops import get_ops  # noqa: E402
 from nanojax.runner import ModelRunner, greedy_sampling  # noqa: E402
 
 HBM_BYTES_PER_S = 2.83e12
 PAGE = 16
 
 
-def check_parity(name: str, attention: str, num_tokens: int = 8) -> bool:
+def check_parity(name: str, kernels: str, num_tokens: int = 8) -> bool:
     """float32 greedy tokens of nanojax vs HF on the same random weights (GPU, both)."""
     import torch
 
     hf = random_hf_model(name, "float32")
-    llm = LLM(loaded_model(hf, "float32"), dtype="float32", max_model_len=256, attention=attention,
+    llm = LLM(loaded_model(hf, "float32"), dtype="float32", max_model_len=256, kernels=kernels,
               max_num_seqs=4, decode_steps=4)
     prompts = np.random.default_rng(0).integers(0, 10000, (3, 37)).tolist()
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True),
@@ -45,7 +45,7 @@ def check_parity(name: str, attention: str, num_tokens: int = 8) -> bool:
                               min_new_tokens=num_tokens)[0, len(p):].tolist()
             ok &= ref == o.token_ids
             if ref != o.token_ids:
-                print(f"PARITY MISMATCH {name} {attention}: hf {ref} nanojax {o.token_ids}")
+                print(f"PARITY MISMATCH {name} {kernels}: hf {ref} nanojax {o.token_ids}")
     del hf, llm
     return ok
 
@@ -63,13 +63,13 @@ def time_call(fn, iters: int) -> float:
 def bench_point(runner: ModelRunner, batch: int, context: int, steps: int) -> dict:
     pps = runner.pages_per_seq
     tables = [list(range(b * pps, (b + 1) * pps)) for b in range(batch)]
-    tokens = [[int(t)] for t in np.random.default_rng(batch).integers(0, 1000, batch)]
+    tokens = np.random.default_rng(batch).integers(0, 1000, batch).tolist()
     lens = [context] * batch
     samp, mode = greedy_sampling(batch)
     t0 = time.perf_counter()
-    runner.run(tokens, tables, lens, samp, mode, num_steps=steps)
+    runner.decode(tokens, tables, lens, samp, mode, num_steps=steps)
     compile_s = time.perf_counter() - t0
-    seconds = time_call(lambda: runner.run(tokens, tables, lens, samp, mode, num_steps=steps), iters=5)
+    seconds = time_call(lambda: runner.decode(tokens, tables, lens, samp, mode, num_steps=steps), iters=5)
     return {"compile_s": compile_s, "ms_per_step": seconds / steps * 1e3}
 
 
@@ -81,9 +81,9 @@ def random_cache(runner: ModelRunner, key) -> None:
 
 
 def ttft(runner: ModelRunner, prompt_len: int) -> float:
-    tables = [list(range(runner.pages_per_seq))]
-    tokens = [np.random.default_rng(prompt_len).integers(0, 1000, prompt_len).tolist()]
-    run = lambda: runner.run(tokens, tables, [prompt_len], *greedy_sampling(1))  # noqa: E731
+    table = list(range(runner.pages_per_seq))
+    tokens = np.random.default_rng(prompt_len).integers(0, 1000, prompt_len).tolist()
+    run = lambda: runner.prefill(tokens, table, prompt_len, *greedy_sampling(1))  # noqa: E731
     run()
     return time_call(run, iters=5)
 
@@ -93,7 +93,7 @@ def main():
     ap.add_argument("--model", default="qwen3-0.6b")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
     ap.add_argument("--contexts", type=int, nargs="+", default=[512, 4096])
-    ap.add_argument("--attention", nargs="+", default=["pallas", "reference"])
+    ap.add_argument("--kernels", nargs="+", default=["pallas", "reference"])
     ap.add_argument("--steps", type=int, default=16, help="decode steps per dispatch")
     ap.add_argument("--ttft", type=int, nargs="*", default=[128, 512, 2048])
     ap.add_argument("--skip-parity", action="store_true")
@@ -103,8 +103,8 @@ def main():
     results = {"device": str(jax.devices()[0]), "model": args.model, "steps_per_dispatch": args.steps,
                "parity": {}, "points": [], "ttft_ms": {}}
     if not args.skip_parity:
-        for attn in args.attention:
-            results["parity"][attn] = check_parity(args.model, attn)
+        for kern in args.kernels:
+            results["parity"][kern] = check_parity(args.model, kern)
     loaded = loaded_model(random_hf_model(args.model, "bfloat16"), "bfloat16")
     params = jax.tree.map(jnp.asarray, loaded.params)
     wbytes = weight_bytes(params) - loaded.config.vocab_size * loaded.config.hidden_size * 2 * (
@@ -112,19 +112,19 @@ def main():
     c = loaded.config
     kv_token_bytes = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 2
     max_ctx = max(args.contexts + args.ttft)
-    for attn in args.attention:
+    for kern in args.kernels:
         for context in args.contexts:
             pps = -(-(context + args.steps) // PAGE)
             for batch in args.batches:
                 if batch * pps * PAGE * kv_token_bytes > 40e9:
                     continue
                 runner = ModelRunner(c, params, num_pages=batch * pps, page_size=PAGE, pages_per_seq=pps,
-                                     dtype=jnp.bfloat16, attention=get_attention(attn), vocab_limit=c.vocab_size,
+                                     dtype=jnp.bfloat16, ops=get_ops(kern, c), vocab_limit=c.vocab_size,
                                      max_num_seqs=batch, max_tokens_per_row=16)
                 random_cache(runner, jax.random.key(0))
                 point = bench_point(runner, batch, context, args.steps)
                 step_bytes = wbytes + batch * context * kv_token_bytes
-                point.update(attention=attn, batch=batch, context=context,
+                point.update(kernels=kern, batch=batch, context=context,
                              tok_s=batch / point["ms_per_step"] * 1e3,
                              bw_pct=100 * step_bytes / (point["ms_per_step"] / 1e3) / HBM_BYTES_PER_S)
                 results["points"].append(point)
@@ -133,18 +133,18 @@ def main():
         if args.ttft:
             pps = -(-max_ctx // PAGE)
             runner = ModelRunner(c, params, num_pages=pps, page_size=PAGE, pages_per_seq=pps, dtype=jnp.bfloat16,
-                                 attention=get_attention(attn), vocab_limit=c.vocab_size, max_num_seqs=1,
+                                 ops=get_ops(kern, c), vocab_limit=c.vocab_size, max_num_seqs=1,
                                  max_tokens_per_row=max(args.ttft))
-            results["ttft_ms"][attn] = {n: ttft(runner, n) * 1e3 for n in args.ttft}
+            results["ttft_ms"][kern] = {n: ttft(runner, n) * 1e3 for n in args.ttft}
             del runner
     Path(args.out).write_text(json.dumps(results, indent=2))
     print(f"\n{args.model} on {results['device']}; parity {results['parity']}; weights {wbytes / 1e9:.2f} GB")
-    print(f"{'attention':>10} {'ctx':>6} {'batch':>5} {'ms/step':>8} {'tok/s':>9} {'BW%':>5} {'compile s':>9}")
+    print(f"{'kernels':>10} {'ctx':>6} {'batch':>5} {'ms/step':>8} {'tok/s':>9} {'BW%':>5} {'compile s':>9}")
     for p in results["points"]:
-        print(f"{p['attention']:>10} {p['context']:>6} {p['batch']:>5} {p['ms_per_step']:>8.3f} {p['tok_s']:>9.0f} "
+        print(f"{p['kernels']:>10} {p['context']:>6} {p['batch']:>5} {p['ms_per_step']:>8.3f} {p['tok_s']:>9.0f} "
               f"{p['bw_pct']:>5.1f} {p['compile_s']:>9.1f}")
-    for attn, t in results["ttft_ms"].items():
-        print(f"TTFT {attn}: " + ", ".join(f"{n} tok {ms:.1f} ms" for n, ms in t.items()))
+    for kern, t in results["ttft_ms"].items():
+        print(f"TTFT {kern}: " + ", ".join(f"{n} tok {ms:.1f} ms" for n, ms in t.items()))
 
 
 if __name__ == "__main__":

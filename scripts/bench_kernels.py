@@ -163,27 +163,48 @@ def bench_decode(args, model, grid, page_size, rng):
 
 # ----------------------------------------------------------------------------------------------- rmsnorm + matmul
 def bench_rmsnorm_matmul(args, model, m_values, rng):
+    """Each projection of a decoder layer as one fused rmsnorm_matmul, against its jitted reference (XLA): qkv and
+    gate/up with the norm, o_proj and down_proj with the residual add, gate/up with SiLU-and-mul; the QKV point also
+    against JAX's Pallas RMSNorm + an XLA dot. %HBM counts the weight bytes."""
     from jax.experimental.pallas.ops.gpu import rms_norm as jax_rms_norm
-    k, n = model["hidden"], (model["num_q_heads"] + 2 * model["num_kv_heads"]) * model["head_dim"]
-    ours = lambda x, s, w: rmsnorm_matmul(x, s, w, eps=EPS, interpret=args.interpret)
-    xla = jax.jit(lambda x, s, w: rmsnorm_matmul_reference(x, s, w, eps=EPS))
+    hidden, q_size = model["hidden"], model["num_q_heads"] * model["head_dim"]
+    qkv_n = (model["num_q_heads"] + 2 * model["num_kv_heads"]) * model["head_dim"]
+    inter = model.get("intermediate", 3 * hidden)  # Qwen3-0.6B: 3072
+    # row name: (K, N of w, fused options, what the second input is); every fn takes (x, norm_scale or residual, w).
+    projections = {
+        "rmsnorm_qkv": (hidden, qkv_n, {}, "norm"),
+        "o_proj_residual": (q_size, hidden, {}, "residual"),
+        "norm_gate_up_silu": (hidden, 2 * inter, {"activation": "silu_mul"}, "norm"),
+        "down_residual": (inter, hidden, {}, "residual"),
+    }
 
-    def theirs(x, s, w):  # JAX's Pallas RMSNorm (it wants [B, T, K] and a bias) followed by an XLA dot
+    def jax_pallas(x, s, w):  # JAX's Pallas RMSNorm (it wants [B, T, K] and a bias) followed by an XLA dot
         normed = jax_rms_norm.rms_norm(x[None], s, jnp.zeros_like(s), None, 3, EPS, "triton", args.interpret)[0]
         return jnp.dot(normed, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
     rows = []
-    for m in m_values:
-        w_bytes = k * n * 2
-        sets = [(normal(rng, (m, k)), 1 + normal(rng, (k,), 0.1), normal(rng, (k, n), k ** -0.5))
-                for _ in range(rotations(args, w_bytes + m * k * 2))]
-        if args.check:
-            assert_close(f"rmsnorm_matmul M={m}", ours(*sets[0]), xla(*sets[0]))
-        kw = {"work_seconds": w_bytes / args.hbm_bw, "repeats": args.repeats, "calls": args.calls, "dep_arg": 1}
-        t_ours = time_per_call(ours, sets, **kw)
-        peers = {"xla_reference": try_time("xla", xla, sets, **kw),
-                 "jax_pallas_rms_norm+xla_dot": try_time("jax_pallas_rms_norm", theirs, sets, **kw)}
-        rows.append(row("rmsnorm_qkv", f"M={m} K={k} N={n}", t_ours, peers, w_bytes, args.hbm_bw))
+    for name, (k, n, opts, role) in projections.items():
+        n_out = n // 2 if opts.get("activation") == "silu_mul" else n
+        if role == "norm":  # (x, norm_scale, w); the timing dependency goes through norm_scale
+            ours = lambda x, s, w, opts=opts: rmsnorm_matmul(x, s, w, eps=EPS, interpret=args.interpret, **opts)
+            xla = jax.jit(lambda x, s, w, opts=opts: rmsnorm_matmul_reference(x, s, w, eps=EPS, **opts))
+        else:  # (x, residual, w); the timing dependency goes through the residual
+            ours = lambda x, r, w, opts=opts: rmsnorm_matmul(x, None, w, residual=r, interpret=args.interpret,
+                                                             **opts)
+            xla = jax.jit(lambda x, r, w, opts=opts: rmsnorm_matmul_reference(x, None, w, residual=r, **opts))
+        for m in m_values:
+            w_bytes = k * n * 2
+            sets = [(normal(rng, (m, k)), 1 + normal(rng, (k,), 0.1) if role == "norm" else normal(rng, (m, n_out)),
+                     normal(rng, (k, n), k ** -0.5)) for _ in range(rotations(args, w_bytes + m * k * 2))]
+            if args.check:
+                assert_close(f"{name} M={m}", ours(*sets[0]), xla(*sets[0]))
+            kw = {"work_seconds": w_bytes / args.hbm_bw, "repeats": args.repeats, "calls": args.calls, "dep_arg": 1}
+            t_ours = time_per_call(ours, sets, **kw)
+            peers = {"xla_reference": try_time("xla", xla, sets, **kw)}
+            if name == "rmsnorm_qkv":
+                peers["jax_pallas_rms_norm+xla_dot"] = try_time("jax_pallas_rms_norm", jax_pallas, sets, **kw)
+            rows.append(row(name, f"M={m} K={k} N={n}", t_ours, peers, w_bytes, args.hbm_bw))
+            del sets
     return rows
 
 
@@ -253,13 +274,13 @@ def main():
         model, decode_grid, m_values, prefill_tokens = TINY, [(1, 16), (3, 40)], [1, 8], 32
         args.repeats, args.calls, args.max_rotations = min(args.repeats, 2), args.calls or 2, 2
     else:
-        model, m_values, prefill_tokens = QWEN3_06B, [1, 8, 64, 2048], 2048
+        model, m_values, prefill_tokens = QWEN3_06B, [1, 8, 64, 2048], 2048  # 2048: the prefill preset
         decode_grid = [(b, c) for b in (1, 8, 64, 256) for c in (128, 1024, 4096, 16384)]
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; model {model}")
     rows = []
     print("decode attention:")
     rows += bench_decode(args, model, decode_grid, args.page_size, rng)
-    print("fused RMSNorm + QKV projection:")
+    print("fused projections (RMSNorm + QKV, o_proj + residual, RMSNorm + gate/up + SiLU-and-mul, down + residual):")
     rows += bench_rmsnorm_matmul(args, model, m_values, rng)
     print("prefill attention:")
     rows += bench_prefill(args, model, prefill_tokens, args.page_size, rng)

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_decode import PAGE, random_cache  # noqa: E402
 from random_model import loaded_model, random_hf_model  # noqa: E402
 
-from nanojax.attention import get_attention  # noqa: E402
+from nanojax.ops import get_ops  # noqa: E402
 from nanojax.runner import ModelRunner, greedy_sampling  # noqa: E402
 
 
@@ -57,7 +57,7 @@ def main():
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=16)
-    ap.add_argument("--attention", default="pallas")
+    ap.add_argument("--kernels", default="pallas", choices=["pallas", "reference"])
     ap.add_argument("--top", type=int, default=25)
     args = ap.parse_args()
 
@@ -65,13 +65,13 @@ def main():
     c, params = loaded.config, jax.tree.map(jnp.asarray, loaded.params)
     pps = -(-(args.context + args.steps) // PAGE)
     runner = ModelRunner(c, params, num_pages=args.batch * pps, page_size=PAGE, pages_per_seq=pps,
-                         dtype=jnp.bfloat16, attention=get_attention(args.attention), vocab_limit=c.vocab_size,
+                         dtype=jnp.bfloat16, ops=get_ops(args.kernels, c), vocab_limit=c.vocab_size,
                          max_num_seqs=args.batch, max_tokens_per_row=16)
     random_cache(runner, jax.random.key(0))
     tables = [list(range(b * pps, (b + 1) * pps)) for b in range(args.batch)]
-    tokens = [[int(t)] for t in np.random.default_rng(0).integers(0, 1000, args.batch)]
+    tokens = np.random.default_rng(0).integers(0, 1000, args.batch).tolist()
     samp, mode = greedy_sampling(args.batch)
-    run = lambda: runner.run(tokens, tables, [args.context] * args.batch, samp, mode, num_steps=args.steps)  # noqa
+    run = lambda: runner.decode(tokens, tables, [args.context] * args.batch, samp, mode, num_steps=args.steps)  # noqa
     run()
     run()
     t0 = time.perf_counter()
@@ -91,7 +91,7 @@ def main():
         by_kind[kernel_kind(name)][0] += 1
         by_kind[kernel_kind(name)][1] += us
     total_us = sum(us for _, us in events) / steps
-    print(f"\n{args.model} batch {args.batch} context {args.context} attention {args.attention}: "
+    print(f"\n{args.model} batch {args.batch} context {args.context} kernels {args.kernels}: "
           f"{wall_ms:.3f} ms/step wall, {total_us / 1e3:.3f} ms/step in {len(events) / steps:.0f} kernels "
           f"({100 * total_us / 1e3 / wall_ms:.0f}% of wall busy)")
     print(f"{'kernel':<60} {'per step':>8} {'us/step':>9} {'us each':>8}")

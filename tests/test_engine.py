@@ -58,9 +58,11 @@ def test_shared_prefix_is_computed_once(qwen3):
 def test_no_recompiles_in_steady_state(qwen3):
     folder, prompts, _ = qwen3
     llm = LLM(folder, dtype="float32", page_size=4, max_model_len=96, max_num_seqs=8)
-    llm.generate(prompts, GREEDY, use_tqdm=False)
+    llm.warmup(sampled=False)
     compiled = llm.runner.compiles
-    llm.generate(prompts[::-1], GREEDY, use_tqdm=False)
+    assert compiled == 2 * 4 + 4  # batch buckets 1..8 x (1 step, 8 steps) + prefill buckets 16..96
+    llm.generate(prompts, GREEDY, use_tqdm=False)
+    llm.generate(prompts[::-1][:5], GREEDY, use_tqdm=False)
     assert llm.runner.compiles == compiled
 
 

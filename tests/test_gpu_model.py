@@ -28,8 +28,8 @@ def test_kernels_and_reference_give_hf_greedy_tokens(name):
     loaded = loaded_model(hf, "float32")
     del hf
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    for attention in ("pallas", "reference"):
-        llm = LLM(loaded, dtype="float32", attention=attention, max_model_len=128, max_num_seqs=4, decode_steps=4,
+    for kernels in ("pallas", "reference"):
+        llm = LLM(loaded, dtype="float32", kernels=kernels, max_model_len=128, max_num_seqs=4, decode_steps=4,
                   chunk_size=16, max_num_batched_tokens=32)  # chunked prefill: cached-prefix attention too
-        assert [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == expected, attention
+        assert [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == expected, kernels
         del llm

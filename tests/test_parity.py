@@ -10,20 +10,26 @@ from convert import open_source, params_from_source
 from nanojax import LLM, SamplingParams
 from nanojax.kv_cache import Batch, KVCache
 from nanojax.model import forward, lm_logits
+from nanojax.ops import Ops, kernel_support
 
 ARCHS = sorted(TINY)
+# The model through the Pallas kernels (in Pallas' interpreter) too, for every architecture whose head_dim they take.
+KERNEL_ARCHS = [n for n in ARCHS if n != "qwen2"]  # the tiny qwen2 has head_dim 8
 
 
-@pytest.mark.parametrize("name", ARCHS)
-def test_logits_prefill_and_decode_match_hf(hf_model_dir, name):
+@pytest.mark.parametrize("name,ops", [(n, Ops()) for n in ARCHS] + [(n, Ops(pallas=True, interpret=True))
+                                                                     for n in KERNEL_ARCHS],
+                         ids=[f"{n}-reference" for n in ARCHS] + [f"{n}-pallas_interpret" for n in KERNEL_ARCHS])
+def test_logits_prefill_and_decode_match_hf(hf_model_dir, name, ops):
     folder, model = hf_model_dir(name)
     config, params = params_from_source(open_source(folder), "float32")
+    assert (kernel_support(config) is None) == (name in KERNEL_ARCHS)
     prompts = np.array(random_prompts(config.vocab_size, [11, 11], seed=1))
-    page_size, pages_per_seq = 4, 5  # 11 tokens: not a multiple of the page size
+    page_size = 4  # 11 tokens: not a multiple of the page size
     page_table = jnp.array([[9, 2, 7, 4, 0], [1, 8, 3, 6, 5]], jnp.int32)  # shuffled pages
     cache = KVCache.create(config, 10, page_size, jnp.float32)
     batch = Batch(page_table=page_table, seq_lens=jnp.array([11, 11]), q_lens=jnp.array([11, 11]))
-    hidden, cache = forward(params, jnp.array(prompts), cache, batch, config=config)
+    hidden, cache = forward(params, jnp.array(prompts), cache, batch, config=config, ops=ops)
     with torch.no_grad():
         ref = model(torch.tensor(prompts)).logits.numpy()
     np.testing.assert_allclose(np.asarray(lm_logits(params, hidden, config)), ref, atol=1e-4, rtol=1e-4)
@@ -33,7 +39,7 @@ def test_logits_prefill_and_decode_match_hf(hf_model_dir, name):
         nxt = ref[:, -1].argmax(-1)[:, None]
         ids = np.concatenate([ids, nxt], axis=1)
         batch = Batch(page_table=page_table, seq_lens=jnp.array([ids.shape[1]] * 2), q_lens=jnp.array([1, 1]))
-        hidden, cache = forward(params, jnp.array(nxt), cache, batch, config=config)
+        hidden, cache = forward(params, jnp.array(nxt), cache, batch, config=config, ops=ops)
         with torch.no_grad():
             ref = model(torch.tensor(ids)).logits.numpy()
         np.testing.assert_allclose(np.asarray(lm_logits(params, hidden, config))[:, -1], ref[:, -1],

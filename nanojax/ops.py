@@ -1,0 +1,77 @@
+"""The kernel switch: the decoder's three fused steps, each either a plain jnp reference (XLA fuses it) or a Pallas
+kernel, chosen by one static, hashable `Ops` value that the compiled steps take.
+
+    project:        [RMSNorm] -> matmul [+ bias] [-> SiLU-and-mul] [+ residual]   pallas_kernels.rmsnorm_matmul
+    qkv_rope_cache: split, q/k RMSNorm, RoPE, paged KV write                       pallas_kernels.qkv_rope_cache
+    attention:      paged attention over the KV pages (decode and ragged prefill)  pallas_kernels.paged_attention
+
+The references are the kernels' own `*_reference` functions, so the reference path and the kernels compute one
+definition; the HF parity tests run the reference path, the kernel tests compare each kernel with its reference.
+"""
+import dataclasses
+import functools
+
+import jax
+
+from pallas_kernels.paged_attention import paged_attention_reference, paged_decode_attention, paged_prefill_attention
+from pallas_kernels.qkv_rope_cache import qkv_rope_cache, qkv_rope_cache_reference
+from pallas_kernels.rmsnorm_matmul import rmsnorm_matmul, rmsnorm_matmul_reference
+
+NAMES = ("auto", "reference", "pallas", "interpret")
+
+
+@dataclasses.dataclass(frozen=True)
+class Ops:
+    """pallas: run the Pallas kernels (interpret: in Pallas' interpreter, for CPU tests) instead of the references."""
+
+    pallas: bool = False
+    interpret: bool = False
+
+    def project(self, x, p, *, norm_scale=None, eps=None, residual=None, activation=None):
+        """x: [N, K]; p: {w [K, N'], b [N']?} -> [N, N_out]; see rmsnorm_matmul_reference."""
+        if not self.pallas:
+            return rmsnorm_matmul_reference(x, norm_scale, p["w"], p.get("b"), eps=eps, residual=residual,
+                                            activation=activation)
+        return rmsnorm_matmul(x, norm_scale, p["w"], p.get("b"), eps=eps, residual=residual, activation=activation,
+                              interpret=self.interpret)
+
+    def qkv_rope_cache(self, qkv, positions, slots, k_pages, v_pages, inv_freq, q_norm, k_norm, *, eps):
+        """qkv: [N, (Hq + 2 Hkv) D]; positions, slots: [N] -> (q [N, Hq, D], k_pages, v_pages)."""
+        if not self.pallas:
+            return qkv_rope_cache_reference(qkv, positions, slots, k_pages, v_pages, inv_freq, q_norm, k_norm,
+                                            eps=eps)
+        return qkv_rope_cache(qkv, positions, slots, k_pages, v_pages, inv_freq, q_norm, k_norm, eps=eps,
+                              interpret=self.interpret)
+
+    def attention(self, q, k_pages, v_pages, page_table, seq_lens, q_lens, *, scale):
+        """q: [B, T, Hq, D] -> [B, T, Hq, D]; see paged_attention_reference."""
+        if not self.pallas:
+            return paged_attention_reference(q, k_pages, v_pages, page_table, seq_lens, q_lens, scale=scale)
+        if q.shape[1] == 1:  # decode: one new token per row (q_lens is 1, or 0 with seq_lens 0 on padding rows)
+            out = paged_decode_attention(q[:, 0], k_pages, v_pages, page_table, seq_lens, scale=scale,
+                                         interpret=self.interpret)
+            return out[:, None]
+        return paged_prefill_attention(q, k_pages, v_pages, page_table, seq_lens, q_lens, scale=scale,
+                                       interpret=self.interpret)
+
+
+def kernel_support(config) -> str | None:
+    """Why the Pallas kernels cannot run this model, or None: they need a power-of-two head_dim >= 16."""
+    d = config.head_dim
+    if d < 16 or d & (d - 1):
+        return f"head_dim={d} (the Pallas kernels need a power of two >= 16)"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def get_ops(name: str, config) -> Ops:
+    """name: "reference", "pallas" (GPU), "interpret" (the kernels in Pallas' interpreter), or "auto": the kernels on
+    a GPU when the model's shapes allow them, else the reference."""
+    if name not in NAMES:
+        raise ValueError(f"kernels={name!r} is not one of {list(NAMES)}")
+    unsupported = kernel_support(config)
+    if name == "auto":
+        name = "pallas" if jax.default_backend() == "gpu" and unsupported is None else "reference"
+    if name != "reference" and unsupported:
+        raise ValueError(f"kernels={name!r} cannot run {config.architecture}: {unsupported}; use 'reference'")
+    return Ops(pallas=name != "reference", interpret=name == "interpret")

@@ -1,0 +1,292 @@
+"""Fused QKV epilogue: split of the QKV projection, per-head RMSNorm of q and k (Qwen3's q_norm / k_norm), RoPE of q
+and k, and the write of k and v into the paged KV cache, in one kernel.
+
+Token layout: one flat list of N tokens, decode and prefill alike (a [B, T] batch flattened, padding included).
+    qkv:       [N, (Hq + 2 * Hkv) * D]   the projection: Hq query heads, then Hkv key heads, then Hkv value heads
+    positions: [N] int32                 absolute position of each token; -1 marks a padding token
+    slots:     [N] int32                 flat cache slot of the token's KV, page * page_size + offset in page;
+                                         -1 (or anything outside [0, num_pages * page_size)) writes nothing
+    k_pages, v_pages: [num_pages, Hkv, page_size, D], the layout of pallas_kernels.paged_attention
+The caller computes slots from its page table, e.g. for a Batch (nanojax.kv_cache):
+    pos = batch.positions(T); safe = max(pos, 0)
+    slots = where(pos >= 0, page_table[b, safe // page_size] * page_size + safe % page_size, -1)
+
+Semantics (qkv_rope_cache_reference; the model's attention_block up to the attention call, with its rms_norm,
+apply_rope and write_kv):
+    q, k, v = split(qkv) per head
+    q = rms_norm(q, q_norm, eps) if q_norm is given;  k = rms_norm(k, k_norm, eps) if k_norm is given
+    q, k = rope(q, positions), rope(k, positions) if inv_freq is given
+    k_pages[slot // page_size, :, slot % page_size] = k; the same for v   (tokens with position >= 0 and a valid slot)
+    returns q [N, Hq, D] in qkv.dtype, zero on padding tokens, and the updated k_pages, v_pages.
+A token with position >= 0 and slot -1 gets its q but writes no KV.
+
+Rounding (dtype = qkv.dtype), step by step as the model's XLA ops:
+    rms_norm: x is upcast to f32; mean of squares, rsqrt and the product in f32; rounded to dtype; then times
+              weight.astype(dtype), a product in dtype.
+    rope:     freqs = f32(position) * inv_freq in f32 (exact positions up to 2**24); cos and sin in f32, rounded to
+              dtype; x1 * cos - x2 * sin and x2 * cos + x1 * sin as products and sums in dtype (rotate_half on the two
+              halves of D).
+In f32 the kernel matches the reference to a few ulps (sum order of the mean of squares; the GPU's __nv_cosf /
+__nv_sinf / __nv_rsqrtf are the same libdevice calls XLA:GPU makes). In bf16 each step rounds once, as written; a
+compiler may contract a product and a sum into one fma (Triton does by default, and XLA:GPU, allowed excess precision,
+may keep a fusion's intermediates in f32), so results can differ from the reference by one bf16 ulp.
+
+In place: k_pages and v_pages are aliased to the kernel's second and third outputs (pallas_call input_output_aliases,
+lowered to the custom call's output_operand_aliases). The kernel stores only the tokens' slots; every other byte of
+the pools is the input's. The pools are copied only if XLA must keep the inputs alive: to update them in place, the
+caller must donate them (as nanojax.runner's steps donate the KV cache) and not use the old arrays afterwards.
+"""
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels._compat import load, store, triton_params
+
+
+def _rms_norm(x, scale, eps):
+    """nanojax.model.rms_norm: f32 statistics, rounded to x.dtype, then times the weight in x.dtype."""
+    xf = x.astype(jnp.float32)
+    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return scale.astype(x.dtype) * normed.astype(x.dtype)
+
+
+def _apply_rope(x, positions, inv_freq):
+    """nanojax.model.apply_rope for x: [N, heads, D], positions: [N]."""
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [N, D/2]
+    cos = jnp.cos(freqs)[:, None, :].astype(x.dtype)
+    sin = jnp.sin(freqs)[:, None, :].astype(x.dtype)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def qkv_rope_cache_reference(qkv, positions, slots, k_pages, v_pages, inv_freq=None, q_norm=None, k_norm=None, *,
+                             eps=None):
+    """Plain jnp: the semantics of qkv_rope_cache (see the module docstring).
+
+    qkv: [N, (Hq + 2 * Hkv) * D]; positions, slots: [N] int32; k_pages, v_pages: [num_pages, Hkv, page_size, D];
+    inv_freq: [D/2] f32 or None (no RoPE); q_norm, k_norm: [D] or None (no norm); eps: the norms' epsilon.
+    Returns (q [N, Hq, D] in qkv.dtype, k_pages, v_pages).
+    """
+    num_pages, num_kv_heads, page_size, head_dim = k_pages.shape
+    num_tokens, width = qkv.shape
+    num_q_heads = width // head_dim - 2 * num_kv_heads
+    q, k, v = jnp.split(qkv, [num_q_heads * head_dim, (num_q_heads + num_kv_heads) * head_dim], axis=-1)
+    q = q.reshape(num_tokens, num_q_heads, head_dim)
+    k = k.reshape(num_tokens, num_kv_heads, head_dim)
+    v = v.reshape(num_tokens, num_kv_heads, head_dim)
+    if q_norm is not None:
+        q = _rms_norm(q, q_norm, eps)
+    if k_norm is not None:
+        k = _rms_norm(k, k_norm, eps)
+    if inv_freq is not None:
+        q, k = _apply_rope(q, positions, inv_freq), _apply_rope(k, positions, inv_freq)
+    live = positions >= 0
+    q = jnp.where(live[:, None, None], q, jnp.zeros((), q.dtype))
+    write = live & (slots >= 0) & (slots < num_pages * page_size)
+    page = jnp.where(write, slots // page_size, num_pages)  # out of range: dropped
+    offset = jnp.where(write, slots % page_size, 0)
+    k_pages = k_pages.at[page, :, offset].set(k.astype(k_pages.dtype), mode="drop")
+    v_pages = v_pages.at[page, :, offset].set(v.astype(v_pages.dtype), mode="drop")
+    return q, k_pages, v_pages
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Pallas (Triton) kernel.
+#
+# A program owns (token block, KV head): block_t tokens' query heads of that KV head's group (group_pad =
+# next_pow2(group) rows per token, as in paged_attention), their key head and their value head. Every tensor is a
+# [rows, D/2] half (RoPE rotates the two halves of D, so they are loaded and stored as two tiles) or a [block_t, D] value
+# tile: power-of-two shapes whatever N, the GQA ratio or page_size; masks cover the rest. All loads and stores are
+# pointer gathers/scatters (a row's D/2 or D elements are contiguous, so they vectorize). Nothing loops: the work is a
+# few KiB per program, so the kernel is one memory round trip in, some f32 math, and one out.
+#
+# Masked lanes: a padding row never loads (its q is stored as zeros) and a token without a valid slot never stores KV.
+# Masked KV stores index page num_pages, out of range: on the GPU the mask skips them; in interpret mode a masked store
+# becomes a scatter of the old values, which drops out-of-range indices, so no masked lane can collide with a real one.
+
+
+def _is_power_of_2(n):
+    return n >= 1 and n & (n - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class QkvRopeCacheConfig:
+    """Tiling of the fused kernel.
+
+    block_rows: query rows (token x padded query head of one KV group) per program, a power of two; a program takes
+        max(1, block_rows // next_pow2(group)) tokens, fewer when N is smaller.
+    """
+    block_rows: int = 32
+    num_warps: int = 4
+    num_stages: int = 1  # no loop to pipeline
+
+    def __post_init__(self):
+        if not _is_power_of_2(self.block_rows):
+            raise ValueError(f"block_rows must be a power of two, got {self.block_rows}")
+        if not _is_power_of_2(self.num_warps):
+            raise ValueError(f"num_warps must be a power of two, got {self.num_warps}")
+
+
+# Decode (N <= 256, one token per sequence): latency-bound; small one-warp programs, so that even batch 1 spreads over
+# Hkv programs and batch 64 over a few hundred. Each thread holds ~8 f32 of each [8, D/2] tile at D = 128.
+DECODE_CONFIG = QkvRopeCacheConfig(block_rows=8, num_warps=1)
+# Prefill: bandwidth-bound; 4 warps on [32, D/2] tiles, the same ~8-16 f32 per thread per tile. Not tuned on a GPU.
+PREFILL_CONFIG = QkvRopeCacheConfig(block_rows=32, num_warps=4)
+
+
+def _default_config(num_tokens):
+    return DECODE_CONFIG if num_tokens <= 256 else PREFILL_CONFIG
+
+
+def _norm_rope(x1, x2, pos, norm_ref, inv_freq_ref, *, eps):
+    """x1, x2: [M, D/2] the two halves of M head vectors, pos: [M] -> the normed (if norm_ref) and roped (if
+    inv_freq_ref) halves, rounded as _rms_norm and _apply_rope."""
+    dtype, half = x1.dtype, x1.shape[1]
+    d = jnp.arange(half)
+    if norm_ref is not None:
+        x1f, x2f = x1.astype(jnp.float32), x2.astype(jnp.float32)
+        mean_sq = (jnp.sum(x1f * x1f, axis=1) + jnp.sum(x2f * x2f, axis=1)) / (2 * half)
+        rstd = lax.rsqrt(mean_sq + eps)[:, None]
+        w1, w2 = (load(norm_ref.at[cols]).astype(dtype)[None, :] for cols in (d, half + d))
+        x1, x2 = w1 * (x1f * rstd).astype(dtype), w2 * (x2f * rstd).astype(dtype)
+    if inv_freq_ref is not None:
+        freqs = pos.astype(jnp.float32)[:, None] * load(inv_freq_ref.at[d])[None, :]  # [M, D/2] f32
+        cos, sin = jnp.cos(freqs).astype(dtype), jnp.sin(freqs).astype(dtype)
+        x1, x2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    return x1, x2
+
+
+def _qkv_rope_cache_kernel(qkv_ref, pos_ref, slot_ref, k_in_ref, v_in_ref, inv_freq_ref, q_norm_ref, k_norm_ref,
+                           q_ref, k_ref, v_ref, *, eps, num_kv_heads, group, group_pad, block_t):
+    # qkv_ref: [N, (Hq + 2 * Hkv) * D] every token's projection
+    # pos_ref: [N] int32 absolute positions, -1 on padding tokens
+    # slot_ref: [N] int32 flat cache slots (page * page_size + offset), -1: no KV write
+    # k_in_ref, v_in_ref: [num_pages, page_size, D] this program's KV head of the pools; aliased to k_ref and v_ref,
+    #     never read (they are here only as the operands that the outputs alias)
+    # inv_freq_ref: [D/2] f32 RoPE inverse frequencies, or None (no RoPE)
+    # q_norm_ref, k_norm_ref: [D] RMSNorm weights, or None (no norm)
+    # q_ref: [N, Hq, D] the normed and roped queries
+    # k_ref, v_ref: [num_pages, page_size, D] this program's KV head of the pools, written at the tokens' slots only
+    del k_in_ref, v_in_ref
+    num_tokens, _ = qkv_ref.shape
+    num_q_heads = q_ref.shape[1]
+    num_pages, page_size, head_dim = k_ref.shape
+    half = head_dim // 2
+    token_block, kv_head = pl.program_id(0), pl.program_id(1)
+    d = jnp.arange(half)
+
+    # Key and value: one row per token.
+    token = token_block * block_t + jnp.arange(block_t)
+    token_ok = token < num_tokens
+    pos = load(pos_ref.at[token], mask=token_ok, other=-1)
+    slot = load(slot_ref.at[token], mask=token_ok, other=-1)
+    write = (pos >= 0) & (slot >= 0) & (slot < num_pages * page_size)
+    page = jnp.where(write, lax.div(slot, page_size), num_pages)  # out of range where masked (see above)
+    offset = jnp.where(write, lax.rem(slot, page_size), 0)
+    k_col = (num_q_heads + kv_head) * head_dim
+    k1, k2 = (load(qkv_ref.at[token[:, None], (k_col + cols)[None, :]], mask=write[:, None], other=0.0)
+              for cols in (d, half + d))
+    k1, k2 = _norm_rope(k1, k2, pos, k_norm_ref, inv_freq_ref, eps=eps)
+    for cols, x in ((d, k1), (half + d, k2)):
+        store(k_ref.at[page[:, None], offset[:, None], cols[None, :]], x.astype(k_ref.dtype), mask=write[:, None])
+    v_col = (num_q_heads + num_kv_heads + kv_head) * head_dim
+    dv = jnp.arange(head_dim)
+    v = load(qkv_ref.at[token[:, None], (v_col + dv)[None, :]], mask=write[:, None], other=0.0)
+    store(v_ref.at[page[:, None], offset[:, None], dv[None, :]], v.astype(v_ref.dtype), mask=write[:, None])
+
+    # Queries: group_pad rows per token, row r = (token r // group_pad, query head kv_head * group + r % group_pad).
+    rows = jnp.arange(block_t * group_pad)
+    q_token = token_block * block_t + lax.div(rows, group_pad)
+    in_group = lax.rem(rows, group_pad)
+    head = kv_head * group + in_group
+    row_ok = (in_group < group) & (q_token < num_tokens)  # rows of q_ref this program stores
+    q_pos = load(pos_ref.at[q_token], mask=row_ok, other=-1)
+    live = row_ok & (q_pos >= 0)  # rows that are computed; the other stored rows are padding tokens: zeros
+    q1, q2 = (load(qkv_ref.at[q_token[:, None], (head * head_dim)[:, None] + cols[None, :]], mask=live[:, None],
+                   other=0.0) for cols in (d, half + d))
+    q1, q2 = _norm_rope(q1, q2, q_pos, q_norm_ref, inv_freq_ref, eps=eps)
+    for cols, x in ((d, q1), (half + d, q2)):
+        x = jnp.where(live[:, None], x, jnp.zeros((), x.dtype))
+        store(q_ref.at[q_token[:, None], head[:, None], cols[None, :]], x.astype(q_ref.dtype), mask=row_ok[:, None])
+
+
+def _check_inputs(qkv, positions, slots, k_pages, v_pages, inv_freq, q_norm, k_norm, eps):
+    """Raises ValueError for inputs the kernel cannot take; -> num_q_heads."""
+    if k_pages.ndim != 4 or v_pages.shape != k_pages.shape:
+        raise ValueError(f"k_pages and v_pages must both be [num_pages, Hkv, page_size, D], got {k_pages.shape} "
+                         f"and {v_pages.shape}")
+    num_pages, num_kv_heads, page_size, head_dim = k_pages.shape
+    if head_dim < 16 or not _is_power_of_2(head_dim):
+        raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
+    if num_pages * page_size >= 2**31:
+        raise ValueError(f"the pool's {num_pages} x {page_size} slots do not fit int32 slot ids")
+    if qkv.ndim != 2 or qkv.shape[0] < 1 or qkv.shape[1] % head_dim:
+        raise ValueError(f"qkv must be [N >= 1, (Hq + 2 * Hkv) * D] with D = {head_dim}, got shape {qkv.shape}")
+    num_tokens = qkv.shape[0]
+    num_q_heads = qkv.shape[1] // head_dim - 2 * num_kv_heads
+    if num_q_heads < 1 or num_q_heads % num_kv_heads:
+        raise ValueError(f"qkv's {qkv.shape[1] // head_dim} heads minus 2 * {num_kv_heads} KV heads leave "
+                         f"{num_q_heads} query heads, not a positive multiple of num_kv_heads")
+    if not qkv.dtype == k_pages.dtype == v_pages.dtype or not jnp.issubdtype(qkv.dtype, jnp.floating):
+        # One dtype: a narrower cache would round k and v once more, a wider one would keep whatever excess precision
+        # the compiler gave the bf16 RoPE arithmetic, and neither is what the model computes.
+        raise ValueError(f"qkv, k_pages and v_pages must share one float dtype, got {qkv.dtype}, {k_pages.dtype} "
+                         f"and {v_pages.dtype}")
+    for name, ids in (("positions", positions), ("slots", slots)):
+        if ids.shape != (num_tokens,) or ids.dtype != jnp.int32:
+            raise ValueError(f"{name} must be int32 [{num_tokens}], got {ids.dtype}{ids.shape}")
+    if inv_freq is not None and (inv_freq.shape != (head_dim // 2,) or inv_freq.dtype != jnp.float32):
+        raise ValueError(f"inv_freq must be float32 [{head_dim // 2}] or None, got {inv_freq.dtype}{inv_freq.shape}")
+    for name, weight in (("q_norm", q_norm), ("k_norm", k_norm)):
+        if weight is not None and (weight.shape != (head_dim,) or not jnp.issubdtype(weight.dtype, jnp.floating)):
+            raise ValueError(f"{name} must be a float [{head_dim}] or None, got {weight.dtype}{weight.shape}")
+    if (q_norm is not None or k_norm is not None) and not (isinstance(eps, (int, float)) and eps > 0):
+        raise ValueError(f"q_norm / k_norm need a positive eps, got {eps!r}")
+    return num_q_heads
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "config", "interpret"))
+def qkv_rope_cache(qkv, positions, slots, k_pages, v_pages, inv_freq=None, q_norm=None, k_norm=None, *, eps=None,
+                   config=None, interpret=False):
+    """Split + q/k RMSNorm + RoPE + paged KV write, fused: the semantics of qkv_rope_cache_reference.
+
+    qkv: [N, (Hq + 2 * Hkv) * D]; positions: [N] int32 (-1: padding token); slots: [N] int32 flat cache slots
+    (page * page_size + offset; -1: write nothing); k_pages, v_pages: [num_pages, Hkv, page_size, D];
+    inv_freq: [D/2] float32 or None (no RoPE); q_norm, k_norm: [D] or None (no norm); eps: the norms' epsilon.
+    Returns (q [N, Hq, D] in qkv.dtype, zero on padding tokens; k_pages; v_pages), the pools updated in place at the
+    tokens' slots when the caller donates them (see the module docstring). Two tokens must not share a slot.
+    config None: DECODE_CONFIG for N <= 256, else PREFILL_CONFIG.
+    """
+    num_q_heads = _check_inputs(qkv, positions, slots, k_pages, v_pages, inv_freq, q_norm, k_norm, eps)
+    num_tokens = qkv.shape[0]
+    num_pages, num_kv_heads, page_size, head_dim = k_pages.shape
+    group = num_q_heads // num_kv_heads
+    group_pad = pl.next_power_of_2(group)
+    config = config or _default_config(num_tokens)
+    block_t = min(max(1, config.block_rows // group_pad), pl.next_power_of_2(num_tokens))
+
+    def whole(x):
+        return None if x is None else pl.BlockSpec(x.shape, lambda i, h: (0,) * x.ndim)
+
+    kv_spec = pl.BlockSpec((num_pages, None, page_size, head_dim), lambda i, h: (0, h, 0, 0))
+    q_shape = jax.ShapeDtypeStruct((num_tokens, num_q_heads, head_dim), qkv.dtype)
+    kernel = functools.partial(_qkv_rope_cache_kernel, eps=eps, num_kv_heads=num_kv_heads, group=group,
+                               group_pad=group_pad, block_t=block_t)
+    return pl.pallas_call(
+        kernel,
+        grid=(pl.cdiv(num_tokens, block_t), num_kv_heads),
+        in_specs=[whole(qkv), whole(positions), whole(slots), kv_spec, kv_spec, whole(inv_freq), whole(q_norm),
+                  whole(k_norm)],
+        out_specs=[whole(q_shape), kv_spec, kv_spec],
+        out_shape=[q_shape, jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
+                   jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)],
+        # Flat operand indices (None operands do not count; the pools come before the optional ones).
+        input_output_aliases={3: 1, 4: 2},
+        compiler_params=triton_params(config.num_warps, config.num_stages),
+        interpret=interpret,
+        name="qkv_rope_cache",
+    )(qkv, positions, slots, k_pages, v_pages, inv_freq, q_norm, k_norm)

@@ -1,0 +1,88 @@
+"""Sweep rmsnorm_matmul tilings for a model's decode projections (M = 1, 8, ...) on the GPU; print the best per shape.
+
+    PYTHONPATH=$PWD python3 scripts/tune_projections.py --model qwen3-0.6b --m 1 8 --out $OUT/tune.json
+
+Each projection of a layer is timed in its fused form (RMSNorm + QKV, o_proj + residual, RMSNorm + gate/up +
+SiLU-and-mul, down + residual) with bench_kernels' harness (back-to-back calls in one jit, inputs rotated past L2),
+for every config of the grid and for the default that `_default_config` picks. %HBM counts the weight bytes.
+"""
+import argparse
+import dataclasses
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from bench_kernels import EPS, normal, rotations, time_per_call  # noqa: E402
+
+from pallas_kernels.rmsnorm_matmul import _default_config, rmsnorm_matmul  # noqa: E402
+
+GRID = {"block_n": (16, 32, 64), "block_k": (128, 256, 512), "k_splits": (1, 2, 4, 8)}
+
+
+def projections(cfg: dict) -> dict:
+    """name -> (K, N of w, activation, whether the second input is a norm scale or a residual)."""
+    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    head_dim = cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
+    return {"norm_qkv": (hidden, q + 2 * kv, None, "norm"), "o_proj_residual": (q, hidden, None, "residual"),
+            "norm_gate_up_silu": (hidden, 2 * inter, "silu_mul", "norm"), "down_residual": (inter, hidden, None,
+                                                                                            "residual")}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen3-0.6b")
+    ap.add_argument("--m", type=int, nargs="+", default=[1])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--hbm-bw", type=float, default=2.83e12)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    args.max_rotations = 16
+    cfg = json.loads((Path(__file__).parent / "configs" / f"{args.model}.json").read_text())
+    rng = np.random.default_rng(0)
+    results = []
+    for (name, (k, n, activation, role)), m in itertools.product(projections(cfg).items(), args.m):
+        n_out = n // 2 if activation else n
+        sets = [(normal(rng, (m, k)), 1 + normal(rng, (k,), 0.1) if role == "norm" else normal(rng, (m, n_out)),
+                 normal(rng, (k, n), k ** -0.5)) for _ in range(rotations(args, k * n * 2))]
+        w_bytes = k * n * 2
+        default = _default_config(m, k, n_out, sets[0][0].dtype, silu_mul=activation is not None)
+        configs = [default] + [dataclasses.replace(default, **dict(zip(GRID, values)))
+                               for values in itertools.product(*GRID.values())]
+        timings = []
+        for config in dict.fromkeys(configs):
+            def fn(x, second, w, config=config):
+                kw = {"norm_scale": second, "eps": EPS} if role == "norm" else {"norm_scale": None, "residual": second}
+                return rmsnorm_matmul(x, w=w, activation=activation, config=config, **kw)
+            try:
+                t = time_per_call(fn, sets, work_seconds=w_bytes / args.hbm_bw, repeats=args.repeats, dep_arg=1)
+            except Exception as e:  # noqa: BLE001 - a tiling that does not fit shared memory is skipped
+                print(f"  {name} M={m} {config}: {type(e).__name__}")
+                continue
+            timings.append((t, config))
+        t_default = next(t for t, c in timings if c == default)
+        best_t, best = min(timings, key=lambda tc: tc[0])
+        row = {"projection": name, "m": m, "k": k, "n": n, "default": dataclasses.asdict(default),
+               "default_us": t_default * 1e6, "default_hbm_pct": 100 * w_bytes / t_default / args.hbm_bw,
+               "best": dataclasses.asdict(best), "best_us": best_t * 1e6,
+               "best_hbm_pct": 100 * w_bytes / best_t / args.hbm_bw,
+               "top5": [(t * 1e6, dataclasses.asdict(c)) for t, c in sorted(timings, key=lambda tc: tc[0])[:5]]}
+        results.append(row)
+        print(json.dumps(row), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+    print(f"\n{'projection':<20} {'M':>4} {'default us':>10} {'%HBM':>5} {'best us':>8} {'%HBM':>5}  best config")
+    for r in results:
+        b = r["best"]
+        print(f"{r['projection']:<20} {r['m']:>4} {r['default_us']:>10.2f} {r['default_hbm_pct']:>5.0f} "
+              f"{r['best_us']:>8.2f} {r['best_hbm_pct']:>5.0f}  bn={b['block_n']} bk={b['block_k']} "
+              f"splits={b['k_splits']} stages={b['num_stages']} warps={b['num_warps']}")
+
+
+if __name__ == "__main__":
+    main()
