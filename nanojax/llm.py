@@ -11,9 +11,9 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from nanojax.attention import get_attention
 from nanojax.block_manager import BlockManager
 from nanojax.loader import LoadedModel, load_model
+from nanojax.ops import get_ops
 from nanojax.runner import ModelRunner
 from nanojax.sampling import PAD_ID, SamplingMode
 from nanojax.sampling_params import SamplingParams
@@ -26,7 +26,7 @@ class RequestOutput:
     index: int  # position of the prompt in the call
     prompt_token_ids: list[int]
     token_ids: list[int]  # generated tokens (a stop token included)
-    text: str  # generated text, special tokens skipped, a stop string cut off
+    text: str  # generated text, special tokens skipped, a stop string cut off (streamed: the deltas so far)
     finish_reason: str | None  # "stop" | "length" | None while running
     delta: str = ""  # text added since the previous streamed event
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
@@ -40,6 +40,8 @@ class _Request:
     stop_ids: frozenset[int]
     start: float
     emitted_text: str = ""
+    pin: bool = False  # pin the prompt's full pages when the request finishes (`LLM.pin_prefix`) ...
+    pin_handle: int | None = None  # ... under this block-manager handle
 
     def seen_counts(self) -> dict[int, int]:
         """Every token of prompt and output -> its count in the output (for the penalties)."""
@@ -52,7 +54,7 @@ class _Request:
 def _ragged(rows: list[list[tuple[int, float]]], value_dtype=np.int32) -> tuple[np.ndarray, np.ndarray]:
     """Per-row (token id, value) lists -> ([B, W] ids padded with PAD_ID, [B, W] values); W a power of two so
     the compiled step sees few shapes."""
-    width = 1 << max(0, (max(len(r) for r in rows) - 1).bit_length())
+    width = 1 << (max(1, max(len(r) for r in rows)) - 1).bit_length()
     ids = np.full((len(rows), width), PAD_ID, np.int32)
     values = np.zeros((len(rows), width), value_dtype)
     for i, r in enumerate(rows):
@@ -69,13 +71,15 @@ class LLM:
     dtype: "bfloat16" (default on GPU) or "float32" (default on CPU).
     num_pages: KV pages in the pool; None sizes it from free device memory (`memory_fraction`).
     decode_steps: decode steps run on device per dispatch when a step is decode-only.
-    attention: "reference" (jnp), "pallas", or "auto" (Pallas on GPU).
+    kernels: "reference" (jnp), "pallas", "interpret" (the Pallas kernels interpreted, for CPU tests), or "auto"
+    (the Pallas kernels on a GPU where the model's shapes allow them).
     """
 
-    def __init__(self, model: "str | LoadedModel | None" = None, *, dtype: str | None = None, max_model_len: int | None = None,
-                 page_size: int = 16, num_pages: int | None = None, memory_fraction: float = 0.85,
+    def __init__(self, model: "str | LoadedModel | None" = None, *, dtype: str | None = None,
+                 max_model_len: int | None = None, page_size: int = 16, num_pages: int | None = None,
+                 memory_fraction: float = 0.85,
                  max_num_seqs: int = 64, max_num_batched_tokens: int | None = None, chunk_size: int | None = None,
-                 decode_steps: int = 8, attention: str = "auto", seed: int = 0):
+                 decode_steps: int = 8, kernels: str = "auto", seed: int = 0):
         on_gpu = jax.default_backend() == "gpu"
         self.dtype = dtype or ("bfloat16" if on_gpu else "float32")
         loaded = load_model(model, self.dtype)
@@ -94,8 +98,9 @@ class LLM:
         vocab_limit = min(len(self.tokenizer), self.config.vocab_size) if self.tokenizer else self.config.vocab_size
         self.runner = ModelRunner(
             self.config, params, num_pages=num_pages, page_size=page_size, pages_per_seq=pages_per_seq,
-            dtype=params["embed"].dtype, attention=get_attention(attention), vocab_limit=vocab_limit,
-            max_num_seqs=max_num_seqs, max_tokens_per_row=min(max_num_batched_tokens, chunk_size or 1 << 30))
+            dtype=params["embed"].dtype, ops=get_ops(kernels, self.config), vocab_limit=vocab_limit,
+            max_num_seqs=max_num_seqs,
+            max_tokens_per_row=min(max_num_batched_tokens, chunk_size or self.max_model_len, self.max_model_len))
         self.block_manager = BlockManager(num_pages, page_size)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -113,6 +118,13 @@ class LLM:
         else:  # CPU: no allocator limit to read, keep the pool modest
             budget = 2 << 30
         return int(max(1, min(wanted, budget // page_bytes)))
+
+    def warmup(self, sampled: bool = True) -> None:
+        """Compile every step shape now (greedy, and random sampling unless sampled=False), not on first use."""
+        modes = [SamplingMode(random=False, filtered=False, adjusted=False)]
+        if sampled:
+            modes.append(SamplingMode(random=True, filtered=False, adjusted=False))
+        self.runner.warmup(self.decode_steps, modes)
 
     # ----- requests -----
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -133,7 +145,28 @@ class LLM:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                   return_dict=False)
 
-    def _add(self, index: int, prompt_ids: list[int], params: SamplingParams) -> _Request:
+    # ----- pinned prefixes -----
+    def pin_prefix(self, prompt: str | list[int]) -> int:
+        """Computes the prompt's KV once and pins its full pages (len(prompt) // page_size of them): every later
+        request that starts with this prompt, and is longer than the pinned pages, reuses them
+        (RequestOutput.num_cached_tokens), however much else is evicted meanwhile. Returns a handle for `unpin`.
+        """
+        ids = self.encode(prompt)
+        page_size = self.block_manager.block_size
+        if len(ids) < page_size:
+            raise ValueError(f"the prefix has {len(ids)} tokens, less than one KV page ({page_size} tokens): "
+                             "nothing to pin")
+        added = []  # one request with max_tokens=1: the prefill computes the KV, the pin is taken as it finishes
+        once = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        for _ in self._run(lambda: added.append(self._add(0, ids, once, pin=True)), stream_text=False):
+            pass
+        return added[0].pin_handle
+
+    def unpin(self, handle: int) -> None:
+        """Releases a pinned prefix: its pages become ordinary cached pages, evicted under memory pressure."""
+        self.block_manager.unpin(handle)
+
+    def _add(self, index: int, prompt_ids: list[int], params: SamplingParams, pin: bool = False) -> _Request:
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(f"prompt {index} has {len(prompt_ids)} tokens; max_model_len={self.max_model_len} "
                              "leaves no room to generate")
@@ -142,10 +175,13 @@ class LLM:
         if pages > self.block_manager.num_blocks:
             raise ValueError(f"prompt {index} needs up to {pages} KV pages ({total} tokens) but the pool has only "
                              f"{self.block_manager.num_blocks}: lower max_tokens or raise num_pages")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer, and this checkpoint has none: use stop_token_ids")
         if params.seed is None:
             params = dataclasses.replace(params, seed=int(self._rng.integers(2**32)))
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
-        request = _Request(RequestOutput(index, prompt_ids, [], "", None), params, stop_ids, time.perf_counter())
+        request = _Request(RequestOutput(index, prompt_ids, [], "", None), params, stop_ids, time.perf_counter(),
+                           pin=pin)
         self.scheduler.add(Sequence(prompt_ids, params=request))
         return request
 
@@ -163,10 +199,21 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         ids = [self.encode(p) for p in prompts]
-        for i, (p, sp) in enumerate(zip(ids, params)):
-            self._add(i, p, sp)
-        while self.scheduler.has_unfinished():
-            yield from self._step(stream_text)
+        yield from self._run(lambda: [self._add(i, p, sp) for i, (p, sp) in enumerate(zip(ids, params))],
+                             stream_text)
+
+    def _run(self, add, stream_text: bool) -> Iterator[RequestOutput]:
+        """Runs the requests `add()` queues until all finish. If the caller stops early (a stream closed, an
+        error) they are aborted, so they never run inside a later call."""
+        if self.scheduler.has_unfinished():
+            raise RuntimeError("the engine is still running another stream's requests: exhaust or close it first")
+        try:
+            add()
+            while self.scheduler.has_unfinished():
+                yield from self._step(stream_text)
+        finally:
+            for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+                self.scheduler.finish(seq)
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
         """Outputs in prompt order. A single prompt (str or token-id list) may be passed as is."""
@@ -186,24 +233,22 @@ class LLM:
         penalized = any(seq.params.params.penalized for seq in self.scheduler.running)
         chunks = self.scheduler.schedule(decode_steps=1 if penalized else self.decode_steps)
         sampled: dict[int, list[int]] = {}
-        if chunks and chunks[0].num_steps > 1:  # decode-only step run as num_steps steps on device
-            sampled.update(self._run(chunks, chunks[0].num_steps))
-        else:  # decodes and prefill chunks as separate dispatches, so decodes are not padded to chunk length
-            for group in ([c for c in chunks if c.num_tokens == 1], [c for c in chunks if c.num_tokens > 1]):
-                if group:
-                    sampled.update(self._run(group, 1))
+        decodes = [c for c in chunks if c.num_tokens == 1 and c.sample]
+        if decodes:  # all decodes in one dispatch (num_steps > 1 only in a decode-only step)
+            arrays, mode = self._sampling_arrays(decodes)
+            out = self.runner.decode([c.seq.token_ids[c.start] for c in decodes], [c.seq.block_table for c in decodes],
+                                     [c.end for c in decodes], arrays, mode, decodes[0].num_steps)
+            sampled.update({c.seq.seq_id: out[:, i].tolist() for i, c in enumerate(decodes)})
+        for c in chunks:  # prefill chunks one row each, so their shapes stay [1, T]
+            if not (c.num_tokens == 1 and c.sample):
+                arrays, mode = self._sampling_arrays([c])
+                tok = self.runner.prefill(c.seq.token_ids[c.start:c.end], c.seq.block_table, c.end, arrays, mode)
+                if c.sample:
+                    sampled[c.seq.seq_id] = [tok]
         accepted = {c.seq.seq_id: self._accept(c.seq, sampled[c.seq.seq_id]) for c in chunks if c.sample}
         self.scheduler.update(chunks, accepted)
         events = [self._emit(c.seq, stream_text) for c in chunks if c.sample]
         return [e for e in events if e is not None]
-
-    def _run(self, chunks, num_steps: int) -> dict[int, list[int]]:
-        """Computes the chunks; returns the sampled tokens of the chunks that end their sequence's tokens."""
-        tokens = [c.seq.token_ids[c.start:c.end] for c in chunks]
-        arrays, mode = self._sampling_arrays(chunks)
-        out = self.runner.run(tokens, [c.seq.block_table for c in chunks], [c.end for c in chunks], arrays, mode,
-                              num_steps)
-        return {c.seq.seq_id: out[:, i].tolist() for i, c in enumerate(chunks) if c.sample}
 
     def _sampling_arrays(self, chunks) -> tuple[dict[str, np.ndarray], SamplingMode]:
         reqs: list[_Request] = [c.seq.params for c in chunks]
@@ -252,21 +297,33 @@ class LLM:
 
     def _emit(self, seq: Sequence, stream_text: bool) -> RequestOutput | None:
         req: _Request = seq.params
-        out = req.output
-        if self.tokenizer is not None and (stream_text or req.params.stop or out.finish_reason):
+        out, stop = req.output, req.params.stop
+        if self.tokenizer is not None and (stream_text or stop or out.finish_reason):
             out.text = self._text(out.token_ids)
-            if req.params.stop:
-                cut = min((i for i in (out.text.find(s) for s in req.params.stop) if i >= 0), default=-1)
-                if cut >= 0:
-                    out.text, out.finish_reason = out.text[:cut], "stop"
+            if stop and _find_stop(out.text, stop) >= 0:
+                # A multi-step decode samples past the token that completed the stop string: drop what follows
+                # it, so the output is the same whatever decode_steps is.
+                while len(out.token_ids) > 1 and _find_stop(self._text(out.token_ids[:-1]), stop) >= 0:
+                    out.token_ids.pop()
+                out.text = self._text(out.token_ids)
+                out.text, out.finish_reason = out.text[:_find_stop(out.text, stop)], "stop"
         if out.finish_reason is not None:
+            if req.pin:
+                req.pin_handle = self.block_manager.pin_blocks(seq, len(out.prompt_token_ids))
             self.scheduler.finish(seq)
         out.num_cached_tokens = seq.num_cached_tokens
         stable = out.text if out.finish_reason else out.text.rstrip("\ufffd")
+        if stop and not out.finish_reason:  # hold back what may be the start of a stop string
+            stable = stable[:max(0, len(stable) - max(map(len, stop)) + 1)]
         out.delta, req.emitted_text = stable[len(req.emitted_text):], stable
         if not out.delta and out.finish_reason is None:
             return None
-        return dataclasses.replace(out, token_ids=list(out.token_ids))
+        return dataclasses.replace(out, token_ids=list(out.token_ids), text=stable)
 
     def _text(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+def _find_stop(text: str, stop: tuple[str, ...]) -> int:
+    """Where the first stop string found in text starts, or -1."""
+    return min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)

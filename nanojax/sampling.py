@@ -79,7 +79,8 @@ def _adjust(logits, s: SamplingBatch, rows):
 def _sample_filtered(scaled, gumbel, s: SamplingBatch):
     """Top-k, then top-p over what is left, then min-p (relative to the top token), then a Gumbel-max draw.
 
-    The noise is i.i.d., so it is added in sorted order without being permuted along.
+    The noise is indexed by token id, as in the unfiltered draw, so a seeded row draws the same numbers whether or
+    not a filtered row shares its batch (and its filters are off).
     """
     order = jnp.argsort(-scaled, axis=-1)
     sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
@@ -92,5 +93,5 @@ def _sample_filtered(scaled, gumbel, s: SamplingBatch):
     keep &= mass_before < s.top_p[:, None]
     keep &= probs >= s.min_p[:, None] * probs[:, :1]
     keep = keep.at[:, 0].set(True)
-    choice = jnp.argmax(jnp.where(keep, sorted_logits + gumbel, -jnp.inf), -1)
+    choice = jnp.argmax(jnp.where(keep, sorted_logits + jnp.take_along_axis(gumbel, order, axis=-1), -jnp.inf), -1)
     return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]

@@ -1,0 +1,190 @@
+"""The LLM API around the engine loop: pinned prefixes, multi-turn prefix reuse, streaming, and streams closed
+early. Greedy tokens are checked against HF (conftest.hf_greedy) wherever cached pages are reused."""
+import pytest
+from conftest import hf_greedy, random_prompts
+from test_sampling import byte_tokenizer  # the tiny in-memory tokenizer, for text and stop strings
+
+from nanojax import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def qwen3(hf_model_dir):
+    folder, model = hf_model_dir("qwen3")
+    return str(folder), model
+
+
+def pressure(llm: LLM, seed: int) -> None:
+    """Unrelated traffic that allocates many more fresh pages than the pool has (6 requests x 7 pages), so every
+    page that is not pinned or in use is reused, evicting what it cached."""
+    outs = llm.generate(random_prompts(97, [17] * 6, seed=seed), GREEDY, use_tqdm=False)
+    assert all(o.num_cached_tokens == 0 for o in outs)
+
+
+def test_pinned_prefix_survives_pressure_until_unpinned(qwen3):
+    folder, model = qwen3
+    llm = LLM(folder, dtype="float32", page_size=4, max_model_len=96, num_pages=20, max_num_seqs=2)
+    bm = llm.block_manager
+    system = random_prompts(97, [26], seed=30)[0]  # 6 full pages + 2 tokens
+    user = [system + q for q in random_prompts(97, [5, 3], seed=31)] + [system]
+    expected = [hf_greedy(model, p, GREEDY.max_tokens) for p in user]
+
+    handle = llm.pin_prefix(system)
+    assert bm.num_pinned_blocks == 6 and bm.num_free_blocks == 20 - 6
+    for round_, prompt in enumerate(user):
+        pressure(llm, seed=40 + round_)
+        out = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+        assert out.num_cached_tokens == 24 and out.token_ids == expected[round_]
+    both = llm.generate(user[:2], GREEDY, use_tqdm=False)  # two requests share the pinned pages at once
+    assert [o.num_cached_tokens for o in both] == [24, 24] and [o.token_ids for o in both] == expected[:2]
+    bm.check_invariants()
+
+    llm.unpin(handle)
+    assert bm.num_pinned_blocks == 0 and bm.num_free_blocks == bm.num_blocks
+    out = llm.generate([system + [7, 7, 7]], GREEDY, use_tqdm=False)[0]  # unpinning does not clear the pages
+    assert out.num_cached_tokens == 24
+    pressure(llm, seed=50)  # now the pressure evicts them like any other page
+    out = llm.generate([user[1]], GREEDY, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 0 and out.token_ids == expected[1]
+    bm.check_invariants()
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_pins_are_independent_and_bad_calls_are_rejected(qwen3):
+    folder, _ = qwen3
+    llm = LLM(folder, dtype="float32", page_size=4, max_model_len=32)
+    system = random_prompts(97, [10], seed=32)[0]  # 2 full pages; the 2 tokens after them are not pinned
+    a, b = llm.pin_prefix(system), llm.pin_prefix(system + [1, 2, 3, 4, 5])  # the second adds a third page
+    assert a != b and llm.block_manager.num_pinned_blocks == 3
+    llm.unpin(b)
+    assert llm.block_manager.num_pinned_blocks == 2  # the shared pages stay pinned by `a`
+    with pytest.raises(ValueError, match="unknown pin handle"):
+        llm.unpin(b)  # twice
+    with pytest.raises(ValueError, match="unknown pin handle"):
+        llm.unpin(12345)
+    llm.unpin(a)
+    assert llm.block_manager.num_pinned_blocks == 0
+    with pytest.raises(ValueError, match="less than one KV page"):
+        llm.pin_prefix([1, 2, 3])
+    with pytest.raises(ValueError, match="max_model_len=32"):
+        llm.pin_prefix(list(range(40)))
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.pin_prefix("a system prompt")
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 97\)"):
+        llm.pin_prefix([5] * 8 + [97])
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        llm.generate([system], SamplingParams(stop="x"), use_tqdm=False)
+    assert not llm.scheduler.has_unfinished() and llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+
+
+def test_pins_that_leave_no_room_fail_clearly_and_the_engine_recovers(qwen3):
+    folder, model = qwen3
+    llm = LLM(folder, dtype="float32", page_size=4, max_model_len=32, num_pages=6)
+    handle = llm.pin_prefix(random_prompts(97, [20], seed=37)[0])  # 5 of the 6 pages
+    prompt = random_prompts(97, [9], seed=38)[0]  # needs 3 pages
+    with pytest.raises(RuntimeError, match="5 pinned"):
+        llm.generate([prompt], GREEDY, use_tqdm=False)
+    assert not llm.scheduler.has_unfinished()  # the failed request is gone, not left to run in the next call
+    llm.unpin(handle)
+    assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].token_ids == hf_greedy(model, prompt, GREEDY.max_tokens)
+
+
+def test_multi_turn_chat_reuses_the_previous_turns_pages(qwen3):
+    folder, model = qwen3
+    llm = LLM(folder, dtype="float32", page_size=4, max_model_len=96)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    prompt = random_prompts(97, [21], seed=33)[0]
+    reply = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert reply.token_ids == hf_greedy(model, prompt, 10)
+    for new in random_prompts(97, [5, 6], seed=34):
+        history = prompt + reply.token_ids  # 31, then 46 tokens
+        previous_prompt_pages = len(prompt) // 4 * 4
+        prompt = history + new
+        reply = llm.generate([prompt], params, use_tqdm=False)[0]
+        # The KV of every token of the history but the last (sampled, never fed back) was computed in the last
+        # turn, generated tokens included; their full pages are reused: all of them, as len(history) % 4 != 0.
+        assert len(history) % 4 and reply.num_cached_tokens == len(history) // 4 * 4
+        assert reply.num_cached_tokens >= previous_prompt_pages + 8  # the reply's pages count
+        assert reply.token_ids == hf_greedy(model, prompt, 10)
+
+
+@pytest.fixture(scope="module")
+def llm_with_text(hf_model_dir):
+    """The tiny qwen3 with the in-memory byte tokenizer of test_sampling (the tiny models have none)."""
+    import dataclasses
+
+    from nanojax.loader import load_model
+
+    folder, _ = hf_model_dir("qwen3")
+    loaded = dataclasses.replace(load_model(str(folder), "float32"), tokenizer=byte_tokenizer())
+    return LLM(loaded, dtype="float32", page_size=4, max_model_len=96)
+
+
+def stream_events(llm: LLM, prompts, params) -> list[list]:
+    events = [[] for _ in prompts]
+    for event in llm.stream(prompts, params):
+        events[event.index].append(event)
+    return events
+
+
+def check_stream(events: list, final) -> None:
+    """The events of one request add up to its final output (from LLM.generate)."""
+    last = events[-1]
+    assert [e.finish_reason for e in events] == [None] * (len(events) - 1) + [final.finish_reason]
+    assert "".join(e.delta for e in events) == last.text == final.text
+    assert last.token_ids == final.token_ids
+    assert all(e.delta for e in events[:-1])  # an event per text change, never an empty one mid-stream
+    for k, e in enumerate(events):  # each event: the text so far (its deltas) and a prefix of the final tokens
+        assert e.text == "".join(d.delta for d in events[:k + 1])
+        assert e.token_ids == last.token_ids[:len(e.token_ids)]
+
+
+def test_stream_deltas_add_up_to_the_final_output(llm_with_text):
+    llm = llm_with_text
+    prompts = random_prompts(97, [9, 14, 5, 20], seed=35)
+    free = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (30, 12, 25)]
+    free.append(SamplingParams(temperature=0.8, max_tokens=30, ignore_eos=True, seed=3))
+    events = stream_events(llm, prompts, free)
+    for evs, out in zip(events, llm.generate(prompts, free, use_tqdm=False)):
+        check_stream(evs, out)
+        assert len(evs) >= 3  # the prefill's token, then a few multi-step dispatches
+    # Stop strings that start with the last character of an event's text: the stream must hold that character
+    # back until it knows whether the stop string completes (it does; the final text ends before it).
+    params = list(free)
+    for i in (0, 3):
+        text = events[i][-1].text
+        starts = [len(e.text) - 1 for e in events[i][1:-1]]
+        stop = next(text[b:b + 4] for b in starts if "\ufffd" not in text[b:b + 4] and text.find(text[b:b + 4]) == b)
+        params[i] = SamplingParams(temperature=free[i].temperature, max_tokens=30, ignore_eos=True,
+                                   seed=free[i].seed, stop=("zzzz", stop))
+    # And a stop string longer than an early event's text, starting at the very beginning: nothing may be
+    # streamed before it completes (the final text is empty).
+    text, short = next((evs[-1].text, e) for evs in events[1:3] for e in evs[:-1] if len(e.text) >= 2)
+    assert len(text) >= len(short.text) + 2 and "\ufffd" not in text[:len(short.text) + 2]
+    params[short.index] = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                                         stop=text[:len(short.text) + 2])
+    expected = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.finish_reason for o in expected] == ["stop" if i in (0, short.index, 3) else "length" for i in range(4)]
+    assert expected[short.index].text == ""
+    for evs, out in zip(stream_events(llm, prompts, params), expected):
+        check_stream(evs, out)
+
+
+def test_closing_a_stream_early_aborts_its_requests(qwen3):
+    folder, model = qwen3
+    llm = LLM(folder, dtype="float32", page_size=4, max_model_len=96)
+    prompts = random_prompts(97, [9, 14, 5], seed=36)
+    lengths = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 20, 20)]
+    stream = llm.stream(prompts, lengths)
+    first = next(stream)  # no tokenizer: an event only when a request finishes
+    assert (first.index, first.finish_reason) == (0, "length")
+    with pytest.raises(RuntimeError, match="another stream"):
+        llm.pin_prefix(prompts[1])
+    with pytest.raises(RuntimeError, match="another stream"):
+        llm.generate(prompts[:1], GREEDY, use_tqdm=False)
+    stream.close()
+    assert not llm.scheduler.has_unfinished()
+    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+    outs = llm.generate(prompts[::-1], GREEDY, use_tqdm=False)  # the aborted requests do not come back
+    assert [o.token_ids for o in outs] == [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts[::-1]]
