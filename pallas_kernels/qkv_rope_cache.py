@@ -99,8 +99,8 @@ def qkv_rope_cache_reference(qkv, positions, slots, k_pages, v_pages, inv_freq=N
 #
 # A program owns (token block, KV head): block_t tokens' query heads of that KV head's group (group_pad =
 # next_pow2(group) rows per token, as in paged_attention), their key head and their value head. Every tensor is a
-# [rows, D/2] half (RoPE rotates the two halves of D, so they are loaded and stored as two tiles) or a [block_t, D] value
-# tile: power-of-two shapes whatever N, the GQA ratio or page_size; masks cover the rest. All loads and stores are
+# [rows, D/2] half (RoPE rotates the two halves of D, so they are loaded and stored as two tiles) or a [block_t, D]
+# value tile: power-of-two shapes whatever N, the GQA ratio or page_size; masks cover the rest. All loads and stores are
 # pointer gathers/scatters (a row's D/2 or D elements are contiguous, so they vectorize). Nothing loops: the work is a
 # few KiB per program, so the kernel is one memory round trip in, some f32 math, and one out.
 #
