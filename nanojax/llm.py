@@ -70,7 +70,8 @@ class LLM:
     for the embedded default (SmolLM2-135M-Instruct), or a `LoadedModel` already in memory.
     dtype: "bfloat16" (default on GPU) or "float32" (default on CPU).
     num_pages: KV pages in the pool; None sizes it from free device memory (`memory_fraction`).
-    decode_steps: decode steps run on device per dispatch when a step is decode-only.
+    decode_steps: decode steps run on device per dispatch when a step is decode-only (32: on the H100, batch 1 ran
+    at 2.27 / 1.72 / 1.43 / 1.33 / 1.28 ms per step with 4 / 8 / 16 / 32 / 64; docs/benchmarks.md).
     kernels: "reference" (jnp), "pallas", "interpret" (the Pallas kernels interpreted, for CPU tests), or "auto"
     (the Pallas kernels on a GPU where the model's shapes allow them).
     """
@@ -79,7 +80,7 @@ class LLM:
                  max_model_len: int | None = None, page_size: int = 16, num_pages: int | None = None,
                  memory_fraction: float = 0.85,
                  max_num_seqs: int = 64, max_num_batched_tokens: int | None = None, chunk_size: int | None = None,
-                 decode_steps: int = 8, kernels: str = "auto", seed: int = 0):
+                 decode_steps: int = 32, kernels: str = "auto", seed: int = 0):
         on_gpu = jax.default_backend() == "gpu"
         self.dtype = dtype or ("bfloat16" if on_gpu else "float32")
         loaded = load_model(model, self.dtype)
@@ -232,19 +233,22 @@ class LLM:
         # The penalties count the output so far, so their requests decode one step per dispatch.
         penalized = any(seq.params.params.penalized for seq in self.scheduler.running)
         chunks = self.scheduler.schedule(decode_steps=1 if penalized else self.decode_steps)
-        sampled: dict[int, list[int]] = {}
+        # Dispatch every computation of the step first and wait for results only after: the GPU runs the decodes
+        # and the prefill chunks back to back while the host prepares the next dispatches.
+        pending = {}
         decodes = [c for c in chunks if c.num_tokens == 1 and c.sample]
         if decodes:  # all decodes in one dispatch (num_steps > 1 only in a decode-only step)
             arrays, mode = self._sampling_arrays(decodes)
             out = self.runner.decode([c.seq.token_ids[c.start] for c in decodes], [c.seq.block_table for c in decodes],
                                      [c.end for c in decodes], arrays, mode, decodes[0].num_steps)
-            sampled.update({c.seq.seq_id: out[:, i].tolist() for i, c in enumerate(decodes)})
+            pending.update({c.seq.seq_id: (out, i) for i, c in enumerate(decodes)})
         for c in chunks:  # prefill chunks one row each, so their shapes stay [1, T]
             if not (c.num_tokens == 1 and c.sample):
                 arrays, mode = self._sampling_arrays([c])
-                tok = self.runner.prefill(c.seq.token_ids[c.start:c.end], c.seq.block_table, c.end, arrays, mode)
-                if c.sample:
-                    sampled[c.seq.seq_id] = [tok]
+                out = self.runner.prefill(c.seq.token_ids[c.start:c.end], c.seq.block_table, c.end, arrays, mode)
+                if c.sample:  # a chunk that ends mid-prompt samples nothing: its result is never fetched
+                    pending[c.seq.seq_id] = (out, 0)
+        sampled = {seq_id: out.get()[:, row].tolist() for seq_id, (out, row) in pending.items()}
         accepted = {c.seq.seq_id: self._accept(c.seq, sampled[c.seq.seq_id]) for c in chunks if c.sample}
         self.scheduler.update(chunks, accepted)
         events = [self._emit(c.seq, stream_text) for c in chunks if c.sample]

@@ -18,6 +18,11 @@ from pallas_kernels.qkv_rope_cache import qkv_rope_cache, qkv_rope_cache_referen
 from pallas_kernels.rmsnorm_matmul import rmsnorm_matmul, rmsnorm_matmul_reference
 
 NAMES = ("auto", "reference", "pallas", "interpret")
+# The fused projection kernel is used up to this many rows, where it beats XLA's GEMV fusion (1.3-2x at M = 1 on the
+# H100). From M = 2 on XLA switches to a GEMM that ties or beats it (o_proj: XLA 1.2-1.5x faster at M = 2..16; QKV:
+# even at M = 2..8, XLA 1.2x at 16; prefill sizes: XLA 1.05-6.6x), so larger row counts take the XLA path
+# (docs/benchmarks.md, bench_kernels.py).
+PALLAS_PROJECTION_MAX_ROWS = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +34,7 @@ class Ops:
 
     def project(self, x, p, *, norm_scale=None, eps=None, residual=None, activation=None):
         """x: [N, K]; p: {w [K, N'], b [N']?} -> [N, N_out]; see rmsnorm_matmul_reference."""
-        if not self.pallas:
+        if not self.pallas or x.shape[0] > PALLAS_PROJECTION_MAX_ROWS:
             return rmsnorm_matmul_reference(x, norm_scale, p["w"], p.get("b"), eps=eps, residual=residual,
                                             activation=activation)
         return rmsnorm_matmul(x, norm_scale, p["w"], p.get("b"), eps=eps, residual=residual, activation=activation,

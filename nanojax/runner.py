@@ -84,23 +84,22 @@ class ModelRunner:
         self.compiles = 0
 
     def decode(self, last_tokens: list[int], page_tables: list[list[int]], seq_lens: list[int],
-               sampling: dict[str, np.ndarray], mode: SamplingMode, num_steps: int = 1) -> np.ndarray:
-        """num_steps decode steps for each row (seq_lens counts the last token). Returns [num_steps, rows]."""
+               sampling: dict[str, np.ndarray], mode: SamplingMode, num_steps: int = 1) -> "Pending":
+        """Dispatches num_steps decode steps for each row (seq_lens counts the last token); [num_steps, rows]."""
         rows = len(last_tokens)
         b = bucket(rows, self.batch_buckets)
         tokens = np.zeros((b, 1), np.int32)
         tokens[:rows, 0] = last_tokens
         q_lens = (np.arange(b) < rows).astype(np.int32)
-        out = self._call(tokens, page_tables, seq_lens, q_lens, sampling, mode, num_steps)
-        return out[:, :rows]
+        return Pending(self._call(tokens, page_tables, seq_lens, q_lens, sampling, mode, num_steps), rows)
 
     def prefill(self, tokens: list[int], page_table: list[int], seq_len: int, sampling: dict[str, np.ndarray],
-                mode: SamplingMode) -> int:
-        """Computes a chunk of one sequence ending at seq_len; returns the token sampled after it."""
+                mode: SamplingMode) -> "Pending":
+        """Dispatches a chunk of one sequence ending at seq_len; [1, 1]: the token sampled after it."""
         padded = np.zeros((1, bucket(len(tokens), self.token_buckets)), np.int32)
         padded[0, :len(tokens)] = tokens
-        out = self._call(padded, [page_table], [seq_len], np.array([len(tokens)], np.int32), sampling, mode, 1)
-        return int(out[0, 0])
+        return Pending(self._call(padded, [page_table], [seq_len], np.array([len(tokens)], np.int32), sampling,
+                                  mode, 1), 1)
 
     def warmup(self, decode_steps: int, modes: list[SamplingMode]) -> None:
         """Compiles every bucket for each sampling mode, on padding rows that write nothing to the cache."""
@@ -113,23 +112,37 @@ class ModelRunner:
                 self._call(np.zeros((1, t), np.int32), [], [], np.zeros(1, np.int32), greedy_sampling(1)[0], mode, 1)
 
     def _call(self, tokens: np.ndarray, page_tables, seq_lens, q_lens: np.ndarray, sampling, mode, num_steps):
+        """Dispatches one compiled step; returns its sampled tokens [num_steps, rows] on device, not waited for."""
         rows = tokens.shape[0]
         table = np.zeros((rows, self.pages_per_seq), np.int32)
         for i, pages in enumerate(page_tables):
             table[i, :len(pages)] = pages
         lens = np.zeros(rows, np.int32)
         lens[:len(seq_lens)] = seq_lens
-        batch = Batch(page_table=jnp.asarray(table), seq_lens=jnp.asarray(lens), q_lens=jnp.asarray(q_lens))
-        samp = SamplingBatch(**{k: jnp.asarray(_pad_rows(v, rows, PAD_ID if k.endswith("_ids") else 0))
+        batch = Batch(page_table=table, seq_lens=lens, q_lens=q_lens)
+        samp = SamplingBatch(**{k: _pad_rows(v, rows, PAD_ID if k.endswith("_ids") else 0)
                                 for k, v in sampling.items()})
+        # One transfer for all of the step's host arrays: a jnp.asarray per array costs ~0.3 ms each on the
+        # H100 machine, which made the host, not the GPU, the bottleneck of a dispatch (docs/perf_notes.md).
+        tokens, batch, samp = jax.device_put((tokens if num_steps == 1 else tokens[:, 0], batch, samp))
         fn = step if num_steps == 1 else functools.partial(multi_decode, num_steps=num_steps)
         before = _cache_size(fn)
-        out, self.cache = fn(self.params, self.cache, jnp.asarray(tokens if num_steps == 1 else tokens[:, 0]),
-                             batch, samp, config=self.config, ops=self.ops,
+        out, self.cache = fn(self.params, self.cache, tokens, batch, samp, config=self.config, ops=self.ops,
                              vocab_limit=self.vocab_limit, mode=mode)
         self.compiles += _cache_size(fn) - before
-        out = np.asarray(out)
         return out[None] if num_steps == 1 else out
+
+
+class Pending:
+    """A dispatched step's sampled tokens, still on device: the host goes on (schedules, dispatches more, streams
+    text) while the GPU computes, and waits only in `get`."""
+
+    def __init__(self, tokens: jax.Array, rows: int):
+        self._tokens, self._rows = tokens, rows
+
+    def get(self) -> np.ndarray:
+        """-> [num_steps, rows] int32 (waits for the step; the host copy is cached by the jax.Array)."""
+        return np.asarray(self._tokens)[:, :self._rows]
 
 
 def _pad_rows(v: np.ndarray, rows: int, fill) -> np.ndarray:

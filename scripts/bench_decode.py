@@ -51,11 +51,11 @@ def check_parity(name: str, kernels: str, num_tokens: int = 8) -> bool:
 
 
 def time_call(fn, iters: int) -> float:
-    """Median seconds of fn() over `iters` calls, synchronised."""
+    """Median seconds of fn() over `iters` calls (fn waits for its result)."""
     times = []
     for _ in range(iters):
         t0 = time.perf_counter()
-        jax.block_until_ready(fn())
+        fn()
         times.append(time.perf_counter() - t0)
     return float(np.median(times))
 
@@ -67,9 +67,9 @@ def bench_point(runner: ModelRunner, batch: int, context: int, steps: int) -> di
     lens = [context] * batch
     samp, mode = greedy_sampling(batch)
     t0 = time.perf_counter()
-    runner.decode(tokens, tables, lens, samp, mode, num_steps=steps)
+    runner.decode(tokens, tables, lens, samp, mode, num_steps=steps).get()
     compile_s = time.perf_counter() - t0
-    seconds = time_call(lambda: runner.decode(tokens, tables, lens, samp, mode, num_steps=steps), iters=5)
+    seconds = time_call(lambda: runner.decode(tokens, tables, lens, samp, mode, num_steps=steps).get(), iters=5)
     return {"compile_s": compile_s, "ms_per_step": seconds / steps * 1e3}
 
 
@@ -83,9 +83,28 @@ def random_cache(runner: ModelRunner, key) -> None:
 def ttft(runner: ModelRunner, prompt_len: int) -> float:
     table = list(range(runner.pages_per_seq))
     tokens = np.random.default_rng(prompt_len).integers(0, 1000, prompt_len).tolist()
-    run = lambda: runner.prefill(tokens, table, prompt_len, *greedy_sampling(1))  # noqa: E731
+    run = lambda: runner.prefill(tokens, table, prompt_len, *greedy_sampling(1)).get()  # noqa: E731
     run()
     return time_call(run, iters=5)
+
+
+def hf_points(hf, args, points: list, save) -> None:
+    """HF transformers peers on the same weights (scripts/hf_peers.py), appended to points; a peer that fails is
+    reported, not fatal."""
+    from hf_peers import decode_tok_s
+
+    context, steps = args.contexts[0], max(args.steps)
+    for compiled, batches in ((False, args.hf_eager_batches), (True, args.hf_compiled_batches)):
+        for batch in batches:
+            point = {"kernels": "hf-compiled" if compiled else "hf-eager", "batch": batch, "context": context}
+            try:
+                tok_s = decode_tok_s(hf, batch, context, steps, compiled=compiled)
+                point.update(tok_s=tok_s, ms_per_step=batch / tok_s * 1e3)
+            except Exception as e:  # noqa: BLE001 -- a peer's failure is a result to print, not a crash
+                point["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            points.append(point)
+            save()
+            print(json.dumps(point), flush=True)
 
 
 def main():
@@ -94,18 +113,25 @@ def main():
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
     ap.add_argument("--contexts", type=int, nargs="+", default=[512, 4096])
     ap.add_argument("--kernels", nargs="+", default=["pallas", "reference"])
-    ap.add_argument("--steps", type=int, default=16, help="decode steps per dispatch")
+    ap.add_argument("--steps", type=int, nargs="+", default=[32], help="decode steps per dispatch (each is a point)")
     ap.add_argument("--ttft", type=int, nargs="*", default=[128, 512, 2048])
     ap.add_argument("--skip-parity", action="store_true")
+    ap.add_argument("--hf-eager-batches", type=int, nargs="*", default=[1, 8, 64, 256],
+                    help="HF generate (eager) peer points, at the first context")
+    ap.add_argument("--hf-compiled-batches", type=int, nargs="*", default=[1, 64],
+                    help="HF static cache + torch.compile peer points (a compile each), at the first context")
     ap.add_argument("--out", default="decode.json")
     args = ap.parse_args()
 
     results = {"device": str(jax.devices()[0]), "model": args.model, "steps_per_dispatch": args.steps,
-               "parity": {}, "points": [], "ttft_ms": {}}
+               "parity": {}, "points": [], "ttft_ms": {}, "peers": []}
+    save = lambda: Path(args.out).write_text(json.dumps(results, indent=2))  # noqa: E731 -- after every point
     if not args.skip_parity:
         for kern in args.kernels:
             results["parity"][kern] = check_parity(args.model, kern)
-    loaded = loaded_model(random_hf_model(args.model, "bfloat16"), "bfloat16")
+        print(f"parity with HF (float32 greedy): {results['parity']}", flush=True)
+    hf = random_hf_model(args.model, "bfloat16")
+    loaded = loaded_model(hf, "bfloat16")
     params = jax.tree.map(jnp.asarray, loaded.params)
     wbytes = weight_bytes(params) - loaded.config.vocab_size * loaded.config.hidden_size * 2 * (
         0 if loaded.config.tie_word_embeddings else 1)  # untied: the input embedding is read only by row
@@ -113,8 +139,17 @@ def main():
     kv_token_bytes = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 2
     max_ctx = max(args.contexts + args.ttft)
     for kern in args.kernels:
+        if args.ttft:
+            pps = -(-max_ctx // PAGE)
+            runner = ModelRunner(c, params, num_pages=pps, page_size=PAGE, pages_per_seq=pps, dtype=jnp.bfloat16,
+                                 ops=get_ops(kern, c), vocab_limit=c.vocab_size, max_num_seqs=1,
+                                 max_tokens_per_row=max(args.ttft))
+            results["ttft_ms"][kern] = {n: ttft(runner, n) * 1e3 for n in args.ttft}
+            save()
+            print(f"TTFT {kern}: {results['ttft_ms'][kern]}", flush=True)
+            del runner
         for context in args.contexts:
-            pps = -(-(context + args.steps) // PAGE)
+            pps = -(-(context + max(args.steps)) // PAGE)
             for batch in args.batches:
                 if batch * pps * PAGE * kv_token_bytes > 40e9:
                     continue
@@ -122,27 +157,27 @@ def main():
                                      dtype=jnp.bfloat16, ops=get_ops(kern, c), vocab_limit=c.vocab_size,
                                      max_num_seqs=batch, max_tokens_per_row=16)
                 random_cache(runner, jax.random.key(0))
-                point = bench_point(runner, batch, context, args.steps)
-                step_bytes = wbytes + batch * context * kv_token_bytes
-                point.update(kernels=kern, batch=batch, context=context,
-                             tok_s=batch / point["ms_per_step"] * 1e3,
-                             bw_pct=100 * step_bytes / (point["ms_per_step"] / 1e3) / HBM_BYTES_PER_S)
-                results["points"].append(point)
-                print(json.dumps(point), flush=True)
+                for steps in args.steps:
+                    point = bench_point(runner, batch, context, steps)
+                    step_bytes = wbytes + batch * context * kv_token_bytes
+                    point.update(kernels=kern, batch=batch, context=context, steps=steps,
+                                 tok_s=batch / point["ms_per_step"] * 1e3,
+                                 bw_pct=100 * step_bytes / (point["ms_per_step"] / 1e3) / HBM_BYTES_PER_S)
+                    results["points"].append(point)
+                    save()
+                    print(json.dumps(point), flush=True)
                 del runner
-        if args.ttft:
-            pps = -(-max_ctx // PAGE)
-            runner = ModelRunner(c, params, num_pages=pps, page_size=PAGE, pages_per_seq=pps, dtype=jnp.bfloat16,
-                                 ops=get_ops(kern, c), vocab_limit=c.vocab_size, max_num_seqs=1,
-                                 max_tokens_per_row=max(args.ttft))
-            results["ttft_ms"][kern] = {n: ttft(runner, n) * 1e3 for n in args.ttft}
-            del runner
-    Path(args.out).write_text(json.dumps(results, indent=2))
+    hf_points(hf, args, results["peers"], save)
     print(f"\n{args.model} on {results['device']}; parity {results['parity']}; weights {wbytes / 1e9:.2f} GB")
-    print(f"{'kernels':>10} {'ctx':>6} {'batch':>5} {'ms/step':>8} {'tok/s':>9} {'BW%':>5} {'compile s':>9}")
+    print(f"{'kernels':>10} {'ctx':>6} {'batch':>5} {'steps':>5} {'ms/step':>8} {'tok/s':>9} {'BW%':>5} "
+          f"{'compile s':>9}")
     for p in results["points"]:
-        print(f"{p['kernels']:>10} {p['context']:>6} {p['batch']:>5} {p['ms_per_step']:>8.3f} {p['tok_s']:>9.0f} "
+        print(f"{p['kernels']:>10} {p['context']:>6} {p['batch']:>5} {p['steps']:>5} {p['ms_per_step']:>8.3f} "
+              f"{p['tok_s']:>9.0f} "
               f"{p['bw_pct']:>5.1f} {p['compile_s']:>9.1f}")
+    for p in results["peers"]:
+        print(f"{p['kernels']:>10} {p['context']:>6} {p['batch']:>5} {'':>5} {p.get('ms_per_step', 0):>8.3f} "
+              f"{p.get('tok_s', 0):>9.0f} {p.get('error', '')}")
     for kern, t in results["ttft_ms"].items():
         print(f"TTFT {kern}: " + ", ".join(f"{n} tok {ms:.1f} ms" for n, ms in t.items()))
 

@@ -266,6 +266,9 @@ def main():
     p.add_argument("--max-kv-bytes", type=float, default=20e9, help="skip decode points with more KV than this")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--calls", type=int, help="calls per timed run (default: enough for ~5 ms)")
+    p.add_argument("--sections", nargs="+", default=["projections", "prefill", "decode"],
+                   choices=["projections", "prefill", "decode"])
+    p.add_argument("--m", type=int, nargs="+", default=[1, 8, 64, 2048], help="rows of the projection points")
     args = p.parse_args()
     args.max_rotations = 64
 
@@ -274,16 +277,20 @@ def main():
         model, decode_grid, m_values, prefill_tokens = TINY, [(1, 16), (3, 40)], [1, 8], 32
         args.repeats, args.calls, args.max_rotations = min(args.repeats, 2), args.calls or 2, 2
     else:
-        model, m_values, prefill_tokens = QWEN3_06B, [1, 8, 64, 2048], 2048  # 2048: the prefill preset
+        model, m_values, prefill_tokens = QWEN3_06B, args.m, 2048
         decode_grid = [(b, c) for b in (1, 8, 64, 256) for c in (128, 1024, 4096, 16384)]
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; model {model}")
     rows = []
-    print("decode attention:")
-    rows += bench_decode(args, model, decode_grid, args.page_size, rng)
-    print("fused projections (RMSNorm + QKV, o_proj + residual, RMSNorm + gate/up + SiLU-and-mul, down + residual):")
-    rows += bench_rmsnorm_matmul(args, model, m_values, rng)
-    print("prefill attention:")
-    rows += bench_prefill(args, model, prefill_tokens, args.page_size, rng)
+    if "projections" in args.sections:
+        print("fused projections (RMSNorm + QKV, o_proj + residual, RMSNorm + gate/up + SiLU-and-mul, "
+              "down + residual):")
+        rows += bench_rmsnorm_matmul(args, model, m_values, rng)
+    if "prefill" in args.sections:
+        print("prefill attention:")
+        rows += bench_prefill(args, model, prefill_tokens, args.page_size, rng)
+    if "decode" in args.sections:
+        print("decode attention:")
+        rows += bench_decode(args, model, decode_grid, args.page_size, rng)
     print_table(rows)
     if args.out:
         with open(args.out, "w") as f:

@@ -4,7 +4,9 @@
 
 Traces the compiled multi-step decode with jax.profiler and reads the GPU plane back (jax.profiler.ProfileData):
 kernels are grouped by name, so the table shows how many launches and how many microseconds each kind costs per
-decode step. Wall time per step minus summed kernel time is launch and idle overhead.
+decode step. Wall time per step minus summed kernel time is launch and idle overhead: the largest idle gaps
+between kernels are listed with their neighbours, and the host events by total time. `--prefill N` profiles a
+prefill of N tokens (time to first token) instead.
 """
 import argparse
 import collections
@@ -27,23 +29,46 @@ from nanojax.ops import get_ops  # noqa: E402
 from nanojax.runner import ModelRunner, greedy_sampling  # noqa: E402
 
 
-def gpu_kernel_events(trace_dir: str):
-    """[(name, duration_us)] of every kernel on the GPU plane of the trace."""
+def trace_events(trace_dir: str):
+    """([(name, start_ns, end_ns)] of every kernel on the GPU plane, [(name, duration_ns)] of host events)."""
     from jax.profiler import ProfileData
 
     (path,) = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
-    events, seen = [], []
+    kernels, host, seen = [], [], []
     for plane in ProfileData.from_file(path).planes:
         seen.append((plane.name, [line.name for line in plane.lines]))
+        if plane.name.startswith("/host"):
+            host += [(ev.name, ev.duration_ns) for line in plane.lines for ev in line.events]
         if "gpu" not in plane.name.lower():
             continue
         for line in plane.lines:
             if "compute" not in line.name.lower():  # e.g. 'Stream #14(Compute,MemcpyD2D)'; skip copy-only streams
                 continue
-            events += [(ev.name, ev.duration_ns / 1e3) for ev in line.events]
-    if not events:
+            kernels += [(ev.name, ev.start_ns, ev.end_ns) for ev in line.events]
+    if not kernels:
         raise SystemExit(f"no GPU kernel events; planes and lines in the trace: {seen}")
-    return events
+    return sorted(kernels, key=lambda k: k[1]), host
+
+
+def print_gaps(kernels, top: int) -> None:
+    """The GPU's idle gaps between consecutive kernels: where launch latency or host waits show."""
+    gaps = [(b[1] - a[2], a[0], b[0]) for a, b in zip(kernels, kernels[1:])]
+    for lo in (5e3, 50e3, 500e3):
+        big = [g for g in gaps if g[0] > lo]
+        print(f"gaps > {lo / 1e3:>5.0f} us: {len(big):>5}, {sum(g[0] for g in big) / 1e6:8.3f} ms in all")
+    print(f"{'gap us':>9}  previous kernel -> next kernel")
+    for ns, before, after in sorted(gaps, reverse=True)[:top]:
+        print(f"{ns / 1e3:>9.1f}  {kernel_kind(before)} -> {kernel_kind(after)}")
+
+
+def print_host(host, top: int) -> None:
+    by_name = collections.defaultdict(lambda: [0, 0])
+    for name, ns in host:
+        by_name[name[:70]][0] += 1
+        by_name[name[:70]][1] += ns
+    print(f"{'host event':<70} {'count':>6} {'ms':>9}")
+    for name, (n, ns) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]:
+        print(f"{name:<70} {n:>6} {ns / 1e6:>9.3f}")
 
 
 def kernel_kind(name: str) -> str:
@@ -59,19 +84,26 @@ def main():
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--kernels", default="pallas", choices=["pallas", "reference"])
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--prefill", type=int, default=0, help="profile a prefill of this many tokens instead")
     args = ap.parse_args()
 
     loaded = loaded_model(random_hf_model(args.model, "bfloat16"), "bfloat16")
     c, params = loaded.config, jax.tree.map(jnp.asarray, loaded.params)
-    pps = -(-(args.context + args.steps) // PAGE)
+    pps = -(-(max(args.context, args.prefill) + args.steps) // PAGE)
     runner = ModelRunner(c, params, num_pages=args.batch * pps, page_size=PAGE, pages_per_seq=pps,
                          dtype=jnp.bfloat16, ops=get_ops(args.kernels, c), vocab_limit=c.vocab_size,
-                         max_num_seqs=args.batch, max_tokens_per_row=16)
+                         max_num_seqs=args.batch, max_tokens_per_row=max(16, args.prefill))
     random_cache(runner, jax.random.key(0))
     tables = [list(range(b * pps, (b + 1) * pps)) for b in range(args.batch)]
     tokens = np.random.default_rng(0).integers(0, 1000, args.batch).tolist()
     samp, mode = greedy_sampling(args.batch)
-    run = lambda: runner.decode(tokens, tables, [args.context] * args.batch, samp, mode, num_steps=args.steps)  # noqa
+    if args.prefill:  # one call is one "step": TTFT
+        prompt = np.random.default_rng(1).integers(0, 1000, args.prefill).tolist()
+        args.steps = 1
+        run = lambda: runner.prefill(prompt, tables[0], args.prefill, samp, mode).get()  # noqa: E731
+    else:
+        run = lambda: runner.decode(tokens, tables, [args.context] * args.batch, samp, mode,  # noqa: E731
+                                    num_steps=args.steps).get()
     run()
     run()
     t0 = time.perf_counter()
@@ -84,7 +116,8 @@ def main():
     with jax.profiler.trace(trace_dir):
         for _ in range(reps):
             run()
-    events = gpu_kernel_events(trace_dir)
+    kernels, host = trace_events(trace_dir)
+    events = [(name, (end - start) / 1e3) for name, start, end in kernels]
     steps = reps * args.steps
     by_kind = collections.defaultdict(lambda: [0, 0.0])
     for name, us in events:
@@ -97,6 +130,9 @@ def main():
     print(f"{'kernel':<60} {'per step':>8} {'us/step':>9} {'us each':>8}")
     for kind, (n, us) in sorted(by_kind.items(), key=lambda kv: -kv[1][1])[:args.top]:
         print(f"{kind:<60} {n / steps:>8.1f} {us / steps:>9.1f} {us / n:>8.2f}")
+    print(f"\nGPU span of the {reps} traced calls: {(kernels[-1][2] - kernels[0][1]) / 1e6:.3f} ms")
+    print_gaps(kernels, args.top // 2)
+    print_host(host, args.top // 2)
 
 
 if __name__ == "__main__":

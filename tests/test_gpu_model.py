@@ -32,4 +32,6 @@ def test_kernels_and_reference_give_hf_greedy_tokens(name):
         llm = LLM(loaded, dtype="float32", kernels=kernels, max_model_len=128, max_num_seqs=4, decode_steps=4,
                   chunk_size=16, max_num_batched_tokens=32)  # chunked prefill: cached-prefix attention too
         assert [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == expected, kernels
+        # Alone, a sequence decodes with one row: the M = 1 path of the fused projections.
+        assert llm.generate(prompts[1], greedy, use_tqdm=False)[0].token_ids == expected[1], kernels
         del llm

@@ -118,7 +118,7 @@ def llm_with_text(hf_model_dir):
 
     folder, _ = hf_model_dir("qwen3")
     loaded = dataclasses.replace(load_model(str(folder), "float32"), tokenizer=byte_tokenizer())
-    return LLM(loaded, dtype="float32", page_size=4, max_model_len=96)
+    return LLM(loaded, dtype="float32", page_size=4, max_model_len=96, decode_steps=8)  # several dispatches
 
 
 def stream_events(llm: LLM, prompts, params) -> list[list]:
@@ -173,7 +173,8 @@ def test_stream_deltas_add_up_to_the_final_output(llm_with_text):
 
 def test_closing_a_stream_early_aborts_its_requests(qwen3):
     folder, model = qwen3
-    llm = LLM(folder, dtype="float32", page_size=4, max_model_len=96)
+    # 4 steps per dispatch: request 0 (3 tokens) finishes while the others still run.
+    llm = LLM(folder, dtype="float32", page_size=4, max_model_len=96, decode_steps=4)
     prompts = random_prompts(97, [9, 14, 5], seed=36)
     lengths = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 20, 20)]
     stream = llm.stream(prompts, lengths)

@@ -1,5 +1,6 @@
 """Token-exact parity with HF transformers (float32, CPU) for every architecture, through the converter and
 the public API, prefill and decode both."""
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -44,6 +45,24 @@ def test_logits_prefill_and_decode_match_hf(hf_model_dir, name, ops):
             ref = model(torch.tensor(ids)).logits.numpy()
         np.testing.assert_allclose(np.asarray(lm_logits(params, hidden, config))[:, -1], ref[:, -1],
                                    atol=1e-4, rtol=1e-4)
+
+    # One row alone: the single-row decode, where the fused projection kernel runs (ops.PALLAS_PROJECTION_MAX_ROWS).
+    nxt = ref[:1, -1].argmax(-1)[:, None]
+    ids = np.concatenate([ids[:1], nxt], axis=1)
+    batch = Batch(page_table=page_table[:1], seq_lens=jnp.array([ids.shape[1]]), q_lens=jnp.array([1]))
+    hidden, cache = forward(params, jnp.array(nxt), cache, batch, config=config, ops=ops)
+    with torch.no_grad():
+        ref = model(torch.tensor(ids)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(lm_logits(params, hidden, config))[:, -1], ref[:, -1], atol=1e-4, rtol=1e-4)
+
+
+def test_projection_kernel_only_for_single_rows():
+    """The fused projection kernel runs for one row; more rows take XLA's GEMM (faster there on the H100)."""
+    ops, w = Ops(pallas=True, interpret=True), {"w": jnp.ones((32, 48))}
+    for rows, kernel in ((1, True), (2, False), (64, False)):
+        jaxpr = str(jax.make_jaxpr(lambda x: ops.project(x, w, norm_scale=jnp.ones(32), eps=1e-6))(
+            jnp.ones((rows, 32))))
+        assert ("pallas_call" in jaxpr) == kernel, rows
 
 
 @pytest.mark.parametrize("name", ARCHS)
