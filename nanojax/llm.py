@@ -1,7 +1,9 @@
 """The public engine: `LLM(model).generate(prompts, SamplingParams(...))`, streaming and chat.
 
 Each step the scheduler picks what to compute (decodes first, then prefill chunks under the token budget); the
-runner computes it in compiled steps; here the sampled tokens are checked against the stop conditions.
+runner dispatches it as compiled steps; here the sampled tokens are checked against the stop conditions. The host
+builds and streams the previous step's text while the GPU computes the next one: a step is dispatched, then the
+previous step's events are yielded, then the step's tokens are fetched.
 """
 import dataclasses
 import time
@@ -210,8 +212,13 @@ class LLM:
             raise RuntimeError("the engine is still running another stream's requests: exhaust or close it first")
         try:
             add()
+            sampled = []  # the sequences that gained tokens in the previous step; their events are not built yet
             while self.scheduler.has_unfinished():
-                yield from self._step(stream_text)
+                pending = self._dispatch()
+                # While the GPU computes this step, the host detokenizes and streams the previous one.
+                yield from self._events(sampled, stream_text)
+                sampled = self._complete(*pending)
+            yield from self._events(sampled, stream_text)
         finally:
             for seq in [*self.scheduler.running, *self.scheduler.waiting]:
                 self.scheduler.finish(seq)
@@ -229,15 +236,15 @@ class LLM:
                     bar.update(1)
         return [done[i] for i in range(len(prompts))]
 
-    def _step(self, stream_text: bool) -> list[RequestOutput]:
+    def _dispatch(self):
+        """Schedules a step and dispatches all of its computations: the decodes in one call, each prefill chunk
+        in its own, all queued on the GPU back to back. -> (chunks, {seq_id: (runner.Pending, row)})."""
         # The penalties count the output so far, so their requests decode one step per dispatch.
         penalized = any(seq.params.params.penalized for seq in self.scheduler.running)
         chunks = self.scheduler.schedule(decode_steps=1 if penalized else self.decode_steps)
-        # Dispatch every computation of the step first and wait for results only after: the GPU runs the decodes
-        # and the prefill chunks back to back while the host prepares the next dispatches.
         pending = {}
         decodes = [c for c in chunks if c.num_tokens == 1 and c.sample]
-        if decodes:  # all decodes in one dispatch (num_steps > 1 only in a decode-only step)
+        if decodes:  # num_steps > 1 only in a decode-only step
             arrays, mode = self._sampling_arrays(decodes)
             out = self.runner.decode([c.seq.token_ids[c.start] for c in decodes], [c.seq.block_table for c in decodes],
                                      [c.end for c in decodes], arrays, mode, decodes[0].num_steps)
@@ -248,11 +255,26 @@ class LLM:
                 out = self.runner.prefill(c.seq.token_ids[c.start:c.end], c.seq.block_table, c.end, arrays, mode)
                 if c.sample:  # a chunk that ends mid-prompt samples nothing: its result is never fetched
                     pending[c.seq.seq_id] = (out, 0)
+        return chunks, pending
+
+    def _complete(self, chunks, pending) -> list[Sequence]:
+        """Waits for the step's tokens, applies the stop conditions and frees finished requests (before the next
+        step is scheduled). -> the sequences that gained tokens."""
         sampled = {seq_id: out.get()[:, row].tolist() for seq_id, (out, row) in pending.items()}
         accepted = {c.seq.seq_id: self._accept(c.seq, sampled[c.seq.seq_id]) for c in chunks if c.sample}
         self.scheduler.update(chunks, accepted)
-        events = [self._emit(c.seq, stream_text) for c in chunks if c.sample]
-        return [e for e in events if e is not None]
+        seqs = [c.seq for c in chunks if c.sample]
+        for seq in seqs:
+            self._apply_stop_strings(seq)
+            req: _Request = seq.params
+            if req.output.finish_reason is not None:
+                if req.pin:
+                    req.pin_handle = self.block_manager.pin_blocks(seq, len(req.output.prompt_token_ids))
+                self.scheduler.finish(seq)
+        return seqs
+
+    def _events(self, seqs: list[Sequence], stream_text: bool) -> list[RequestOutput]:
+        return [e for e in (self._event(seq, stream_text) for seq in seqs) if e is not None]
 
     def _sampling_arrays(self, chunks) -> tuple[dict[str, np.ndarray], SamplingMode]:
         reqs: list[_Request] = [c.seq.params for c in chunks]
@@ -299,22 +321,27 @@ class LLM:
                 break
         return kept
 
-    def _emit(self, seq: Sequence, stream_text: bool) -> RequestOutput | None:
+    def _apply_stop_strings(self, seq: Sequence) -> None:
         req: _Request = seq.params
         out, stop = req.output, req.params.stop
-        if self.tokenizer is not None and (stream_text or stop or out.finish_reason):
+        if not stop:  # (stop strings come with a tokenizer: `_add` checks)
+            return
+        out.text = self._text(out.token_ids)
+        if _find_stop(out.text, stop) >= 0:
+            # A multi-step decode samples past the token that completed the stop string: drop what follows it,
+            # so the output is the same whatever decode_steps is.
+            while len(out.token_ids) > 1 and _find_stop(self._text(out.token_ids[:-1]), stop) >= 0:
+                out.token_ids.pop()
             out.text = self._text(out.token_ids)
-            if stop and _find_stop(out.text, stop) >= 0:
-                # A multi-step decode samples past the token that completed the stop string: drop what follows
-                # it, so the output is the same whatever decode_steps is.
-                while len(out.token_ids) > 1 and _find_stop(self._text(out.token_ids[:-1]), stop) >= 0:
-                    out.token_ids.pop()
-                out.text = self._text(out.token_ids)
-                out.text, out.finish_reason = out.text[:_find_stop(out.text, stop)], "stop"
-        if out.finish_reason is not None:
-            if req.pin:
-                req.pin_handle = self.block_manager.pin_blocks(seq, len(out.prompt_token_ids))
-            self.scheduler.finish(seq)
+            out.text, out.finish_reason = out.text[:_find_stop(out.text, stop)], "stop"
+
+    def _event(self, seq: Sequence, stream_text: bool) -> RequestOutput | None:
+        """The request's event for the tokens it gained in its last step (None if its visible text did not
+        change); run before the request's next step is accepted."""
+        req: _Request = seq.params
+        out, stop = req.output, req.params.stop
+        if self.tokenizer is not None and not stop and (stream_text or out.finish_reason):
+            out.text = self._text(out.token_ids)  # (with stop strings, _apply_stop_strings set it)
         out.num_cached_tokens = seq.num_cached_tokens
         stable = out.text if out.finish_reason else out.text.rstrip("\ufffd")
         if stop and not out.finish_reason:  # hold back what may be the start of a stop string
