@@ -6,6 +6,9 @@ Random bf16 weights of a real architecture (scripts/configs). Before timing, nan
 against HF transformers on the same weights in float32. Each point times the compiled multi-step decode
 (`decode_steps` tokens per dispatch, the engine's steady state) with a full KV context of random values; the
 step's bytes are all weights (LM head included) plus the KV read, against the 2.83 TB/s measured copy ceiling.
+Peers in the same run: `--kernels reference` (the XLA path) and HF transformers (scripts/hf_peers.py: generate
+eager, and a static cache under torch.compile). The JSON is rewritten after every point, so a run stopped by a
+time limit keeps what it measured; give HF room with XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 (JAX takes 75% otherwise).
 """
 import argparse
 import json
