@@ -19,11 +19,11 @@ _STATIC = ("config", "ops", "vocab_limit", "mode")
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnums=(1,))
 def step(params, cache, tokens, batch: Batch, sampling: SamplingBatch, *, config, ops, vocab_limit, mode):
-    """tokens: [B, T] -> (next token of every row [B], cache). Rows still mid-prompt discard theirs."""
+    """tokens: [B, T] -> (next token of every row [1, B], cache). Rows still mid-prompt discard theirs."""
     hidden, cache = forward(params, tokens, cache, batch, config=config, ops=ops)
     last = jnp.take_along_axis(hidden, jnp.maximum(batch.q_lens - 1, 0)[:, None, None], axis=1)[:, 0]
     logits = lm_logits(params, last, config)
-    return sample(logits, sampling, 0, vocab_limit=vocab_limit, mode=mode), cache
+    return sample(logits, sampling, 0, vocab_limit=vocab_limit, mode=mode)[None], cache
 
 
 @functools.partial(jax.jit, static_argnames=(*_STATIC, "num_steps"), donate_argnums=(1,))
@@ -130,7 +130,7 @@ class ModelRunner:
         out, self.cache = fn(self.params, self.cache, tokens, batch, samp, config=self.config, ops=self.ops,
                              vocab_limit=self.vocab_limit, mode=mode)
         self.compiles += _cache_size(fn) - before
-        return out[None] if num_steps == 1 else out
+        return out
 
 
 class Pending:
