@@ -19,12 +19,7 @@ import numpy as np
 from nanojax.config import ModelConfig
 from nanojax.kv_cache import Batch, KVCache
 from nanojax.ops import Ops
-
-
-def rms_norm(x, scale, eps):
-    xf = x.astype(jnp.float32)
-    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return scale.astype(x.dtype) * normed.astype(x.dtype)
+from pallas_kernels.rmsnorm_matmul import rms_norm
 
 
 def layer_norm(x, scale, bias, eps):

@@ -138,11 +138,13 @@ class Pending:
     text) while the GPU computes, and waits only in `get`."""
 
     def __init__(self, tokens: jax.Array, rows: int):
-        self._tokens, self._rows = tokens, rows
+        self._tokens, self._rows, self._host = tokens, rows, None
 
     def get(self) -> np.ndarray:
-        """-> [num_steps, rows] int32 (waits for the step; the host copy is cached by the jax.Array)."""
-        return np.asarray(self._tokens)[:, :self._rows]
+        """-> [num_steps, rows] int32 (waits for the step; copied to the host once, however many rows read it)."""
+        if self._host is None:
+            self._host = np.asarray(self._tokens)[:, :self._rows]
+        return self._host
 
 
 def _pad_rows(v: np.ndarray, rows: int, fill) -> np.ndarray:

@@ -11,8 +11,7 @@ The caller computes slots from its page table, e.g. for a Batch (nanojax.kv_cach
     pos = batch.positions(T); safe = max(pos, 0)
     slots = where(pos >= 0, page_table[b, safe // page_size] * page_size + safe % page_size, -1)
 
-Semantics (qkv_rope_cache_reference; the model's attention_block up to the attention call, with its rms_norm,
-apply_rope and write_kv):
+Semantics (qkv_rope_cache_reference, which is also the model's reference path for this step):
     q, k, v = split(qkv) per head
     q = rms_norm(q, q_norm, eps) if q_norm is given;  k = rms_norm(k, k_norm, eps) if k_norm is given
     q, k = rope(q, positions), rope(k, positions) if inv_freq is given
@@ -45,17 +44,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._compat import load, store, triton_params
-
-
-def _rms_norm(x, scale, eps):
-    """nanojax.model.rms_norm: f32 statistics, rounded to x.dtype, then times the weight in x.dtype."""
-    xf = x.astype(jnp.float32)
-    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return scale.astype(x.dtype) * normed.astype(x.dtype)
+from pallas_kernels.rmsnorm_matmul import rms_norm
 
 
 def _apply_rope(x, positions, inv_freq):
-    """nanojax.model.apply_rope for x: [N, heads, D], positions: [N]."""
+    """HF's rotate-half RoPE for x: [N, heads, D], positions: [N], with the rounding of the module docstring."""
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [N, D/2]
     cos = jnp.cos(freqs)[:, None, :].astype(x.dtype)
     sin = jnp.sin(freqs)[:, None, :].astype(x.dtype)
@@ -79,9 +72,9 @@ def qkv_rope_cache_reference(qkv, positions, slots, k_pages, v_pages, inv_freq=N
     k = k.reshape(num_tokens, num_kv_heads, head_dim)
     v = v.reshape(num_tokens, num_kv_heads, head_dim)
     if q_norm is not None:
-        q = _rms_norm(q, q_norm, eps)
+        q = rms_norm(q, q_norm, eps)
     if k_norm is not None:
-        k = _rms_norm(k, k_norm, eps)
+        k = rms_norm(k, k_norm, eps)
     if inv_freq is not None:
         q, k = _apply_rope(q, positions, inv_freq), _apply_rope(k, positions, inv_freq)
     live = positions >= 0
@@ -144,7 +137,7 @@ def _default_config(num_tokens):
 
 def _norm_rope(x1, x2, pos, norm_ref, inv_freq_ref, *, eps):
     """x1, x2: [M, D/2] the two halves of M head vectors, pos: [M] -> the normed (if norm_ref) and roped (if
-    inv_freq_ref) halves, rounded as _rms_norm and _apply_rope."""
+    inv_freq_ref) halves, rounded as rms_norm and _apply_rope."""
     dtype, half = x1.dtype, x1.shape[1]
     d = jnp.arange(half)
     if norm_ref is not None:

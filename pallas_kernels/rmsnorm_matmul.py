@@ -18,9 +18,17 @@ from pallas_kernels._compat import load, store, triton_params
 ACTIVATIONS = (None, "silu_mul")
 
 
+def rms_norm(x, scale, eps):
+    """HF's RMSNorm rounding: statistics and the product in f32, rounded to x.dtype, then times the weight in
+    x.dtype. The one definition: the model's norms and every kernel reference use it."""
+    xf = x.astype(jnp.float32)
+    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return scale.astype(x.dtype) * normed.astype(x.dtype)
+
+
 def rmsnorm_matmul_reference(x, norm_scale, w, bias=None, *, eps=None, residual=None, activation=None):
-    """The semantics of rmsnorm_matmul, in plain jnp with the decoder's rounding (nanojax.model's rms_norm, linear,
-    SwiGLU and residual add), so that the fused kernel is a drop-in for those steps:
+    """The semantics of rmsnorm_matmul, in plain jnp with the decoder's rounding (rms_norm, linear, SwiGLU and
+    residual add), so that the fused kernel is a drop-in for those steps:
 
         h = x                                               if norm_scale is None
           = norm_scale * (x * rsqrt(mean(x^2) + eps))      else: normalized in f32, cast to x.dtype, then scaled
@@ -34,11 +42,7 @@ def rmsnorm_matmul_reference(x, norm_scale, w, bias=None, *, eps=None, residual=
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    h = x
-    if norm_scale is not None:
-        xf = x.astype(jnp.float32)
-        h = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
-        h = norm_scale.astype(x.dtype) * h
+    h = x if norm_scale is None else rms_norm(x, norm_scale, eps)
     out = jnp.dot(h, w.astype(x.dtype), preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)
     if bias is not None:
         out = out + bias.astype(jnp.float32)
