@@ -150,40 +150,51 @@ def _kv_range(seq_len, q_len, first_token, block_tokens, split, block_k, k_split
 
 
 def _load_kv_tile(k_ref, v_ref, page_table_ref, pos, valid):
-    """Gathers the K and V rows of KV positions pos [N] -> two [N, D] tiles, zero where not valid.
+    """Gathers the K and V rows of KV positions pos [N] -> two [N, D] tiles, zero where not valid (None: all are).
 
     Masking the loads, not just the scores, keeps stale or NaN cache slots and unused page-table entries out: a masked
     lane is never read, whereas a 0 probability times a NaN V row would poison the output.
     """
     page_size, head_dim = k_ref.shape[1:]
+    if valid is None:
+        page = load(page_table_ref.at[lax.div(pos, page_size)])
+        idx = (page[:, None], lax.rem(pos, page_size)[:, None], jnp.arange(head_dim)[None, :])
+        return load(k_ref.at[idx]), load(v_ref.at[idx])
     page = load(page_table_ref.at[lax.div(pos, page_size)], mask=valid, other=0)
     idx = (page[:, None], lax.rem(pos, page_size)[:, None], jnp.arange(head_dim)[None, :])
     return load(k_ref.at[idx], mask=valid[:, None], other=0.0), load(v_ref.at[idx], mask=valid[:, None], other=0.0)
 
 
-def _attend(q, q_pos, row_ok, k_ref, v_ref, page_table_ref, kv_start, kv_end, *, block_k, scale):
+def _attend(q, q_pos, row_ok, k_ref, v_ref, page_table_ref, kv_start, kv_end, full_end, *, block_k, scale):
     """Online softmax of q [M, D] over the KV positions [kv_start, kv_end), causal on q_pos [M].
 
+    Tiles that end by full_end hold only positions every row sees, so they run without the mask (no compare or
+    select on the [M, block_k] scores); rows that are not row_ok get garbage there, which the caller zeroes.
     -> o [M, D] f32 unnormalized, m [M] running max (log2 units), l [M] softmax denominator.
     """
-    def body(i, carry):
+    def body(i, carry, masked):
         o, m, l = carry
         pos = kv_start + i * block_k + jnp.arange(block_k)
-        valid = pos < kv_end
+        valid = pos < kv_end if masked else None
         k, v = _load_kv_tile(k_ref, v_ref, page_table_ref, pos, valid)
         s = _dot(q, k, trans_b=True) * (scale * _LOG2E)  # [M, block_k]
-        mask = row_ok[:, None] & (pos[None, :] <= q_pos[:, None]) & valid[None, :]
-        s = jnp.where(mask, s, _MASK)
+        if masked:
+            mask = row_ok[:, None] & (pos[None, :] <= q_pos[:, None]) & valid[None, :]
+            s = jnp.where(mask, s, _MASK)
         m_new = jnp.maximum(m, s.max(axis=1))
         alpha = jnp.exp2(m - m_new)
-        # Explicit zeros: in a row with nothing valid yet s - m_new == 0, and exp2 would count masked keys as 1.
-        p = jnp.where(mask, jnp.exp2(s - m_new[:, None]), 0.0)
+        p = jnp.exp2(s - m_new[:, None])
+        if masked:  # explicit zeros: in a row with nothing valid yet s - m_new == 0, and exp2 would count it as 1
+            p = jnp.where(mask, p, 0.0)
         return alpha[:, None] * o + _dot(p.astype(v.dtype), v), m_new, alpha * l + p.sum(axis=1)
 
     block_m, head_dim = q.shape
     init = (jnp.zeros((block_m, head_dim), jnp.float32), jnp.full((block_m,), _MASK, jnp.float32),
             jnp.zeros((block_m,), jnp.float32))
-    return lax.fori_loop(0, _cdiv(jnp.maximum(kv_end - kv_start, 0), block_k), body, init)
+    num_full = lax.div(jnp.maximum(full_end - kv_start, 0), block_k)
+    carry = lax.fori_loop(0, num_full, functools.partial(body, masked=False), init)
+    num_tiles = _cdiv(jnp.maximum(kv_end - kv_start, 0), block_k)
+    return lax.fori_loop(num_full, num_tiles, functools.partial(body, masked=True), carry)
 
 
 def _paged_attention_kernel(q_ref, k_ref, v_ref, page_table_ref, seq_len_ref, q_len_ref, o_ref, *stat_refs,
@@ -209,8 +220,11 @@ def _paged_attention_kernel(q_ref, k_ref, v_ref, page_table_ref, seq_len_ref, q_
     idx = (token[:, None], head[:, None], jnp.arange(head_dim)[None, :])
     q = load(q_ref.at[idx], mask=row_ok[:, None], other=0.0)
     kv_start, kv_end = _kv_range(seq_len, q_len, first_token, block_tokens, split, block_k, k_splits)
-    o, m, l = _attend(q, seq_len - q_len + token, row_ok, k_ref, v_ref, page_table_ref, kv_start, kv_end,
+    # Every row sees the positions up to the block's first token: unmasked tiles end there.
+    full_end = jnp.minimum(kv_end, seq_len - q_len + first_token + 1)
+    o, m, l = _attend(q, seq_len - q_len + token, row_ok, k_ref, v_ref, page_table_ref, kv_start, kv_end, full_end,
                       block_k=block_k, scale=scale)
+    o, l = jnp.where(row_ok[:, None], o, 0.0), jnp.where(row_ok, l, 0.0)
     out_ok = head_ok & (token < num_tokens)  # padding tokens are written too: as zeros (l == 0, o == 0)
     if stat_refs:
         m_ref, l_ref = stat_refs

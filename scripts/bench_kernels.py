@@ -10,12 +10,14 @@ and every call sees its inputs through an optimization_barrier with a distinct c
 repeated calls. Bandwidth is the bytes a kernel must read (KV cache, or the weight) over the time, against 2.83 TB/s.
 """
 import argparse
+import contextlib
 import functools
 import json
 import math
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 import jax
@@ -23,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from pallas_kernels.paged_attention import paged_attention_reference, paged_decode_attention, paged_prefill_attention
 from pallas_kernels.rmsnorm_matmul import rmsnorm_matmul, rmsnorm_matmul_reference
 
@@ -34,24 +37,25 @@ TINY = {"num_q_heads": 4, "num_kv_heads": 2, "head_dim": 64, "hidden": 64}
 
 
 # ------------------------------------------------------------------------------------------------------------ timing
-def time_per_call(fn, arg_sets, *, work_seconds, repeats, dep_arg=0, calls=None, target_seconds=5e-3):
+def time_per_call(fn, arg_sets, *, work_seconds, repeats, dep_arg=0, calls=None, target_seconds=5e-3,
+                  trace_dir=None):
     """Median seconds per call of fn(*args), args cycling over arg_sets. work_seconds: a rough lower bound on one
     call (bytes / bandwidth), used to pick enough calls (unless given) that a timed run lasts ~target_seconds.
+    trace_dir: run the timed runs (not the compile) under jax.profiler.trace, writing there.
 
     The calls run in a fori_loop, and each call's input `dep_arg` (pick a small one) is offset by a value computed
-    from the previous call's output (always zero, but not to the compiler), so XLA can neither merge the calls
-    nor hoist them out of the loop: every call really runs, one after the other.
+    from the previous call's whole output (always zero, but not to the compiler), so XLA can neither merge the calls
+    nor hoist them out of the loop, nor compute only part of an output (a split-K epilogue for one element): every
+    call really runs, one after the other, in full.
     """
-    calls = calls or max(len(arg_sets), 4, min(200, math.ceil(target_seconds / max(work_seconds, 1e-6))))
-
-    rounds = -(-calls // len(arg_sets))
-    calls = rounds * len(arg_sets)
+    calls = num_calls(arg_sets, work_seconds, calls, target_seconds)
+    rounds = calls // len(arg_sets)
 
     def one_call(args, token):
         args = list(args)
         args[dep_arg] = args[dep_arg] + token.astype(args[dep_arg].dtype)
         out = fn(*args)
-        return jnp.where(jnp.isnan(out.ravel()[0].astype(jnp.float32)), 1.0, 0.0)
+        return jnp.where(jnp.isnan(out).any(), 1.0, 0.0)
 
     @jax.jit
     def run(arg_sets):
@@ -64,11 +68,33 @@ def time_per_call(fn, arg_sets, *, work_seconds, repeats, dep_arg=0, calls=None,
 
     jax.block_until_ready(run(arg_sets))  # compile and warm up
     times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(run(arg_sets))
-        times.append(time.perf_counter() - start)
+    with jax.profiler.trace(trace_dir) if trace_dir else contextlib.nullcontext():
+        for _ in range(repeats):
+            start = time.perf_counter()
+            jax.block_until_ready(run(arg_sets))
+            times.append(time.perf_counter() - start)
     return statistics.median(times) / calls
+
+
+def num_calls(arg_sets, work_seconds, calls=None, target_seconds=5e-3):
+    """Calls per timed run: `calls`, or enough for ~target_seconds; a multiple of len(arg_sets)."""
+    calls = calls or max(len(arg_sets), 4, min(200, math.ceil(target_seconds / max(work_seconds, 1e-6))))
+    return -(-calls // len(arg_sets)) * len(arg_sets)
+
+
+def kernel_time_per_call(fn, arg_sets, name, *, work_seconds, dep_arg=0, calls=None):
+    """The profiler's view of one call: (seconds of GPU kernels named `name` (the Pallas kernel), seconds of all GPU
+    kernels (the kernel, XLA epilogues such as a split-K sum, and the timing loop's own add and NaN check)), without
+    the launch gaps that time_per_call includes."""
+    from gpu_trace import trace_events
+    repeats = 2
+    with tempfile.TemporaryDirectory() as trace_dir:
+        time_per_call(fn, arg_sets, work_seconds=work_seconds, repeats=repeats, dep_arg=dep_arg, calls=calls,
+                      trace_dir=trace_dir)
+        kernels, _ = trace_events(trace_dir)
+    per_call = 1e-9 / (repeats * num_calls(arg_sets, work_seconds, calls))
+    return (sum(end - start for kind, start, end in kernels if name in kind) * per_call,
+            sum(end - start for _, start, end in kernels) * per_call)
 
 
 def rotations(args, bytes_per_set):
@@ -150,14 +176,15 @@ def bench_decode(args, model, grid, page_size, rng):
         if args.check and xla_fits:
             assert_close(f"decode B={batch} ctx={ctx}", ours(*sets[0]), xla(*sets[0]))
         kw = {"work_seconds": kv_bytes / args.hbm_bw, "repeats": args.repeats, "calls": args.calls, "dep_arg": 4}
-        t_ours = time_per_call(ours, sets, **kw)
+        t_ours, kernel_times = time_ours(args, ours, sets, "paged_attention", kw)
         t_xla = try_time("xla", xla, sets, **kw) if xla_fits else None
         t_sets = [(q, k.transpose(1, 0, 2, 3), v.transpose(1, 0, 2, 3), t, s) for q, k, v, t, s in sets]
         del sets
         t_theirs = try_time("jax_pallas_paged_attention", theirs, t_sets, **kw)
         del t_sets
         rows.append(row("decode_attention", f"B={batch} ctx={ctx}", t_ours,
-                        {"xla_reference": t_xla, "jax_pallas_paged_attention": t_theirs}, kv_bytes, args.hbm_bw))
+                        {"xla_reference": t_xla, "jax_pallas_paged_attention": t_theirs}, kv_bytes, args.hbm_bw,
+                        kernel_times))
     return rows
 
 
@@ -199,11 +226,11 @@ def bench_rmsnorm_matmul(args, model, m_values, rng):
             if args.check:
                 assert_close(f"{name} M={m}", ours(*sets[0]), xla(*sets[0]))
             kw = {"work_seconds": w_bytes / args.hbm_bw, "repeats": args.repeats, "calls": args.calls, "dep_arg": 1}
-            t_ours = time_per_call(ours, sets, **kw)
+            t_ours, kernel_times = time_ours(args, ours, sets, "rmsnorm_matmul", kw)
             peers = {"xla_reference": try_time("xla", xla, sets, **kw)}
             if name == "rmsnorm_qkv":
                 peers["jax_pallas_rms_norm+xla_dot"] = try_time("jax_pallas_rms_norm", jax_pallas, sets, **kw)
-            rows.append(row(name, f"M={m} K={k} N={n}", t_ours, peers, w_bytes, args.hbm_bw))
+            rows.append(row(name, f"M={m} K={k} N={n}", t_ours, peers, w_bytes, args.hbm_bw, kernel_times))
             del sets
     return rows
 
@@ -222,37 +249,55 @@ def bench_prefill(args, model, tokens, page_size, rng):
     flops = 2 * 2 * tokens * tokens // 2 * model["num_q_heads"] * model["head_dim"]  # QK^T and PV, causal half
     # q is perturbed for every implementation alike (an elementwise pass over q, small next to attention).
     kw = {"work_seconds": flops / 700e12, "repeats": args.repeats, "calls": args.calls}
-    t_ours = time_per_call(ours, [(q, k, v, table, lens)], **kw)
+    t_ours, kernel_times = time_ours(args, ours, [(q, k, v, table, lens)], "paged_attention", kw)
     peers = {}
     for impl in (None, "xla", "cudnn"):
         dpa = lambda q, k, v, impl=impl: jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
                                                                       implementation=impl)
         peers[f"dot_product_attention[{impl or 'default'}]"] = try_time(f"dpa {impl}", dpa, [(q, *contiguous)], **kw)
-    r = row("prefill_attention", f"B=1 T={tokens}", t_ours, peers, None, args.hbm_bw)
+    r = row("prefill_attention", f"B=1 T={tokens}", t_ours, peers, None, args.hbm_bw, kernel_times)
     r["ours_tflops"] = flops / t_ours / 1e12
     return [r]
 
 
 # ---------------------------------------------------------------------------------------------------------- report
-def row(kernel, shape, t_ours, peers, bytes_read, hbm_bw):
+def time_ours(args, fn, arg_sets, kernel_name, kw):
+    """-> (time_per_call, and with --profile kernel_time_per_call's (Pallas kernel, all kernels) seconds, else None)."""
+    t = time_per_call(fn, arg_sets, **kw)
+    if not args.profile:
+        return t, None
+    return t, kernel_time_per_call(fn, arg_sets, kernel_name, **{k: v for k, v in kw.items() if k != "repeats"})
+
+
+def row(kernel, shape, t_ours, peers, bytes_read, hbm_bw, kernel_times=None):
     r = {"kernel": kernel, "shape": shape, "ours_ms": t_ours * 1e3,
          "peers_ms": {name: None if t is None else t * 1e3 for name, t in peers.items()},
          "speedup_vs_peer": {name: None if t is None else t / t_ours for name, t in peers.items()}}
+    if kernel_times is not None:
+        r["ours_kernel_ms"], r["ours_all_kernels_ms"] = (t * 1e3 for t in kernel_times)
     if bytes_read is not None:
         r["bytes_read"] = bytes_read
         r["ours_hbm_pct"] = 100 * bytes_read / t_ours / hbm_bw
+        if kernel_times is not None:
+            r["kernel_hbm_pct"] = 100 * bytes_read / kernel_times[0] / hbm_bw
     print(f"  {kernel} {shape}: ours {t_ours * 1e3:.4f} ms" + "".join(
         f", {name} {'n/a' if t is None else f'{t * 1e3:.4f} ms'}" for name, t in peers.items()))
     return r
 
 
 def print_table(rows):
-    print(f"\n{'kernel':<18} {'shape':<26} {'ours ms':>9} {'%HBM':>6}  peers: ms (peer / ours)")
+    """ours ms / %HBM: per call in the timing loop; kernel ms / %HBM: the Pallas kernel alone (--profile), and in
+    brackets all GPU kernels of a call (epilogues and the loop's own ops included)."""
+    print(f"\n{'kernel':<18} {'shape':<26} {'ours ms':>9} {'%HBM':>6} {'kernel ms':>18} {'%HBM':>5}  "
+          "peers: ms (peer / ours)")
     for r in rows:
         pct = f"{r['ours_hbm_pct']:.0f}%" if "ours_hbm_pct" in r else f"{r.get('ours_tflops', 0):.0f}TF"
+        kernel = f"{r['ours_kernel_ms']:.4f} ({r['ours_all_kernels_ms']:.4f})" if "ours_kernel_ms" in r else "-"
+        kernel_pct = f"{r['kernel_hbm_pct']:.0f}%" if "kernel_hbm_pct" in r else "-"
         peers = "  ".join(f"{name} " + ("n/a" if ms is None else f"{ms:.4f} (x{r['speedup_vs_peer'][name]:.2f})")
                           for name, ms in r["peers_ms"].items())
-        print(f"{r['kernel']:<18} {r['shape']:<26} {r['ours_ms']:>9.4f} {pct:>6}  {peers}")
+        print(f"{r['kernel']:<18} {r['shape']:<26} {r['ours_ms']:>9.4f} {pct:>6} {kernel:>18} {kernel_pct:>5}  "
+              f"{peers}")
 
 
 def main():
@@ -266,6 +311,7 @@ def main():
     p.add_argument("--max-kv-bytes", type=float, default=20e9, help="skip decode points with more KV than this")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--calls", type=int, help="calls per timed run (default: enough for ~5 ms)")
+    p.add_argument("--profile", action="store_true", help="also time our kernels alone with the profiler (GPU)")
     p.add_argument("--sections", nargs="+", default=["projections", "prefill", "decode"],
                    choices=["projections", "prefill", "decode"])
     p.add_argument("--m", type=int, nargs="+", default=[1, 8, 64, 2048], help="rows of the projection points")

@@ -10,8 +10,6 @@ prefill of N tokens (time to first token) instead.
 """
 import argparse
 import collections
-import glob
-import re
 import sys
 import tempfile
 import time
@@ -23,31 +21,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_decode import PAGE, random_cache  # noqa: E402
+from gpu_trace import kernel_kind, trace_events  # noqa: E402
 from random_model import loaded_model, random_hf_model  # noqa: E402
 
 from nanojax.ops import get_ops  # noqa: E402
 from nanojax.runner import ModelRunner, greedy_sampling  # noqa: E402
-
-
-def trace_events(trace_dir: str):
-    """([(name, start_ns, end_ns)] of every kernel on the GPU plane, [(name, duration_ns)] of host events)."""
-    from jax.profiler import ProfileData
-
-    (path,) = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
-    kernels, host, seen = [], [], []
-    for plane in ProfileData.from_file(path).planes:
-        seen.append((plane.name, [line.name for line in plane.lines]))
-        if plane.name.startswith("/host"):
-            host += [(ev.name, ev.duration_ns) for line in plane.lines for ev in line.events]
-        if "gpu" not in plane.name.lower():
-            continue
-        for line in plane.lines:
-            if "compute" not in line.name.lower():  # e.g. 'Stream #14(Compute,MemcpyD2D)'; skip copy-only streams
-                continue
-            kernels += [(ev.name, ev.start_ns, ev.end_ns) for ev in line.events]
-    if not kernels:
-        raise SystemExit(f"no GPU kernel events; planes and lines in the trace: {seen}")
-    return sorted(kernels, key=lambda k: k[1]), host
 
 
 def print_gaps(kernels, top: int) -> None:
@@ -69,11 +47,6 @@ def print_host(host, top: int) -> None:
     print(f"{'host event':<70} {'count':>6} {'ms':>9}")
     for name, (n, ns) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]:
         print(f"{name:<70} {n:>6} {ns / 1e6:>9.3f}")
-
-
-def kernel_kind(name: str) -> str:
-    """Collapse per-instance suffixes (fusion.123, loop_add_fusion_4) so kinds aggregate."""
-    return re.sub(r"[._]\d+$", "", re.sub(r"(\.\d+)+$", "", name))[:60]
 
 
 def main():

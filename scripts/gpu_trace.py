@@ -1,0 +1,30 @@
+"""Reading a jax.profiler trace back: the GPU's kernels and the host's events (scripts/profile_decode.py,
+scripts/bench_kernels.py --profile)."""
+import glob
+import re
+
+
+def trace_events(trace_dir: str):
+    """([(name, start_ns, end_ns)] of every kernel on the GPU plane, [(name, duration_ns)] of host events)."""
+    from jax.profiler import ProfileData
+
+    (path,) = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
+    kernels, host, seen = [], [], []
+    for plane in ProfileData.from_file(path).planes:
+        seen.append((plane.name, [line.name for line in plane.lines]))
+        if plane.name.startswith("/host"):
+            host += [(ev.name, ev.duration_ns) for line in plane.lines for ev in line.events]
+        if "gpu" not in plane.name.lower():
+            continue
+        for line in plane.lines:
+            if "compute" not in line.name.lower():  # e.g. 'Stream #14(Compute,MemcpyD2D)'; skip copy-only streams
+                continue
+            kernels += [(ev.name, ev.start_ns, ev.end_ns) for ev in line.events]
+    if not kernels:
+        raise SystemExit(f"no GPU kernel events; planes and lines in the trace: {seen}")
+    return sorted(kernels, key=lambda k: k[1]), host
+
+
+def kernel_kind(name: str) -> str:
+    """Collapse per-instance suffixes (fusion.123, loop_add_fusion_4) so kinds aggregate."""
+    return re.sub(r"[._]\d+$", "", re.sub(r"(\.\d+)+$", "", name))[:60]
