@@ -38,6 +38,8 @@ import numpy as np
 import gguf
 from gguf import GGMLQuantizationType, GGUFValueType
 
+from convert import gguf_tokenizer
+
 __all__ = ["GGUFError", "read_gguf", "save_gguf_tokenizer", "GGUF_TO_HF", "SUPPORTED_TYPES"]
 
 
@@ -584,35 +586,23 @@ def save_gguf_tokenizer(path: str | os.PathLike, dst_dir: str | os.PathLike) -> 
 
 def _save_gguf_tokenizer(path: Path, dst_dir: str | os.PathLike) -> None:
     reader = _open(path)
-    _meta(reader, "tokenizer.ggml.model", str)
-    if _meta(reader, "tokenizer.ggml.tokens", list) == []:
+    model = _meta(reader, "tokenizer.ggml.model", str)
+    tokens = _meta(reader, "tokenizer.ggml.tokens", list)
+    if tokens == []:
         raise GGUFError("metadata field 'tokenizer.ggml.tokens' is empty")
     template = _meta(reader, "tokenizer.chat_template", str, None)
-    n_tokens = len(reader.fields["tokenizer.ggml.tokens"].data)
     special = {}
     for attr, key in (("bos_token", "tokenizer.ggml.bos_token_id"), ("eos_token", "tokenizer.ggml.eos_token_id"),
                       ("unk_token", "tokenizer.ggml.unknown_token_id"), ("pad_token", "tokenizer.ggml.padding_token_id")):
         special[attr] = _meta(reader, key, int, None)
-        if special[attr] is not None and not 0 <= special[attr] < n_tokens:
-            raise GGUFError(f"metadata field {key!r} = {special[attr]} is outside the vocabulary ({n_tokens} tokens)")
+        if special[attr] is not None and not 0 <= special[attr] < len(tokens):
+            raise GGUFError(f"metadata field {key!r} = {special[attr]} is outside the vocabulary ({len(tokens)} tokens)")
+    pre = _meta(reader, "tokenizer.ggml.pre", str, None)
+    if gguf_tokenizer.can_build(model, pre, "tokenizer.ggml.merges" in reader.fields):
+        tok = _byte_level_tokenizer(reader, tokens, pre, special, template)
+    else:
+        tok = _transformers_tokenizer(path, model, pre)
     del reader
-
-    from transformers import AutoTokenizer  # heavy import, only needed here
-
-    # Load from a private directory holding just a link to the file, so that unrelated tokenizer
-    # files next to the GGUF can't be mixed in.
-    with tempfile.TemporaryDirectory(prefix="nanojax-gguf-tok-") as tmp:
-        link = Path(tmp) / path.name
-        try:
-            os.symlink(path.resolve(), link)
-            src_dir = tmp
-        except OSError:
-            src_dir = str(path.parent)
-        try:
-            tok = AutoTokenizer.from_pretrained(src_dir, gguf_file=path.name, local_files_only=True)
-        except Exception as e:
-            raise GGUFError(f"transformers could not build a tokenizer from the GGUF metadata: {e}") from e
-
     if template is not None and tok.chat_template != template:
         tok.chat_template = template
     for attr, idx in special.items():
@@ -625,3 +615,40 @@ def _save_gguf_tokenizer(path: Path, dst_dir: str | os.PathLike) -> None:
     # save_jinja_files=False: the chat template goes into tokenizer_config.json (transformers 5
     # would otherwise write it to a separate chat_template.jinja).
     tok.save_pretrained(os.fspath(dst_dir), save_jinja_files=False)
+
+
+def _byte_level_tokenizer(reader, tokens: list[str], pre: str | None, special: dict, template: str | None):
+    """Byte-level BPE, built here from the metadata (convert/gguf_tokenizer.py): no torch needed."""
+    from transformers import PreTrainedTokenizerFast  # heavy import, only needed here
+
+    names = {attr: tokens[idx] for attr, idx in special.items() if idx is not None}
+    backend = gguf_tokenizer.build(
+        tokens, _meta(reader, "tokenizer.ggml.merges", list), _meta(reader, "tokenizer.ggml.token_type", list, None),
+        pre, bos=names.get("bos_token"), eos=names.get("eos_token"),
+        add_bos=_meta(reader, "tokenizer.ggml.add_bos_token", bool, False) and "bos_token" in names,
+        add_eos=_meta(reader, "tokenizer.ggml.add_eos_token", bool, False) and "eos_token" in names)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, chat_template=template, **names)
+
+
+def _transformers_tokenizer(path: Path, model: str, pre: str | None):
+    """Any other tokenizer through transformers' GGUF loader, which imports torch."""
+    import importlib.util
+
+    from transformers import AutoTokenizer  # heavy import, only needed here
+
+    if importlib.util.find_spec("torch") is None:
+        raise GGUFError(f"its tokenizer (tokenizer.ggml.model {model!r}, pre {pre!r}) is built by transformers' GGUF "
+                        "loader, which needs torch: pip install torch (byte-level BPE vocabularies are built without)")
+    # Load from a private directory holding just a link to the file, so that unrelated tokenizer
+    # files next to the GGUF can't be mixed in.
+    with tempfile.TemporaryDirectory(prefix="nanojax-gguf-tok-") as tmp:
+        link = Path(tmp) / path.name
+        try:
+            os.symlink(path.resolve(), link)
+            src_dir = tmp
+        except OSError:
+            src_dir = str(path.parent)
+        try:
+            return AutoTokenizer.from_pretrained(src_dir, gguf_file=path.name, local_files_only=True)
+        except Exception as e:
+            raise GGUFError(f"transformers could not build a tokenizer from the GGUF metadata: {e}") from e

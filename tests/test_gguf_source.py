@@ -368,6 +368,8 @@ def write_gguf(path, arch: str, cfg, sd: dict, qtype_of=lambda name, w: QT.F32, 
             w.add_uint32(key, value)
         elif isinstance(value, float):
             w.add_float32(key, value)
+        elif isinstance(value, list):
+            w.add_array(key, value)
         else:
             w.add_string(key, value)
 
@@ -729,3 +731,46 @@ def test_smollm2_tokenizer_matches_transformers(smollm2_gguf, tmp_path):
     assert ours.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == \
         hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     assert ours.eos_token_id == 2 and ours.bos_token_id == 1
+
+
+TOKENIZER_TEXTS = ["What is the capital of France?", "Hello  world!\n\n  tabs\tand 12345 digits 3.14159",
+                   "naïve café 東京 🙂 <|im_start|>user\nhi<|im_end|>", " leading space", "ends with newline\n",
+                   "don't I'LL we've", "<think>x</think>", "a\r\nb  \n", ""]
+
+
+@pytest.mark.parametrize("pre,add_bos", [("smollm", False), ("llama-bpe", True), ("qwen2", False)])
+def test_byte_level_tokenizer_matches_transformers(smollm2_gguf, tmp_path, llama_tiny, pre, add_bos):
+    """The tokenizer built without torch (convert/gguf_tokenizer.py) gives transformers' ids for each split regex
+    and for the BOS flag: SmolLM2's vocabulary, relabelled with another `tokenizer.ggml.pre`."""
+    import gguf as gguf_lib
+    from transformers import AutoTokenizer
+
+    reader = gguf_lib.GGUFReader(smollm2_gguf)
+    fields = {key: reader.fields[key].contents() for key in (
+        "tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.chat_template")}
+    cfg, sd = llama_tiny
+    path = tmp_path / "tok.gguf"
+    write_gguf(path, "llama", cfg, sd, meta={**fields, "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre,
+                                             "tokenizer.ggml.add_bos_token": add_bos, "llama.vocab_size": None,
+                                             "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2})
+    save_gguf_tokenizer(path, tmp_path / "tok")
+    ours = AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
+    hf = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    for text in TOKENIZER_TEXTS:
+        ids = hf(text)["input_ids"]
+        assert ours(text)["input_ids"] == ids, text
+        assert ours.decode(ids, skip_special_tokens=True) == hf.decode(ids, skip_special_tokens=True), text
+    assert (ours("x")["input_ids"][0] == 1) == add_bos
+
+
+def test_gguf_tokenizer_without_torch_names_what_is_missing(tmp_path, monkeypatch):
+    """A vocabulary only transformers' GGUF loader builds, on a machine without torch: a clear error."""
+    import importlib.util
+
+    meta = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["<unk>", "<s>", "</s>", "a"]}
+    write_gguf(tmp_path / "sp.gguf", "llama", *tiny_model("llama"), meta=meta)
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else find_spec(name, *a))
+    with pytest.raises(GGUFError, match="needs torch"):
+        save_gguf_tokenizer(tmp_path / "sp.gguf", tmp_path / "tok")
+
