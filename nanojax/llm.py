@@ -72,8 +72,10 @@ class LLM:
     for the embedded default (SmolLM2-135M-Instruct), or a `LoadedModel` already in memory.
     dtype: "bfloat16" (default on GPU) or "float32" (default on CPU).
     num_pages: KV pages in the pool; None sizes it from free device memory (`memory_fraction`).
-    decode_steps: decode steps run on device per dispatch when a step is decode-only (32: on the H100, batch 1 ran
-    at 2.27 / 1.72 / 1.43 / 1.33 / 1.28 ms per step with 4 / 8 / 16 / 32 / 64; docs/benchmarks.md).
+    decode_steps: decode steps run on device per dispatch when a step is decode-only. None: 32 on GPU (on the H100,
+    batch 1 ran at 2.27 / 1.72 / 1.43 / 1.33 / 1.28 ms per step with 4 / 8 / 16 / 32 / 64; docs/benchmarks.md),
+    8 on CPU, where a step takes ~65 ms and text streams in bursts of decode_steps tokens (the default model,
+    2 cores: 13.9 tok/s and 0.6 s between streamed events at 8, 15.8 tok/s and 2.1 s at 32).
     kernels: "reference" (jnp), "pallas", "interpret" (the Pallas kernels interpreted, for CPU tests), or "auto"
     (the Pallas kernels on a GPU where the model's shapes allow them).
     """
@@ -82,7 +84,7 @@ class LLM:
                  max_model_len: int | None = None, page_size: int = 16, num_pages: int | None = None,
                  memory_fraction: float = 0.85,
                  max_num_seqs: int = 64, max_num_batched_tokens: int | None = None, chunk_size: int | None = None,
-                 decode_steps: int = 32, kernels: str = "auto", seed: int = 0):
+                 decode_steps: int | None = None, kernels: str = "auto", seed: int = 0):
         on_gpu = jax.default_backend() == "gpu"
         self.dtype = dtype or ("bfloat16" if on_gpu else "float32")
         loaded = load_model(model, self.dtype)
@@ -91,6 +93,7 @@ class LLM:
         if max_model_len and max_model_len > self.config.max_position_embeddings:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
                              f"{self.config.max_position_embeddings}")
+        decode_steps = (32 if on_gpu else 8) if decode_steps is None else decode_steps
         if decode_steps < 1:
             raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")
         self.decode_steps = decode_steps

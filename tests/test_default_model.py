@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nanojax import LLM, SamplingParams, default_model
-from nanojax.generate import main as generate_main
+from nanojax import generate as generate_cli
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
 
@@ -46,8 +46,25 @@ def test_direct_gguf_load_equals_converted_checkpoint(llm, gguf_path):
         [ids], greedy, use_tqdm=False)[0].token_ids
 
 
-def test_cli_streams_the_answer(gguf_path, capsys):
-    assert generate_main(["--prompt", "What is the capital of France?", "--max-tokens", "24"]) == 0
+def test_cli_streams_the_answer(gguf_path, capsys, monkeypatch):
+    monkeypatch.setattr(generate_cli, "use_compilation_cache", lambda: None)  # global jax state: its own test
+    assert generate_cli.main(["--prompt", "What is the capital of France?", "--max-tokens", "24"]) == 0
     captured = capsys.readouterr()
     assert "Paris" in captured.out
     assert "time to first token" in captured.err and "tok/s" in captured.err
+
+
+def test_cli_keeps_compiled_steps_beside_the_model(tmp_path, monkeypatch):
+    import jax
+
+    monkeypatch.setenv("NANOJAX_CACHE", str(tmp_path))
+    saved = jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs
+    try:  # nothing compiles in between, so putting the settings back leaves no cache behind
+        generate_cli.use_compilation_cache()
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "xla")
+        jax.config.update("jax_compilation_cache_dir", "/elsewhere")
+        generate_cli.use_compilation_cache()  # a directory the user chose is kept
+        assert jax.config.jax_compilation_cache_dir == "/elsewhere"
+    finally:
+        jax.config.update("jax_compilation_cache_dir", saved[0])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", saved[1])

@@ -78,6 +78,13 @@ def test_pins_are_independent_and_bad_calls_are_rejected(qwen3):
     assert not llm.scheduler.has_unfinished() and llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
 
 
+def test_decode_steps_default_per_platform_and_rejected_below_one(qwen3):
+    folder, _ = qwen3
+    assert LLM(folder, dtype="float32", max_model_len=32).decode_steps == 8  # CPU: see LLM's docstring
+    with pytest.raises(ValueError, match="decode_steps must be >= 1, got 0"):
+        LLM(folder, dtype="float32", max_model_len=32, decode_steps=0)
+
+
 def test_pins_that_leave_no_room_fail_clearly_and_the_engine_recovers(qwen3):
     folder, model = qwen3
     llm = LLM(folder, dtype="float32", page_size=4, max_model_len=32, num_pages=6)
