@@ -68,10 +68,11 @@ def build(tokens: list[str], merges: list[str], token_types: list[int] | None, p
     tokenizer.add_tokens([AddedToken(t, normalized=False, special=False) for t, kind in zip(tokens, types)
                           if kind == USER_DEFINED and t in vocab])
     if add_bos or add_eos:
-        single = " ".join([f"{bos}:0"] * add_bos + ["$A:0"] + [f"{eos}:0"] * add_eos)
-        pair = " ".join([f"{bos}:0"] * add_bos + ["$A:0"] + [f"{eos}:0"] * add_eos + [f"{bos}:1"] * add_bos +
-                        ["$B:1"] + [f"{eos}:1"] * add_eos)
+        def around(sequence, type_id):  # e.g. "<s>:0 $A:0"
+            return [f"{bos}:{type_id}"] * add_bos + [f"{sequence}:{type_id}"] + [f"{eos}:{type_id}"] * add_eos
+
         specials = {t: vocab[t] for t, on in ((bos, add_bos), (eos, add_eos)) if on}
-        tokenizer.post_processor = processors.TemplateProcessing(single=single, pair=pair,
-                                                                 special_tokens=list(specials.items()))
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=" ".join(around("$A", 0)), pair=" ".join(around("$A", 0) + around("$B", 1)),
+            special_tokens=list(specials.items()))
     return tokenizer

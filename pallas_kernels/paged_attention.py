@@ -156,13 +156,11 @@ def _load_kv_tile(k_ref, v_ref, page_table_ref, pos, valid):
     lane is never read, whereas a 0 probability times a NaN V row would poison the output.
     """
     page_size, head_dim = k_ref.shape[1:]
-    if valid is None:
-        page = load(page_table_ref.at[lax.div(pos, page_size)])
-        idx = (page[:, None], lax.rem(pos, page_size)[:, None], jnp.arange(head_dim)[None, :])
-        return load(k_ref.at[idx]), load(v_ref.at[idx])
-    page = load(page_table_ref.at[lax.div(pos, page_size)], mask=valid, other=0)
+    pos_mask, row_mask = ({}, {}) if valid is None else (
+        {"mask": valid, "other": 0}, {"mask": valid[:, None], "other": 0.0})
+    page = load(page_table_ref.at[lax.div(pos, page_size)], **pos_mask)
     idx = (page[:, None], lax.rem(pos, page_size)[:, None], jnp.arange(head_dim)[None, :])
-    return load(k_ref.at[idx], mask=valid[:, None], other=0.0), load(v_ref.at[idx], mask=valid[:, None], other=0.0)
+    return load(k_ref.at[idx], **row_mask), load(v_ref.at[idx], **row_mask)
 
 
 def _attend(q, q_pos, row_ok, k_ref, v_ref, page_table_ref, kv_start, kv_end, full_end, *, block_k, scale):
