@@ -74,6 +74,11 @@ _LOG2E = math.log2(math.e)
 _MASK = -1e30
 # Automatic k_splits aims for this many programs: 2 per SM of an H100 (132 SMs).
 _PROGRAMS_TO_FILL_GPU = 264
+# A grid that fills the GPU only 1-2 times over with long sequences gets this many splits anyway: its last, partly
+# filled wave of programs streams a whole sequence each. Measured on the H100 (B=64, 8 KV heads, 512 programs):
+# 4 splits 7% faster at 4096 tokens and 11% at 16384; no gain at 1024 tokens, nor at B=256 or B=8 (docs/perf_notes.md
+# note 12).
+_LONG_KV_TOKENS, _LONG_KV_SPLITS = 4096, 4
 
 
 def _is_power_of_2(n):
@@ -244,6 +249,8 @@ def _combine_splits(o, m, l, dtype):
 def _num_splits(config, programs, max_kv_tokens):
     if config.k_splits is not None:
         return config.k_splits
+    if _PROGRAMS_TO_FILL_GPU <= programs < 2 * _PROGRAMS_TO_FILL_GPU and max_kv_tokens >= _LONG_KV_TOKENS:
+        return _LONG_KV_SPLITS
     # Enough programs to fill the GPU, but at least two KV tiles per split for the longest sequence the table holds.
     return max(1, min(_PROGRAMS_TO_FILL_GPU // programs, max_kv_tokens // (2 * config.block_k)))
 

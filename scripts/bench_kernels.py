@@ -5,9 +5,11 @@
 
 Timing: one jitted function runs `calls` back-to-back invocations (so Python dispatch is paid once per timed run,
 not per call), the timed runs come after a compile + warm-up run, and the result is the median over `--repeats` runs
-divided by `calls`. Inputs rotate over enough copies that each call reads its data from HBM, not from the 50 MB L2,
-and every call sees its inputs through an optimization_barrier with a distinct counter so that XLA cannot merge the
-repeated calls. Bandwidth is the bytes a kernel must read (KV cache, or the weight) over the time, against 2.83 TB/s.
+divided by `calls`. A timed run lasts ~`--target-ms` (50): one run's fixed cost (dispatch, and waking up the host
+when it ends: ~0.3-0.5 ms on the H100) is then ~1% of it. Inputs rotate over enough copies that each call reads its
+data from HBM, not from the 50 MB L2, and each call's input depends on the previous call's whole output (see
+time_per_call), so that XLA can neither merge nor trim the repeated calls. Bandwidth is the bytes a kernel must read
+(KV cache, or the weight) over the time, against 2.83 TB/s.
 """
 import argparse
 import contextlib
@@ -37,7 +39,7 @@ TINY = {"num_q_heads": 4, "num_kv_heads": 2, "head_dim": 64, "hidden": 64}
 
 
 # ------------------------------------------------------------------------------------------------------------ timing
-def time_per_call(fn, arg_sets, *, work_seconds, repeats, dep_arg=0, calls=None, target_seconds=5e-3,
+def time_per_call(fn, arg_sets, *, work_seconds, repeats, dep_arg=0, calls=None, target_seconds=50e-3,
                   trace_dir=None):
     """Median seconds per call of fn(*args), args cycling over arg_sets. work_seconds: a rough lower bound on one
     call (bytes / bandwidth), used to pick enough calls (unless given) that a timed run lasts ~target_seconds.
@@ -76,13 +78,13 @@ def time_per_call(fn, arg_sets, *, work_seconds, repeats, dep_arg=0, calls=None,
     return statistics.median(times) / calls
 
 
-def num_calls(arg_sets, work_seconds, calls=None, target_seconds=5e-3):
-    """Calls per timed run: `calls`, or enough for ~target_seconds; a multiple of len(arg_sets)."""
-    calls = calls or max(len(arg_sets), 4, min(200, math.ceil(target_seconds / max(work_seconds, 1e-6))))
+def num_calls(arg_sets, work_seconds, calls=None, target_seconds=50e-3):
+    """Calls per timed run: `calls`, or enough for ~target_seconds (at most 2,000); a multiple of len(arg_sets)."""
+    calls = calls or max(len(arg_sets), 4, min(2000, math.ceil(target_seconds / max(work_seconds, 1e-6))))
     return -(-calls // len(arg_sets)) * len(arg_sets)
 
 
-def kernel_time_per_call(fn, arg_sets, name, *, work_seconds, dep_arg=0, calls=None):
+def kernel_time_per_call(fn, arg_sets, name, *, work_seconds, dep_arg=0, calls=None, target_seconds=50e-3):
     """The profiler's view of one call: (seconds of GPU kernels named `name` (the Pallas kernel), seconds of all GPU
     kernels (the kernel, XLA epilogues such as a split-K sum, and the timing loop's own add and NaN check)), without
     the launch gaps that time_per_call includes."""
@@ -90,9 +92,9 @@ def kernel_time_per_call(fn, arg_sets, name, *, work_seconds, dep_arg=0, calls=N
     repeats = 2
     with tempfile.TemporaryDirectory() as trace_dir:
         time_per_call(fn, arg_sets, work_seconds=work_seconds, repeats=repeats, dep_arg=dep_arg, calls=calls,
-                      trace_dir=trace_dir)
+                      target_seconds=target_seconds, trace_dir=trace_dir)
         kernels, _ = trace_events(trace_dir)
-    per_call = 1e-9 / (repeats * num_calls(arg_sets, work_seconds, calls))
+    per_call = 1e-9 / (repeats * num_calls(arg_sets, work_seconds, calls, target_seconds))
     return (sum(end - start for kind, start, end in kernels if name in kind) * per_call,
             sum(end - start for _, start, end in kernels) * per_call)
 
@@ -175,7 +177,7 @@ def bench_decode(args, model, grid, page_size, rng):
         xla_fits = 4 * kv_bytes <= args.max_kv_bytes
         if args.check and xla_fits:
             assert_close(f"decode B={batch} ctx={ctx}", ours(*sets[0]), xla(*sets[0]))
-        kw = {"work_seconds": kv_bytes / args.hbm_bw, "repeats": args.repeats, "calls": args.calls, "dep_arg": 4}
+        kw = timing(args, kv_bytes / args.hbm_bw, dep_arg=4)
         t_ours, kernel_times = time_ours(args, ours, sets, "paged_attention", kw)
         t_xla = try_time("xla", xla, sets, **kw) if xla_fits else None
         t_sets = [(q, k.transpose(1, 0, 2, 3), v.transpose(1, 0, 2, 3), t, s) for q, k, v, t, s in sets]
@@ -225,7 +227,7 @@ def bench_rmsnorm_matmul(args, model, m_values, rng):
                      normal(rng, (k, n), k ** -0.5)) for _ in range(rotations(args, w_bytes + m * k * 2))]
             if args.check:
                 assert_close(f"{name} M={m}", ours(*sets[0]), xla(*sets[0]))
-            kw = {"work_seconds": w_bytes / args.hbm_bw, "repeats": args.repeats, "calls": args.calls, "dep_arg": 1}
+            kw = timing(args, w_bytes / args.hbm_bw, dep_arg=1)
             t_ours, kernel_times = time_ours(args, ours, sets, "rmsnorm_matmul", kw)
             peers = {"xla_reference": try_time("xla", xla, sets, **kw)}
             if name == "rmsnorm_qkv":
@@ -248,7 +250,7 @@ def bench_prefill(args, model, tokens, page_size, rng):
                   for a in (k, v)]
     flops = 2 * 2 * tokens * tokens // 2 * model["num_q_heads"] * model["head_dim"]  # QK^T and PV, causal half
     # q is perturbed for every implementation alike (an elementwise pass over q, small next to attention).
-    kw = {"work_seconds": flops / 700e12, "repeats": args.repeats, "calls": args.calls}
+    kw = timing(args, flops / 700e12)
     t_ours, kernel_times = time_ours(args, ours, [(q, k, v, table, lens)], "paged_attention", kw)
     peers = {}
     for impl in (None, "xla", "cudnn"):
@@ -261,6 +263,12 @@ def bench_prefill(args, model, tokens, page_size, rng):
 
 
 # ---------------------------------------------------------------------------------------------------------- report
+def timing(args, work_seconds, dep_arg=0):
+    """time_per_call's keyword arguments for one benchmark point."""
+    return {"work_seconds": work_seconds, "repeats": args.repeats, "calls": args.calls,
+            "target_seconds": args.target_ms / 1e3, "dep_arg": dep_arg}
+
+
 def time_ours(args, fn, arg_sets, kernel_name, kw):
     """-> (time_per_call, and with --profile kernel_time_per_call's (Pallas kernel, all kernels) seconds, else None)."""
     t = time_per_call(fn, arg_sets, **kw)
@@ -310,7 +318,8 @@ def main():
     p.add_argument("--hbm-bw", type=float, default=2.83e12, help="bytes/s that %%HBM is relative to")
     p.add_argument("--max-kv-bytes", type=float, default=20e9, help="skip decode points with more KV than this")
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--calls", type=int, help="calls per timed run (default: enough for ~5 ms)")
+    p.add_argument("--calls", type=int, help="calls per timed run (default: enough for --target-ms)")
+    p.add_argument("--target-ms", type=float, default=50.0, help="length of one timed run")
     p.add_argument("--profile", action="store_true", help="also time our kernels alone with the profiler (GPU)")
     p.add_argument("--sections", nargs="+", default=["projections", "prefill", "decode"],
                    choices=["projections", "prefill", "decode"])

@@ -18,6 +18,7 @@ from pallas_kernels.paged_attention import (
     DECODE_CONFIG,
     PREFILL_CONFIG,
     PagedAttentionConfig,
+    _num_splits,
     paged_attention_reference,
     paged_decode_attention,
     paged_prefill_attention,
@@ -125,6 +126,14 @@ def test_decode_head_dim_128_batch_1():
 def test_decode_page_256():
     case = decode_case(3, [300, 1, 256], num_q_heads=2, num_kv_heads=1, head_dim=64, page_size=256)
     run_decode(case, dataclasses.replace(DECODE_CONFIG, k_splits=2))
+
+
+@pytest.mark.parametrize("programs,max_kv_tokens,splits", [
+    (8, 128, 1), (8, 1024, 8), (8, 16384, 33), (64, 4096, 4), (256, 4096, 1),  # fill the GPU, >= 2 tiles per split
+    (512, 1024, 1), (512, 4096, 4), (512, 16384, 4), (2048, 16384, 1),  # a grid of 1-2 waves of long sequences
+])
+def test_decode_automatic_splits(programs, max_kv_tokens, splits):
+    assert _num_splits(DECODE_CONFIG, programs, max_kv_tokens) == splits
 
 
 @pytest.mark.parametrize("k_splits", [1, 4])
