@@ -17,8 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-# HF's dynamic cache grows by concatenation; without expandable segments the fragments it leaves made batch 256 run
-# out of memory on the H100 (25 GB reserved but unusable). Set before torch is imported.
+# HF's dynamic cache grows by concatenation: batch 256 ran out of memory on the H100 with 25 GB reserved by torch but
+# unallocated. Expandable segments let torch reuse such fragments (not re-measured at 256). Set before torch loads.
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_decode import check_parity  # noqa: E402
@@ -69,7 +69,7 @@ def main():
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--chunk-size", type=int, default=1024)
     ap.add_argument("--decode-steps", type=int, default=16)
-    # HF eager: the first 128 requests in one batch (~140 s on the H100); all 256 at once did not fit in 80 GB.
+    # HF eager: the first 128 requests in one batch (~140 s on the H100); all 256 at once ran out of memory.
     ap.add_argument("--hf-requests", type=int, default=128, help="requests the HF eager peer runs (0: none)")
     ap.add_argument("--hf-batch", type=int, default=128)
     ap.add_argument("--skip-parity", action="store_true")
