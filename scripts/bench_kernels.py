@@ -159,6 +159,23 @@ def jax_pallas_decode(interpret):
     return fn
 
 
+def decode_kv_bytes(model, batch, ctx):
+    """Bytes of K and V (bf16) that one decode call reads for `batch` sequences of `ctx` tokens."""
+    return 2 * batch * ctx * model["num_kv_heads"] * model["head_dim"] * 2
+
+
+def decode_sets(args, rng, model, batch, ctx, page_size):
+    """Enough (q [B, Hq, D], k_pages, v_pages, page_table, seq_lens) sets to rotate through (see rotations)."""
+    sets = [paged_inputs(rng, batch, ctx, 1, model, page_size)
+            for _ in range(rotations(args, decode_kv_bytes(model, batch, ctx)))]
+    return [(q[:, 0], k, v, t, s) for q, k, v, t, s in sets]
+
+
+def jax_layout(sets):
+    """decode_sets in the KV layout of JAX's paged_attention: pages [Hkv, num_pages, S, D]."""
+    return [(q, k.transpose(1, 0, 2, 3), v.transpose(1, 0, 2, 3), t, s) for q, k, v, t, s in sets]
+
+
 def bench_decode(args, model, grid, page_size, rng):
     scale = model["head_dim"] ** -0.5
     ours = lambda q, k, v, t, s: paged_decode_attention(q, k, v, t, s, scale=scale, interpret=args.interpret)
@@ -167,12 +184,11 @@ def bench_decode(args, model, grid, page_size, rng):
     theirs = jax_pallas_decode(args.interpret)
     rows = []
     for batch, ctx in grid:
-        kv_bytes = 2 * batch * ctx * model["num_kv_heads"] * model["head_dim"] * 2
+        kv_bytes = decode_kv_bytes(model, batch, ctx)
         if kv_bytes > args.max_kv_bytes:
             print(f"  decode B={batch} ctx={ctx}: skipped, {kv_bytes / 1e9:.1f} GB of KV")
             continue
-        sets = [paged_inputs(rng, batch, ctx, 1, model, page_size) for _ in range(rotations(args, kv_bytes))]
-        sets = [(q[:, 0], k, v, t, s) for q, k, v, t, s in sets]
+        sets = decode_sets(args, rng, model, batch, ctx, page_size)
         # The XLA reference gathers K and V to f32 and transposes them: budget 4x the KV bytes.
         xla_fits = 4 * kv_bytes <= args.max_kv_bytes
         if args.check and xla_fits:
@@ -180,7 +196,7 @@ def bench_decode(args, model, grid, page_size, rng):
         kw = timing(args, kv_bytes / args.hbm_bw, dep_arg=4)
         t_ours, kernel_times = time_ours(args, ours, sets, "paged_attention", kw)
         t_xla = try_time("xla", xla, sets, **kw) if xla_fits else None
-        t_sets = [(q, k.transpose(1, 0, 2, 3), v.transpose(1, 0, 2, 3), t, s) for q, k, v, t, s in sets]
+        t_sets = jax_layout(sets)
         del sets
         t_theirs = try_time("jax_pallas_paged_attention", theirs, t_sets, **kw)
         del t_sets

@@ -16,7 +16,15 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from bench_kernels import QWEN3_06B, jax_pallas_decode, paged_inputs, rotations, time_per_call  # noqa: E402
+from bench_kernels import (  # noqa: E402
+    QWEN3_06B,
+    decode_kv_bytes,
+    decode_sets,
+    jax_layout,
+    jax_pallas_decode,
+    time_per_call,
+    timing,
+)
 
 from pallas_kernels.paged_attention import DECODE_CONFIG, paged_decode_attention  # noqa: E402
 
@@ -41,21 +49,19 @@ def main():
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args()
-    args.max_rotations = 64
+    args.max_rotations, args.calls, args.target_ms = 64, None, 50.0  # bench_kernels' defaults
     model, rng = QWEN3_06B, np.random.default_rng(0)
     scale, rows = model["head_dim"] ** -0.5, []
     for (batch, ctx), variants in GRID.items():
-        kv_bytes = 2 * batch * ctx * model["num_kv_heads"] * model["head_dim"] * 2
-        sets = [paged_inputs(rng, batch, ctx, 1, model, 16) for _ in range(rotations(args, kv_bytes))]
-        sets = [(q[:, 0], k, v, t, s) for q, k, v, t, s in sets]
-        kw = {"work_seconds": kv_bytes / 2.83e12, "repeats": args.repeats, "dep_arg": 4}
+        sets = decode_sets(args, rng, model, batch, ctx, page_size=16)
+        kw = timing(args, decode_kv_bytes(model, batch, ctx) / 2.83e12, dep_arg=4)
         row = {"point": f"B={batch} ctx={ctx}"}
         for label, config in [("auto", None)] + [(f"bk{bk}/s{splits}", dataclasses.replace(
                 DECODE_CONFIG, block_k=bk, k_splits=splits)) for bk, splits in variants]:
             def ours(q, k, v, t, s, config=config):
                 return paged_decode_attention(q, k, v, t, s, scale=scale, config=config)
             row[label] = round(time_per_call(ours, sets, **kw) * 1e6, 2)
-        jax_sets = [(q, k.transpose(1, 0, 2, 3), v.transpose(1, 0, 2, 3), t, s) for q, k, v, t, s in sets]
+        jax_sets = jax_layout(sets)
         del sets
         row["jax"] = round(time_per_call(jax_pallas_decode(False), jax_sets, **kw) * 1e6, 2)
         del jax_sets
