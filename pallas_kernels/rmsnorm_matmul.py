@@ -77,7 +77,6 @@ class RmsNormMatmulConfig:
     num_warps: int = 4
     num_stages: int = 4
     k_splits: int = 1  # programs sharing one output tile's K range; their f32 partials are summed by XLA
-    norm_mode: str = "prepass"  # EXPERIMENT: prepass, peel, inloop, scale1d, rstd_end, fold_floor
 
     def __post_init__(self):
         if any(b < 16 or b & (b - 1) for b in (self.block_m, self.block_n, self.block_k)):
@@ -137,7 +136,7 @@ def _k_slice(kb, block_k, k):
 
 
 def _rmsnorm_matmul_kernel(x_ref, scale_ref, w_ref, bias_ref, res_ref, o_ref, *, eps, silu_mul, block_m, block_n,
-                           block_k, n_out, k_blocks_per_split, partial, norm_mode):
+                           block_k, n_out, k_blocks_per_split, partial):
     # x_ref: [M, K]; scale_ref: [K] or None; w_ref: [K, N]; bias_ref: [N] or None; res_ref: [M, N_out] or None;
     # o_ref: [M, N_out] with N_out = N, or N / 2 for silu_mul; if partial (split K): [k_splits, M, N] f32, where this
     #     program stores its split's accumulators and leaves bias, activation and residual to _epilogue in XLA.
@@ -153,58 +152,31 @@ def _rmsnorm_matmul_kernel(x_ref, scale_ref, w_ref, bias_ref, res_ref, o_ref, *,
     def x_tile(cols_k, k_ok):  # -> [block_m, block_k], zeros outside x
         return load(x_ref.at[rows[:, None], cols_k[None, :]], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
 
-    def w_tiles(cols_k, k_ok):
-        return [load(w_ref.at[cols_k[:, None], cols[None, :]], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-                for cols in col_groups]
-
-    def scale_tile(cols_k, k_ok, shape):
-        if norm_mode == "scale1d":
-            return load(scale_ref.at[cols_k], mask=k_ok, other=0.0)[None, :]
-        scale_idx = jnp.broadcast_to(cols_k[None, :], shape)
-        return load(scale_ref.at[scale_idx], mask=jnp.broadcast_to(k_ok[None, :], shape), other=0.0)
-
-    if norm_mode == "peel":
-        ws0 = w_tiles(*_k_slice(first_kb, block_k, k))
-    if scale_ref is not None and norm_mode != "inloop":
+    if scale_ref is not None:
+        # Unrolled (static trip count): the x loads are independent, so all of them are in flight at once rather
+        # than paying one memory round trip per K slice before the first w slice is requested.
         sum_sq = sum(jnp.square(x_tile(*_k_slice(kb, block_k, k)).astype(jnp.float32)).sum(axis=1)
                      for kb in range(pl.cdiv(k, block_k)))
         rstd = lax.rsqrt(sum_sq / k + eps)
 
-    def step(i, accs, ws=None):
+    def body(i, accs):
         cols_k, k_ok = _k_slice(first_kb + i, block_k, k)
         x = x_tile(cols_k, k_ok)
-        if scale_ref is not None and norm_mode == "rstd_end":
-            x = (scale_tile(cols_k, k_ok, x.shape).astype(jnp.float32) * x.astype(jnp.float32)).astype(x.dtype)
-        elif scale_ref is not None and norm_mode != "fold_floor":
-            scale = scale_tile(cols_k, k_ok, x.shape)
+        if scale_ref is not None:
+            # norm_scale is loaded as a [block_m, block_k] tile (repeated rows hit L1) so that Triton vectorizes it
+            # and software-pipelines it with x and w; a 1-D bf16 load would be a stalling scalar load every
+            # iteration.
+            scale_idx = jnp.broadcast_to(cols_k[None, :], x.shape)
+            scale = load(scale_ref.at[scale_idx], mask=jnp.broadcast_to(k_ok[None, :], x.shape), other=0.0)
+            # As the reference (HF's RMSNorm): normalize in f32, round to x.dtype, then scale in x.dtype.
             x = scale.astype(x.dtype) * (x.astype(jnp.float32) * rstd[:, None]).astype(x.dtype)
-        ws = ws or w_tiles(cols_k, k_ok)
+        ws = [load(w_ref.at[cols_k[:, None], cols[None, :]], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+              for cols in col_groups]
         return tuple(acc + lax.dot(x, w, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
                      for acc, w in zip(accs, ws))
 
-    def step_inloop(i, carry):
-        accs, ssq = carry
-        cols_k, k_ok = _k_slice(first_kb + i, block_k, k)
-        x = x_tile(cols_k, k_ok)
-        xf = x.astype(jnp.float32)
-        ssq = ssq + jnp.square(xf).sum(axis=1)
-        x = (scale_tile(cols_k, k_ok, x.shape).astype(jnp.float32) * xf).astype(x.dtype)
-        ws = w_tiles(cols_k, k_ok)
-        return tuple(acc + lax.dot(x, w, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
-                     for acc, w in zip(accs, ws)), ssq
-
     zeros = jnp.zeros((block_m, block_n), jnp.float32)
-    accs = tuple(zeros for _ in col_groups)
-    if scale_ref is not None and norm_mode == "inloop":
-        accs, ssq = lax.fori_loop(0, num_kb, step_inloop, (accs, jnp.zeros((block_m,), jnp.float32)))
-        rstd = lax.rsqrt(ssq / k + eps)
-        accs = tuple(acc * rstd[:, None] for acc in accs)
-    elif norm_mode == "peel":
-        accs = lax.fori_loop(1, num_kb, step, step(0, accs, ws0))
-    else:
-        accs = lax.fori_loop(0, num_kb, step, accs)
-    if scale_ref is not None and norm_mode in ("rstd_end", "fold_floor"):
-        accs = tuple(acc * rstd[:, None] for acc in accs)
+    accs = lax.fori_loop(0, num_kb, body, tuple(zeros for _ in col_groups))
     if partial:
         for acc, cols in zip(accs, col_groups):
             store(o_ref.at[pl.program_id(2), rows[:, None], cols[None, :]], acc, mask=row_ok[:, None] & n_ok[None, :])
@@ -280,12 +252,9 @@ def rmsnorm_matmul(x, norm_scale, w, bias=None, *, eps=None, residual=None, acti
     k_blocks = pl.cdiv(x.shape[1], config.block_k)
     k_splits = min(config.k_splits, k_blocks)
     partial = k_splits > 1
-    if partial and config.norm_mode == "inloop" and norm_scale is not None:
-        raise ValueError("inloop needs k_splits == 1")
     kernel = functools.partial(_rmsnorm_matmul_kernel, eps=eps, silu_mul=silu_mul, block_m=block_m,
                                block_n=config.block_n, block_k=config.block_k, n_out=n_out,
-                               k_blocks_per_split=pl.cdiv(k_blocks, k_splits), partial=partial,
-                               norm_mode=config.norm_mode)
+                               k_blocks_per_split=pl.cdiv(k_blocks, k_splits), partial=partial)
     out_shape = (k_splits, m, w.shape[1]) if partial else (m, n_out)
     out = pl.pallas_call(
         kernel,
