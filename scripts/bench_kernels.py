@@ -48,7 +48,8 @@ def time_per_call(fn, arg_sets, *, work_seconds, repeats, dep_arg=0, calls=None,
     The calls run in a fori_loop, and each call's input `dep_arg` (pick a small one) is offset by a value computed
     from the previous call's whole output (always zero, but not to the compiler), so XLA can neither merge the calls
     nor hoist them out of the loop, nor compute only part of an output (a split-K epilogue for one element): every
-    call really runs, one after the other, in full.
+    call really runs, one after the other, in full. The offset is a kernel of its own before a Pallas call, and fused
+    into the first fusion of an XLA implementation (perf note 13).
     """
     calls = num_calls(arg_sets, work_seconds, calls, target_seconds)
     rounds = calls // len(arg_sets)
@@ -84,19 +85,28 @@ def num_calls(arg_sets, work_seconds, calls=None, target_seconds=50e-3):
     return -(-calls // len(arg_sets)) * len(arg_sets)
 
 
-def kernel_time_per_call(fn, arg_sets, name, *, work_seconds, dep_arg=0, calls=None, target_seconds=50e-3):
-    """The profiler's view of one call: (seconds of GPU kernels named `name` (the Pallas kernel), seconds of all GPU
-    kernels (the kernel, XLA epilogues such as a split-K sum, and the timing loop's own add and NaN check)), without
-    the launch gaps that time_per_call includes."""
-    from gpu_trace import trace_events
+def kernel_times_by_kind(fn, arg_sets, *, work_seconds, dep_arg=0, calls=None, target_seconds=50e-3):
+    """The profiler's view of one call: {kernel kind (gpu_trace.kernel_kind): GPU seconds per call}, for every GPU
+    kernel of the timing loop (fn's kernels, and the loop's own add and NaN check), without the launch gaps that
+    time_per_call includes."""
+    from gpu_trace import kernel_kind, trace_events
     repeats = 2
     with tempfile.TemporaryDirectory() as trace_dir:
         time_per_call(fn, arg_sets, work_seconds=work_seconds, repeats=repeats, dep_arg=dep_arg, calls=calls,
                       target_seconds=target_seconds, trace_dir=trace_dir)
         kernels, _ = trace_events(trace_dir)
     per_call = 1e-9 / (repeats * num_calls(arg_sets, work_seconds, calls, target_seconds))
-    return (sum(end - start for kind, start, end in kernels if name in kind) * per_call,
-            sum(end - start for _, start, end in kernels) * per_call)
+    by_kind = {}
+    for name, start, end in kernels:
+        by_kind[kernel_kind(name)] = by_kind.get(kernel_kind(name), 0.0) + (end - start) * per_call
+    return by_kind
+
+
+def kernel_time_per_call(fn, arg_sets, name, **kw):
+    """-> (GPU seconds per call of the kernels named `name` (the Pallas kernel), of all GPU kernels (the kernel, XLA
+    epilogues such as a split-K sum, and the timing loop's own add and NaN check)); see kernel_times_by_kind."""
+    by_kind = kernel_times_by_kind(fn, arg_sets, **kw)
+    return sum(t for kind, t in by_kind.items() if name in kind), sum(by_kind.values())
 
 
 def rotations(args, bytes_per_set):
@@ -249,8 +259,27 @@ def bench_rmsnorm_matmul(args, model, m_values, rng):
             if name == "rmsnorm_qkv":
                 peers["jax_pallas_rms_norm+xla_dot"] = try_time("jax_pallas_rms_norm", jax_pallas, sets, **kw)
             rows.append(row(name, f"M={m} K={k} N={n}", t_ours, peers, w_bytes, args.hbm_bw, kernel_times))
+            if args.profile:  # where each implementation's GPU time goes, the timing loop's own kernels included
+                rows[-1]["kernels_us"] = {label: {kind: t * 1e6 for kind, t in kernel_times_by_kind(
+                    fn, sets, **{a: b for a, b in kw.items() if a != "repeats"}).items()}
+                    for label, fn in (("ours", ours), ("xla_reference", xla))}
+            if m == 1 and args.profile:
+                rows.append(weight_read_row(args, name, sets, kw))
             del sets
     return rows
+
+
+def weight_read_row(args, name, sets, kw):
+    """What one XLA kernel does at this size: the row sums of w (every weight byte read once, rows contiguous,
+    nothing else), timed like the projections; its "kernel alone" is the longest kernel kind of a call (the
+    reduction, not the timing loop's NaN check)."""
+    k, n = sets[0][2].shape
+    read_w = jax.jit(lambda x, s, w: jnp.sum(w, axis=1, dtype=jnp.float32))
+    read_kw = dict(kw, dep_arg=2)  # the loop's offset goes into w itself, so the read cannot be hoisted
+    t = time_per_call(read_w, sets, **read_kw)
+    by_kind = kernel_times_by_kind(read_w, sets, **{a: b for a, b in read_kw.items() if a != "repeats"})
+    return row(f"{name}_weight_read", f"K={k} N={n}", t, {}, k * n * 2, args.hbm_bw,
+               (max(by_kind.values()), sum(by_kind.values())))
 
 
 # -------------------------------------------------------------------------------------------------------- prefill
@@ -312,7 +341,7 @@ def row(kernel, shape, t_ours, peers, bytes_read, hbm_bw, kernel_times=None):
 def print_table(rows):
     """ours ms / %HBM: per call in the timing loop; kernel ms / %HBM: the Pallas kernel alone (--profile), and in
     brackets all GPU kernels of a call (epilogues and the loop's own ops included)."""
-    print(f"\n{'kernel':<18} {'shape':<26} {'ours ms':>9} {'%HBM':>6} {'kernel ms':>18} {'%HBM':>5}  "
+    print(f"\n{'kernel':<26} {'shape':<26} {'ours ms':>9} {'%HBM':>6} {'kernel ms':>18} {'%HBM':>5}  "
           "peers: ms (peer / ours)")
     for r in rows:
         pct = f"{r['ours_hbm_pct']:.0f}%" if "ours_hbm_pct" in r else f"{r.get('ours_tflops', 0):.0f}TF"
@@ -320,7 +349,7 @@ def print_table(rows):
         kernel_pct = f"{r['kernel_hbm_pct']:.0f}%" if "kernel_hbm_pct" in r else "-"
         peers = "  ".join(f"{name} " + ("n/a" if ms is None else f"{ms:.4f} (x{r['speedup_vs_peer'][name]:.2f})")
                           for name, ms in r["peers_ms"].items())
-        print(f"{r['kernel']:<18} {r['shape']:<26} {r['ours_ms']:>9.4f} {pct:>6} {kernel:>18} {kernel_pct:>5}  "
+        print(f"{r['kernel']:<26} {r['shape']:<26} {r['ours_ms']:>9.4f} {pct:>6} {kernel:>18} {kernel_pct:>5}  "
               f"{peers}")
 
 
