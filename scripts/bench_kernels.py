@@ -261,8 +261,7 @@ def bench_rmsnorm_matmul(args, model, m_values, rng):
             rows.append(row(name, f"M={m} K={k} N={n}", t_ours, peers, w_bytes, args.hbm_bw, kernel_times))
             if args.profile:  # where each implementation's GPU time goes, the timing loop's own kernels included
                 rows[-1]["kernels_us"] = {label: {kind: t * 1e6 for kind, t in kernel_times_by_kind(
-                    fn, sets, **{a: b for a, b in kw.items() if a != "repeats"}).items()}
-                    for label, fn in (("ours", ours), ("xla_reference", xla))}
+                    fn, sets, **profile_kwargs(kw)).items()} for label, fn in (("ours", ours), ("xla_reference", xla))}
             if m == 1 and args.profile:
                 rows.append(weight_read_row(args, name, sets, kw))
             del sets
@@ -277,7 +276,7 @@ def weight_read_row(args, name, sets, kw):
     read_w = jax.jit(lambda x, s, w: jnp.sum(w, axis=1, dtype=jnp.float32))
     read_kw = dict(kw, dep_arg=2)  # the loop's offset goes into w itself, so the read cannot be hoisted
     t = time_per_call(read_w, sets, **read_kw)
-    by_kind = kernel_times_by_kind(read_w, sets, **{a: b for a, b in read_kw.items() if a != "repeats"})
+    by_kind = kernel_times_by_kind(read_w, sets, **profile_kwargs(read_kw))
     return row(f"{name}_weight_read", f"K={k} N={n}", t, {}, k * n * 2, args.hbm_bw,
                (max(by_kind.values()), sum(by_kind.values())))
 
@@ -319,7 +318,12 @@ def time_ours(args, fn, arg_sets, kernel_name, kw):
     t = time_per_call(fn, arg_sets, **kw)
     if not args.profile:
         return t, None
-    return t, kernel_time_per_call(fn, arg_sets, kernel_name, **{k: v for k, v in kw.items() if k != "repeats"})
+    return t, kernel_time_per_call(fn, arg_sets, kernel_name, **profile_kwargs(kw))
+
+
+def profile_kwargs(kw):
+    """timing()'s keyword arguments for the profiler's functions, which set their own repeats."""
+    return {a: b for a, b in kw.items() if a != "repeats"}
 
 
 def row(kernel, shape, t_ours, peers, bytes_read, hbm_bw, kernel_times=None):
