@@ -23,9 +23,6 @@ NAMES = ("auto", "reference", "pallas", "interpret")
 # even at M = 2..8, XLA 1.2x at 16; prefill sizes: XLA 1.05-6.6x), so larger row counts take the XLA path
 # (docs/benchmarks.md, bench_kernels.py).
 PALLAS_PROJECTION_MAX_ROWS = 1
-# The same bound for the projections with a norm (QKV, gate/up); measured on its own since the norm's statistic moved
-# out of the kernel.
-PALLAS_NORMED_PROJECTION_MAX_ROWS = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,12 +32,12 @@ class Ops:
     pallas: bool = False
     interpret: bool = False
 
-    def project(self, x, p, *, rstd=None, residual=None, activation=None):
-        """x: [N, K]; rstd: [N] f32 or None; p: {w [K, N'], b [N']?} -> [N, N_out]; see rmsnorm_matmul_reference."""
-        max_rows = PALLAS_PROJECTION_MAX_ROWS if rstd is None else PALLAS_NORMED_PROJECTION_MAX_ROWS
-        if not self.pallas or x.shape[0] > max_rows:
-            return rmsnorm_matmul_reference(x, rstd, p["w"], p.get("b"), residual=residual, activation=activation)
-        return rmsnorm_matmul(x, rstd, p["w"], p.get("b"), residual=residual, activation=activation,
+    def project(self, x, p, *, norm_scale=None, eps=None, residual=None, activation=None):
+        """x: [N, K]; p: {w [K, N'], b [N']?} -> [N, N_out]; see rmsnorm_matmul_reference."""
+        if not self.pallas or x.shape[0] > PALLAS_PROJECTION_MAX_ROWS:
+            return rmsnorm_matmul_reference(x, norm_scale, p["w"], p.get("b"), eps=eps, residual=residual,
+                                            activation=activation)
+        return rmsnorm_matmul(x, norm_scale, p["w"], p.get("b"), eps=eps, residual=residual, activation=activation,
                               interpret=self.interpret)
 
     def qkv_rope_cache(self, qkv, positions, slots, k_pages, v_pages, inv_freq, q_norm, k_norm, *, eps):

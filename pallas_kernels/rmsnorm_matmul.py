@@ -1,17 +1,9 @@
 """One fused kernel per projection of a decoder layer: [RMSNorm] -> matmul [+ bias] [-> SiLU-and-mul] [+ residual].
 
-    qkv:      rmsnorm_matmul(x, rms_rstd(x, eps), w_qkv, b_qkv)
+    qkv:      rmsnorm_matmul(x, attn_norm, w_qkv, b_qkv, eps=eps)
     o_proj:   rmsnorm_matmul(attn, None, w_o, b_o, residual=x)                       # x + attn @ w_o
-    gate/up:  rmsnorm_matmul(x, rms_rstd(x, eps), w_gate_up, b_gate_up, activation="silu_mul")
+    gate/up:  rmsnorm_matmul(x, mlp_norm, w_gate_up, b_gate_up, eps=eps, activation="silu_mul")
     down:     rmsnorm_matmul(h, None, w_down, b_down, residual=x)                    # x + h @ w_down
-
-The RMSNorm is split three ways, each part where it costs nothing:
-- its scale is folded into the next projection's weight rows by convert/ (diag(scale) @ w, once, in f32);
-- its statistic, rstd = rsqrt(mean(x^2) + eps) per row, is computed in XLA by the caller, where it fuses into the
-  kernel that produces x (the split-K epilogue or residual add before it);
-- the kernel multiplies each x tile by rstd as it streams K.
-Inside the kernel a norm computed from x (every program re-reading all of x first, then gathering the scale per
-tile) cost 1.1 us at M = 1 and 11 us at M = 64, up to twice the matmul itself (docs/perf_notes.md, note 14).
 """
 import dataclasses
 import functools
@@ -26,41 +18,31 @@ from pallas_kernels._compat import load, store, triton_params
 ACTIVATIONS = (None, "silu_mul")
 
 
-def rms_rstd(x, eps):
-    """x: [..., K] -> [...] f32: 1 / RMS(x), the statistic of RMSNorm, in f32 as HF computes it."""
-    xf = x.astype(jnp.float32)
-    return lax.rsqrt(jnp.mean(xf * xf, axis=-1) + eps)
-
-
-def rms_normalize(x, rstd):
-    """x: [..., K], rstd: [...] f32 -> x / RMS(x) rounded to x.dtype: HF's RMSNorm before its scale."""
-    return (x.astype(jnp.float32) * rstd[..., None]).astype(x.dtype)
-
-
 def rms_norm(x, scale, eps):
     """HF's RMSNorm rounding: statistics and the product in f32, rounded to x.dtype, then times the weight in
     x.dtype. The one definition: the model's norms and every kernel reference use it."""
-    return scale.astype(x.dtype) * rms_normalize(x, rms_rstd(x, eps))
+    xf = x.astype(jnp.float32)
+    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return scale.astype(x.dtype) * normed.astype(x.dtype)
 
 
-def rmsnorm_matmul_reference(x, rstd, w, bias=None, *, residual=None, activation=None):
-    """The semantics of rmsnorm_matmul, in plain jnp with the decoder's rounding (RMSNorm, linear, SwiGLU and
+def rmsnorm_matmul_reference(x, norm_scale, w, bias=None, *, eps=None, residual=None, activation=None):
+    """The semantics of rmsnorm_matmul, in plain jnp with the decoder's rounding (rms_norm, linear, SwiGLU and
     residual add), so that the fused kernel is a drop-in for those steps:
 
-        h = x                                               if rstd is None
-          = (x * rstd).astype(x.dtype)                      else: normalized in f32 (rms_normalize)
+        h = x                                               if norm_scale is None
+          = norm_scale * (x * rsqrt(mean(x^2) + eps))      else: normalized in f32, cast to x.dtype, then scaled
         p = (h @ w [+ bias]).astype(x.dtype)                dot accumulated in f32, bias added in f32 (`linear`)
         p = silu(p[:, :N/2]) * p[:, N/2:]                   if activation == "silu_mul", in x.dtype (gate | up)
         out = residual + p                                  if residual is not None, in x.dtype
 
-    x: [..., K]; rstd: [...] f32 (rms_rstd(x, eps)) or None; w: [K, N], with the norm's scale folded into its rows
-    when there is a norm; bias: [N] or None; residual: [..., N] ([..., N/2] with silu_mul) -> x.dtype. The kernel
-    keeps the activation and the residual add in f32 and rounds once at the end, so it can differ from this by about
-    one rounding of x.dtype (nothing for f32).
+    x: [..., K]; norm_scale: [K] or None; w: [K, N]; bias: [N] or None; residual: [..., N] ([..., N/2] with silu_mul)
+    -> x.dtype. The kernel keeps the activation and the residual add in f32 and rounds once at the end, so it can
+    differ from this by about one rounding of x.dtype (nothing for f32).
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    h = x if rstd is None else rms_normalize(x, rstd)
+    h = x if norm_scale is None else rms_norm(x, norm_scale, eps)
     out = jnp.dot(h, w.astype(x.dtype), preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)
     if bias is not None:
         out = out + bias.astype(jnp.float32)
@@ -74,8 +56,9 @@ def rmsnorm_matmul_reference(x, rstd, w, bias=None, *, residual=None, activation
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Pallas (Triton) kernel. A program owns a block_m x block_n output tile. It streams K in block_k slices, normalizing
-# each x slice on the fly with its rows' rstd (with a norm), and accumulates in f32 one dot per weight column group: [w[:, j:j+bn]], or with silu_mul
+# Pallas (Triton) kernel. A program owns a block_m x block_n output tile. With a norm it first takes the sum of squares
+# of its x rows over all of K (x rows are small and stay in L1/L2); then it streams K in block_k slices, normalizing
+# each x slice on the fly, and accumulates in f32 one dot per weight column group: [w[:, j:j+bn]], or with silu_mul
 # [w[:, j:j+bn] (gate), w[:, I+j:I+j+bn] (up)] of the same [K, 2I] array. The epilogue (bias, SiLU * up, residual)
 # runs on the f32 accumulators and the tile is rounded to x.dtype once. At decode sizes (M <= 64) the cost is
 # streaming w once, and num_stages keeps several w slices in flight per program. With k_splits > 1 (split K),
@@ -152,9 +135,9 @@ def _k_slice(kb, block_k, k):
     return cols, cols < k
 
 
-def _rmsnorm_matmul_kernel(x_ref, rstd_ref, w_ref, bias_ref, res_ref, o_ref, *, silu_mul, block_m, block_n, block_k,
-                           n_out, k_blocks_per_split, partial):
-    # x_ref: [M, K]; rstd_ref: [M] f32 or None; w_ref: [K, N]; bias_ref: [N] or None; res_ref: [M, N_out] or None;
+def _rmsnorm_matmul_kernel(x_ref, scale_ref, w_ref, bias_ref, res_ref, o_ref, *, eps, silu_mul, block_m, block_n,
+                           block_k, n_out, k_blocks_per_split, partial):
+    # x_ref: [M, K]; scale_ref: [K] or None; w_ref: [K, N]; bias_ref: [N] or None; res_ref: [M, N_out] or None;
     # o_ref: [M, N_out] with N_out = N, or N / 2 for silu_mul; if partial (split K): [k_splits, M, N] f32, where this
     #     program stores its split's accumulators and leaves bias, activation and residual to _epilogue in XLA.
     m, k = x_ref.shape
@@ -165,14 +148,28 @@ def _rmsnorm_matmul_kernel(x_ref, rstd_ref, w_ref, bias_ref, res_ref, o_ref, *, 
     num_kb = jnp.minimum(pl.cdiv(k, block_k) - first_kb, k_blocks_per_split)
     # The w (and bias) columns this program reads: its output columns, or the gate and the up columns for them.
     col_groups = (cols_n, cols_n + n_out) if silu_mul else (cols_n,)
-    rstd = None if rstd_ref is None else load(rstd_ref.at[rows], mask=row_ok, other=0.0)
+
+    def x_tile(cols_k, k_ok):  # -> [block_m, block_k], zeros outside x
+        return load(x_ref.at[rows[:, None], cols_k[None, :]], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+
+    if scale_ref is not None:
+        # Unrolled (static trip count): the x loads are independent, so all of them are in flight at once rather
+        # than paying one memory round trip per K slice before the first w slice is requested.
+        sum_sq = sum(jnp.square(x_tile(*_k_slice(kb, block_k, k)).astype(jnp.float32)).sum(axis=1)
+                     for kb in range(pl.cdiv(k, block_k)))
+        rstd = lax.rsqrt(sum_sq / k + eps)
 
     def body(i, accs):
         cols_k, k_ok = _k_slice(first_kb + i, block_k, k)
-        # [block_m, block_k], zeros outside x
-        x = load(x_ref.at[rows[:, None], cols_k[None, :]], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        if rstd is not None:
-            x = rms_normalize(x, rstd)
+        x = x_tile(cols_k, k_ok)
+        if scale_ref is not None:
+            # norm_scale is loaded as a [block_m, block_k] tile (repeated rows hit L1) so that Triton vectorizes it
+            # and software-pipelines it with x and w; a 1-D bf16 load would be a stalling scalar load every
+            # iteration.
+            scale_idx = jnp.broadcast_to(cols_k[None, :], x.shape)
+            scale = load(scale_ref.at[scale_idx], mask=jnp.broadcast_to(k_ok[None, :], x.shape), other=0.0)
+            # As the reference (HF's RMSNorm): normalize in f32, round to x.dtype, then scale in x.dtype.
+            x = scale.astype(x.dtype) * (x.astype(jnp.float32) * rstd[:, None]).astype(x.dtype)
         ws = [load(w_ref.at[cols_k[:, None], cols[None, :]], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
               for cols in col_groups]
         return tuple(acc + lax.dot(x, w, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
@@ -205,17 +202,17 @@ def _epilogue(accs, biases, residual, dtype):
     return out.astype(dtype)
 
 
-def _check_inputs(x, rstd, w, bias, residual, activation):
+def _check_inputs(x, norm_scale, w, bias, residual, eps, activation):
     """-> N_out, the output width; ValueError for anything the kernel does not handle."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    if x.ndim != 2 or w.ndim != 2:
-        raise ValueError(f"expected x [M, K] and w [K, N]; got {x.shape} and {w.shape}")
+    if x.ndim != 2 or w.ndim != 2 or (norm_scale is not None and norm_scale.ndim != 1):
+        raise ValueError(f"expected x [M, K], norm_scale [K] or None, w [K, N]; got {x.shape}, "
+                         f"{None if norm_scale is None else norm_scale.shape}, {w.shape}")
     (m, k), n = x.shape, w.shape[1]
-    if w.shape[0] != k:
-        raise ValueError(f"K differs: x {x.shape}, w {w.shape}")
-    if rstd is not None and (rstd.shape != (m,) or rstd.dtype != jnp.float32):
-        raise ValueError(f"rstd must be [M] = [{m}] float32 (rms_rstd(x, eps)), got {rstd.shape} {rstd.dtype}")
+    if w.shape[0] != k or (norm_scale is not None and norm_scale.shape != (k,)):
+        raise ValueError(f"K differs: x {x.shape}, norm_scale {None if norm_scale is None else norm_scale.shape}, "
+                         f"w {w.shape}")
     if activation == "silu_mul" and n % 2:
         raise ValueError(f"silu_mul needs w = [K, 2 * I] (gate | up columns), got an odd N = {n}")
     n_out = n // 2 if activation == "silu_mul" else n
@@ -227,24 +224,27 @@ def _check_inputs(x, rstd, w, bias, residual, activation):
         raise ValueError(f"x and w must share a bf16, f16 or f32 dtype, got {x.dtype} and {w.dtype}")
     if residual is not None and residual.dtype != x.dtype:
         raise ValueError(f"residual dtype {residual.dtype} must be x's dtype {x.dtype}")
-    if bias is not None and not jnp.issubdtype(bias.dtype, jnp.floating):
-        raise ValueError(f"bias must be floating point, got {bias.dtype}")
+    if any(not jnp.issubdtype(a.dtype, jnp.floating) for a in (norm_scale, bias) if a is not None):
+        raise ValueError("norm_scale and bias must be floating point")
+    if norm_scale is not None and eps is None:
+        raise ValueError("eps is required with a norm_scale")
     return n_out
 
 
-@functools.partial(jax.jit, static_argnames=("activation", "config", "interpret"))
-def rmsnorm_matmul(x, rstd, w, bias=None, *, residual=None, activation=None, config=None, interpret=False):
+@functools.partial(jax.jit, static_argnames=("eps", "activation", "config", "interpret"))
+def rmsnorm_matmul(x, norm_scale, w, bias=None, *, eps=None, residual=None, activation=None, config=None,
+                   interpret=False):
     """[RMSNorm](x) @ w [+ bias] [-> silu(gate) * up] [+ residual] in one kernel: rmsnorm_matmul_reference's
     semantics (see there), up to one rounding of x.dtype where the reference rounds the projection before the
     activation / residual add and the kernel rounds once at the end.
 
-    x: [M, K]; rstd: [M] f32 = rms_rstd(x, eps), or None (no norm); w: [K, N] (x.dtype), the norm's scale folded
-    into its rows; bias: [N] or None; residual: [M, N_out] (x.dtype) or None; activation: None, or "silu_mul" with w = [K, 2I] holding the gate
+    x: [M, K]; norm_scale: [K] or None (no norm; eps is then unused); w: [K, N] (x.dtype); bias: [N] or None;
+    residual: [M, N_out] (x.dtype) or None; activation: None, or "silu_mul" with w = [K, 2I] holding the gate
     columns then the up columns (N_out = I) -> [M, N_out] in x.dtype.
     config None picks DECODE_CONFIG for M <= 16, BATCHED_DECODE_CONFIG for M <= 64 and PREFILL_CONFIG above, adapted
     to the shape (see _default_config); a given config is used as is.
     """
-    n_out = _check_inputs(x, rstd, w, bias, residual, activation)
+    n_out = _check_inputs(x, norm_scale, w, bias, residual, eps, activation)
     m = x.shape[0]
     silu_mul = activation == "silu_mul"
     config = config or _default_config(m, x.shape[1], n_out, x.dtype, silu_mul=silu_mul)
@@ -252,7 +252,7 @@ def rmsnorm_matmul(x, rstd, w, bias=None, *, residual=None, activation=None, con
     k_blocks = pl.cdiv(x.shape[1], config.block_k)
     k_splits = min(config.k_splits, k_blocks)
     partial = k_splits > 1
-    kernel = functools.partial(_rmsnorm_matmul_kernel, silu_mul=silu_mul, block_m=block_m,
+    kernel = functools.partial(_rmsnorm_matmul_kernel, eps=eps, silu_mul=silu_mul, block_m=block_m,
                                block_n=config.block_n, block_k=config.block_k, n_out=n_out,
                                k_blocks_per_split=pl.cdiv(k_blocks, k_splits), partial=partial)
     out_shape = (k_splits, m, w.shape[1]) if partial else (m, n_out)
@@ -263,7 +263,7 @@ def rmsnorm_matmul(x, rstd, w, bias=None, *, residual=None, activation=None, con
         compiler_params=triton_params(config.num_warps, config.num_stages),
         interpret=interpret,
         name="rmsnorm_matmul",
-    )(x, rstd, w, bias, residual)
+    )(x, norm_scale, w, bias, residual)
     if not partial:
         return out
     # Split K: XLA sums the partials and runs the epilogue, one fusion after the kernel.

@@ -29,8 +29,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from pallas_kernels.paged_attention import paged_attention_reference, paged_decode_attention, paged_prefill_attention
-from convert.keys import fold_norm_scale
-from pallas_kernels.rmsnorm_matmul import rms_norm, rms_rstd, rmsnorm_matmul, rmsnorm_matmul_reference
+from pallas_kernels.rmsnorm_matmul import rmsnorm_matmul, rmsnorm_matmul_reference
 
 L2_BYTES = 50e6
 EPS = 1e-6
@@ -219,14 +218,9 @@ def bench_decode(args, model, grid, page_size, rng):
 
 # ----------------------------------------------------------------------------------------------- rmsnorm + matmul
 def bench_rmsnorm_matmul(args, model, m_values, rng):
-    """Each projection of a decoder layer as one fused rmsnorm_matmul, against XLA: qkv and gate/up with the norm,
-    o_proj and down_proj with the residual add, gate/up with SiLU-and-mul; the QKV point also against JAX's Pallas
-    RMSNorm + an XLA dot. %HBM counts the weight bytes.
-
-    The norm rows take (x, norm scale, w) and perturb x in the timing loop, so every implementation computes the
-    norm's statistic in each call. Ours is the engine's: rms_rstd(x) in XLA, then the kernel with the scale folded
-    into w (as convert/ stores it). Peers: "xla_rms_norm+dot", HF's RMSNorm then the projection as XLA compiles it;
-    "xla_reference", rmsnorm_matmul_reference on the folded weights (the engine's path without kernels)."""
+    """Each projection of a decoder layer as one fused rmsnorm_matmul, against its jitted reference (XLA): qkv and
+    gate/up with the norm, o_proj and down_proj with the residual add, gate/up with SiLU-and-mul; the QKV point also
+    against JAX's Pallas RMSNorm + an XLA dot. %HBM counts the weight bytes."""
     from jax.experimental.pallas.ops.gpu import rms_norm as jax_rms_norm
     hidden, q_size = model["hidden"], model["num_q_heads"] * model["head_dim"]
     qkv_n = (model["num_q_heads"] + 2 * model["num_kv_heads"]) * model["head_dim"]
@@ -246,12 +240,9 @@ def bench_rmsnorm_matmul(args, model, m_values, rng):
     rows = []
     for name, (k, n, opts, role) in projections.items():
         n_out = n // 2 if opts.get("activation") == "silu_mul" else n
-        if role == "norm":  # (x, norm_scale, w); ours and xla_reference get w with the scale folded in, s unused
-            ours = lambda x, s, w, opts=opts: rmsnorm_matmul(x, rms_rstd(x, EPS), w, interpret=args.interpret,
-                                                             **opts)
-            xla = jax.jit(lambda x, s, w, opts=opts: rmsnorm_matmul_reference(x, rms_rstd(x, EPS), w, **opts))
-            xla_pair = jax.jit(lambda x, s, w, opts=opts: rmsnorm_matmul_reference(rms_norm(x, s, EPS), None, w,
-                                                                                   **opts))
+        if role == "norm":  # (x, norm_scale, w); the timing dependency goes through norm_scale
+            ours = lambda x, s, w, opts=opts: rmsnorm_matmul(x, s, w, eps=EPS, interpret=args.interpret, **opts)
+            xla = jax.jit(lambda x, s, w, opts=opts: rmsnorm_matmul_reference(x, s, w, eps=EPS, **opts))
         else:  # (x, residual, w); the timing dependency goes through the residual
             ours = lambda x, r, w, opts=opts: rmsnorm_matmul(x, None, w, residual=r, interpret=args.interpret,
                                                              **opts)
@@ -260,27 +251,20 @@ def bench_rmsnorm_matmul(args, model, m_values, rng):
             w_bytes = k * n * 2
             sets = [(normal(rng, (m, k)), 1 + normal(rng, (k,), 0.1) if role == "norm" else normal(rng, (m, n_out)),
                      normal(rng, (k, n), k ** -0.5)) for _ in range(rotations(args, w_bytes + m * k * 2))]
-            # What ours runs on: for a norm, the weights with its scale folded in, as convert/ stores them.
-            ours_sets = [(x, s, fold_norm_scale(s, w).astype(DTYPE)) for x, s, w in sets] if role == "norm" else sets
             if args.check:
-                assert_close(f"{name} M={m}", ours(*ours_sets[0]),
-                             (xla_pair if role == "norm" else xla)(*sets[0]))
-            kw = timing(args, w_bytes / args.hbm_bw, dep_arg=0 if role == "norm" else 1)
-            t_ours, kernel_times = time_ours(args, ours, ours_sets, "rmsnorm_matmul", kw)
-            timed = {"xla_reference": (xla, ours_sets)}
-            if role == "norm":
-                timed["xla_rms_norm+dot"] = (xla_pair, sets)
+                assert_close(f"{name} M={m}", ours(*sets[0]), xla(*sets[0]))
+            kw = timing(args, w_bytes / args.hbm_bw, dep_arg=1)
+            t_ours, kernel_times = time_ours(args, ours, sets, "rmsnorm_matmul", kw)
+            peers = {"xla_reference": try_time("xla", xla, sets, **kw)}
             if name == "rmsnorm_qkv":
-                timed["jax_pallas_rms_norm+xla_dot"] = (jax_pallas, sets)
-            peers = {label: try_time(label, fn, fn_sets, **kw) for label, (fn, fn_sets) in timed.items()}
+                peers["jax_pallas_rms_norm+xla_dot"] = try_time("jax_pallas_rms_norm", jax_pallas, sets, **kw)
             rows.append(row(name, f"M={m} K={k} N={n}", t_ours, peers, w_bytes, args.hbm_bw, kernel_times))
             if args.profile:  # where each implementation's GPU time goes, the timing loop's own kernels included
                 rows[-1]["kernels_us"] = {label: {kind: t * 1e6 for kind, t in kernel_times_by_kind(
-                    fn, fn_sets, **profile_kwargs(kw)).items()} for label, (fn, fn_sets) in
-                    {"ours": (ours, ours_sets), **timed}.items()}
+                    fn, sets, **profile_kwargs(kw)).items()} for label, fn in (("ours", ours), ("xla_reference", xla))}
             if m == 1 and args.profile:
                 rows.append(weight_read_row(args, name, sets, kw))
-            del sets, ours_sets
+            del sets
     return rows
 
 

@@ -60,7 +60,7 @@ def test_projection_kernel_only_for_single_rows():
     """The fused projection kernel runs for one row; more rows take XLA's GEMM (faster there on the H100)."""
     ops, w = Ops(pallas=True, interpret=True), {"w": jnp.ones((32, 48))}
     for rows, kernel in ((1, True), (2, False), (64, False)):
-        jaxpr = str(jax.make_jaxpr(lambda x: ops.project(x, w, rstd=jnp.ones(x.shape[0])))(
+        jaxpr = str(jax.make_jaxpr(lambda x: ops.project(x, w, norm_scale=jnp.ones(32), eps=1e-6))(
             jnp.ones((rows, 32))))
         assert ("pallas_call" in jaxpr) == kernel, rows
 

@@ -1,6 +1,4 @@
 """rmsnorm_matmul against rmsnorm_matmul_reference, for every variant (norm or not, bias, SiLU-and-mul, residual).
-With a norm, both take rstd = rms_rstd(x) and a w that stands for the norm-scaled weights (convert/ folds the scale
-in; tests/test_convert.py checks that folding against HF's RMSNorm then linear).
 
 CPU tests run the kernel in interpret mode (which fills the output with NaN first, so an unwritten element shows up);
 the `gpu` variants run the Triton kernel at Qwen3-0.6B / Llama-3.2-1B projection sizes.
@@ -23,7 +21,6 @@ from pallas_kernels.rmsnorm_matmul import (
     _block_m,
     _default_config,
     _stage_bytes,
-    rms_rstd,
     rmsnorm_matmul,
     rmsnorm_matmul_reference,
 )
@@ -45,28 +42,27 @@ def requires_gpu(test):
 
 
 def make_inputs(seed, m, k, n, dtype, bias):
-    """-> (x [M, K], rstd [M] f32 = rms_rstd(x), w [K, N], bias [N] or None)."""
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((m, k), np.float32) * 3.0  # not unit RMS, so the norm matters
+    scale = 1.0 + 0.1 * rng.standard_normal(k, np.float32)
     w = rng.standard_normal((k, n), np.float32) / np.sqrt(k)
     b = rng.standard_normal(n, np.float32) if bias else None
-    x, w, b = (None if a is None else jnp.asarray(a, dtype) for a in (x, w, b))
-    return x, rms_rstd(x, EPS), w, b
+    return tuple(None if a is None else jnp.asarray(a, dtype) for a in (x, scale, w, b))
 
 
 def make_fused_inputs(seed, m, k, n_out, dtype, *, norm, bias, residual, activation):
-    """-> (x, rstd or None, w [K, N], bias [N] or None, residual [M, n_out] or None); N = 2 * n_out for
+    """-> (x, norm_scale or None, w [K, N], bias [N] or None, residual [M, n_out] or None); N = 2 * n_out for
     silu_mul (gate | up columns)."""
     n = 2 * n_out if activation == "silu_mul" else n_out
-    x, rstd, w, b = make_inputs(seed, m, k, n, dtype, bias)
+    x, scale, w, b = make_inputs(seed, m, k, n, dtype, bias)
     r = jnp.asarray(np.random.default_rng(seed + 1).standard_normal((m, n_out), np.float32) * 2.0, dtype)
-    return x, rstd if norm else None, w, b, r if residual else None
+    return x, scale if norm else None, w, b, r if residual else None
 
 
-def check(x, rstd, w, bias, residual=None, activation=None, config=None, interpret=True):
-    kw = {"residual": residual, "activation": activation}
-    out = rmsnorm_matmul(x, rstd, w, bias, config=config, interpret=interpret, **kw)
-    ref = rmsnorm_matmul_reference(x, rstd, w, bias, **kw)
+def check(x, scale, w, bias, residual=None, activation=None, config=None, interpret=True):
+    kw = {"eps": EPS, "residual": residual, "activation": activation}
+    out = rmsnorm_matmul(x, scale, w, bias, config=config, interpret=interpret, **kw)
+    ref = rmsnorm_matmul_reference(x, scale, w, bias, **kw)
     n_out = w.shape[1] // 2 if activation == "silu_mul" else w.shape[1]
     assert out.shape == ref.shape == (x.shape[0], n_out) and out.dtype == ref.dtype == x.dtype
     out, ref = np.asarray(out.astype(jnp.float32)), np.asarray(ref.astype(jnp.float32))
@@ -79,8 +75,8 @@ def check(x, rstd, w, bias, residual=None, activation=None, config=None, interpr
     np.testing.assert_allclose(out, ref, rtol=tol, atol=tol * max(1.0, float(np.sqrt(np.mean(np.square(ref))))))
     if x.dtype != jnp.float32:  # rounding once is no less accurate: compare both with f32 math on the same inputs
         f32 = lambda a: None if a is None else a.astype(jnp.float32)
-        exact = np.asarray(rmsnorm_matmul_reference(*map(f32, (x, rstd, w, bias)), residual=f32(residual),
-                                                    activation=activation))
+        exact = np.asarray(rmsnorm_matmul_reference(*map(f32, (x, scale, w, bias)), eps=EPS,
+                                                    residual=f32(residual), activation=activation))
         assert np.abs(out - exact).max() <= np.abs(ref - exact).max() + 2 ** -9 * np.abs(exact).max()
 
 
@@ -102,9 +98,9 @@ def test_default_configs_with_bias(dtype):
     check(*make_inputs(3, 130, 64, 72, dtype, bias=True))  # PREFILL_CONFIG, two M blocks
 
 
-def test_bias_dtype_follows_reference():
-    x, rstd, w, bias = make_inputs(3, 4, 64, 32, jnp.bfloat16, bias=True)
-    check(x, rstd, w, bias.astype(jnp.float32), config=SMALL)
+def test_norm_scale_and_bias_dtypes_follow_reference():
+    x, scale, w, bias = make_inputs(3, 4, 64, 32, jnp.bfloat16, bias=True)
+    check(x, scale.astype(jnp.float32), w, bias.astype(jnp.float32), config=SMALL)
 
 
 # Every variant x bias x dtype; M and K rotate over the variants so that each variant meets every M (1, 3, 17, 64: one
@@ -169,39 +165,56 @@ def test_default_config_adapts(m, k, n_out, silu_mul, splits, dtype):
                         w_tiles=2 if silu_mul else 1) <= STAGE_BYTES
 
 
-@pytest.mark.parametrize("shapes,kw,message", [
-    (((4, 3, 64), (4,), (64, 32), None, None), {}, "expected x"),
-    (((3, 64), (3,), (1, 64, 32), None, None), {}, "expected x"),
-    (((3, 64), (3,), (48, 32), None, None), {}, "K differs"),
-    (((3, 64), None, (48, 32), None, None), {}, "K differs"),
-    (((3, 64), (64,), (64, 32), None, None), {}, r"rstd must be \[M\] = \[3\] float32"),
-    (((3, 64), (3, 1), (64, 32), None, None), {}, "rstd must be"),
-    (((3, 64), (3,), (64, 32), (31,), None), {}, r"bias must be \[N\] = \[32\]"),
-    (((3, 64), (3,), (64, 32), None, (3, 16)), {}, r"residual must be \[M, N_out\] = \[3, 32\]"),
-    (((3, 64), (3,), (64, 32), None, (1, 32)), {}, "residual must be"),
-    (((3, 64), (3,), (64, 32), None, (3, 32)), {"activation": "silu_mul"}, r"residual must be .* = \[3, 16\]"),
-    (((3, 64), (3,), (64, 33), None, None), {"activation": "silu_mul"}, "odd N = 33"),
-    (((3, 64), (3,), (64, 32), (16,), None), {"activation": "silu_mul"}, r"bias must be \[N\] = \[32\]"),
-    (((3, 64), (3,), (64, 32), None, None), {"activation": "gelu"}, "activation must be one of"),
+@pytest.mark.parametrize("args,message", [
+    (((4, 3, 64), (64,), (64, 32), None), "expected x"),
+    (((3, 64), (64,), (1, 64, 32), None), "expected x"),
+    (((3, 64), (48,), (64, 32), None), "K differs"),
+    (((3, 64), (64,), (48, 32), None), "K differs"),
+    (((3, 64), (64,), (64, 32), (31,)), "bias"),
 ])
-def test_rejects_bad_inputs(shapes, kw, message):
-    x, rstd, w, bias, residual = (None if s is None else jnp.zeros(s) for s in shapes)
+def test_rejects_bad_shapes(args, message):
+    x, scale, w, bias = (None if s is None else jnp.zeros(s) for s in args)
     with pytest.raises(ValueError, match=message):
-        rmsnorm_matmul(x, rstd, w, bias, **{"residual": residual, "interpret": True, **kw})
+        rmsnorm_matmul(x, scale, w, bias, eps=EPS, interpret=True)
+
+
+@pytest.mark.parametrize("shapes,kw,message", [
+    (((3, 64), (64,), (64, 32), None, (3, 16)), {}, r"residual must be \[M, N_out\] = \[3, 32\]"),
+    (((3, 64), (64,), (64, 32), None, (1, 32)), {}, "residual must be"),
+    (((3, 64), (64,), (64, 32), None, (3, 32)), {"activation": "silu_mul"}, r"residual must be .* = \[3, 16\]"),
+    (((3, 64), (64,), (64, 33), None, None), {"activation": "silu_mul"}, "odd N = 33"),
+    (((3, 64), (64,), (64, 32), (16,), None), {"activation": "silu_mul"}, r"bias must be \[N\] = \[32\]"),
+    (((3, 64), (64,), (64, 32), None, None), {"activation": "gelu"}, "activation must be one of"),
+    (((3, 64), (64,), (64, 32), None, None), {"eps": None}, "eps is required"),
+    (((3, 64), (1, 64), (64, 32), None, None), {}, "expected x"),
+    (((3, 64), None, (48, 32), None, None), {}, "K differs"),
+])
+def test_rejects_bad_fused_inputs(shapes, kw, message):
+    x, scale, w, bias, residual = (None if s is None else jnp.zeros(s) for s in shapes)
+    with pytest.raises(ValueError, match=message):
+        rmsnorm_matmul(x, scale, w, bias, **{"eps": EPS, "residual": residual, "interpret": True, **kw})
+
+
+def test_no_norm_needs_no_eps():
+    x, _, w, bias, residual = make_fused_inputs(9, 3, 64, 24, jnp.float32, norm=False, bias=True, residual=True,
+                                                activation=None)
+    out = rmsnorm_matmul(x, None, w, bias, residual=residual, config=SMALL, interpret=True)
+    np.testing.assert_allclose(out, rmsnorm_matmul_reference(x, None, w, bias, residual=residual), rtol=1e-5,
+                               atol=1e-5)
 
 
 def test_rejects_bad_dtypes():
-    x, rstd, w, _ = make_inputs(0, 2, 64, 32, jnp.float32, bias=False)
+    x, scale, w, _ = make_inputs(0, 2, 64, 32, jnp.float32, bias=False)
     with pytest.raises(ValueError, match="dtype"):
-        rmsnorm_matmul(x, rstd, w.astype(jnp.bfloat16), interpret=True)
+        rmsnorm_matmul(x, scale, w.astype(jnp.bfloat16), eps=EPS, interpret=True)
     with pytest.raises(ValueError, match="dtype"):
-        rmsnorm_matmul(x.astype(jnp.int32), rstd, w.astype(jnp.int32), interpret=True)
-    with pytest.raises(ValueError, match="rstd must be .* float32"):
-        rmsnorm_matmul(x, rstd.astype(jnp.bfloat16), w, interpret=True)
+        rmsnorm_matmul(x.astype(jnp.int32), scale, w.astype(jnp.int32), eps=EPS, interpret=True)
+    with pytest.raises(ValueError, match="floating"):
+        rmsnorm_matmul(x, scale.astype(jnp.int32), w, eps=EPS, interpret=True)
     with pytest.raises(ValueError, match="floating"):
         rmsnorm_matmul(x, None, w, jnp.zeros(32, jnp.int32), interpret=True)
     with pytest.raises(ValueError, match="residual dtype"):
-        rmsnorm_matmul(x, rstd, w, residual=jnp.zeros((2, 32), jnp.bfloat16), interpret=True)
+        rmsnorm_matmul(x, scale, w, eps=EPS, residual=jnp.zeros((2, 32), jnp.bfloat16), interpret=True)
 
 
 @pytest.mark.parametrize("field,value", [("block_m", 8), ("block_n", 24), ("block_k", 0), ("k_splits", 0)])
@@ -217,12 +230,11 @@ def test_config_rejects_bad_blocks(field, value):
 def test_lowers_to_triton(m, dtype, norm, residual, activation):
     """The Triton lowering rules (power-of-two tensors, supported primitives), checked on CPU by lowering for cuda."""
     n_out = 576 if activation else 1152
-    shapes = ((m, 896), (m,) if norm else None, (896, 1152), (1152,), (m, n_out) if residual else None)
+    shapes = ((m, 896), (896,) if norm else None, (896, 1152), (1152,), (m, n_out) if residual else None)
     args = [None if s is None else jax.ShapeDtypeStruct(s, dtype) for s in shapes]
-    if norm:
-        args[1] = jax.ShapeDtypeStruct((m,), jnp.float32)
     for config in (None, dataclasses.replace(DECODE_CONFIG, k_splits=4)):
-        fn = lambda x, s, w, b, r: rmsnorm_matmul(x, s, w, b, residual=r, activation=activation, config=config)
+        fn = lambda x, s, w, b, r: rmsnorm_matmul(x, s, w, b, eps=EPS, residual=r, activation=activation,
+                                                  config=config)
         lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
         assert "triton" in lowered.as_text()
 
