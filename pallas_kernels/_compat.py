@@ -1,7 +1,6 @@
 """The one place for jax-version differences in the Pallas Triton API (supported: jax 0.10.x and 0.11.x).
 
-Both versions export `CompilerParams`, `load`, `store`, `atomic_add` and `debug_barrier` from
-`jax.experimental.pallas.triton`. Passing Triton
+Both versions export `CompilerParams`, `load` and `store` from `jax.experimental.pallas.triton`. Passing Triton
 compiler params is what selects the Triton lowering: without them jax >= 0.11 lowers GPU kernels with Mosaic GPU,
 which does not support the pointer-gather loads these kernels use.
 """
@@ -9,8 +8,6 @@ from jax.experimental.pallas import triton as plgpu
 
 load = plgpu.load
 store = plgpu.store
-atomic_add = plgpu.atomic_add
-debug_barrier = plgpu.debug_barrier
 
 
 def triton_params(num_warps: int, num_stages: int):

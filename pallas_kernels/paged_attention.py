@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._compat import atomic_add, debug_barrier, load, store, triton_params
+from pallas_kernels._compat import load, store, triton_params
 
 
 def paged_attention_reference(q, k_pages, v_pages, page_table, seq_lens, q_lens, *, scale):
@@ -200,17 +200,14 @@ def _attend(q, q_pos, row_ok, k_ref, v_ref, page_table_ref, kv_start, kv_end, fu
     return lax.fori_loop(num_full, num_tiles, functools.partial(body, masked=True), carry)
 
 
-def _paged_attention_kernel(q_ref, k_ref, v_ref, page_table_ref, seq_len_ref, q_len_ref, _count_in_ref, o_ref,
-                            *split_refs, block_m, group, group_pad, block_k, k_splits, scale, interpret):
+def _paged_attention_kernel(q_ref, k_ref, v_ref, page_table_ref, seq_len_ref, q_len_ref, o_ref, *stat_refs,
+                            block_m, group, group_pad, block_k, k_splits, scale):
     # q_ref: [T, Hq, D] this sequence's queries
     # k_ref, v_ref: [num_pages, S, D] the page pool of this program's KV head
     # page_table_ref: [P] this sequence's pages
     # seq_len_ref, q_len_ref: [] cached tokens (this chunk included) and new tokens; q_len_ref is None for decode
-    # _count_in_ref: count_ref's buffer as an input (aliased), or None
-    # o_ref: [T, Hq, D] the output
-    # split_refs (k_splits > 1): split_o_ref [k_splits, T, Hq, D] f32, each split's unnormalized output;
-    #     split_m_ref, split_l_ref [k_splits, T, Hq] f32, its running max (log2 units) and denominator;
-    #     count_ref [tiles] int32, zeros on entry: the splits of each (sequence, query block, KV head) that are done
+    # o_ref: [T, Hq, D] the output (k_splits == 1), or this split's f32 unnormalized output (k_splits > 1)
+    # stat_refs: () or (m_ref, l_ref), each [T, Hq] f32: this split's running max (log2 units) and denominator
     num_tokens, _, head_dim = q_ref.shape
     # Query blocks in reverse: causal work grows with the block index, and launching the heaviest first shortens the
     # tail of the grid.
@@ -232,38 +229,20 @@ def _paged_attention_kernel(q_ref, k_ref, v_ref, page_table_ref, seq_len_ref, q_
                       block_k=block_k, scale=scale)
     o, l = jnp.where(row_ok[:, None], o, 0.0), jnp.where(row_ok, l, 0.0)
     out_ok = head_ok & (token < num_tokens)  # padding tokens are written too: as zeros (l == 0, o == 0)
-    if not split_refs:
+    if stat_refs:
+        m_ref, l_ref = stat_refs
+        store(o_ref.at[idx], o, mask=out_ok[:, None])
+        store(m_ref.at[token, head], m, mask=out_ok)
+        store(l_ref.at[token, head], l, mask=out_ok)
+    else:
         store(o_ref.at[idx], (o / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype), mask=out_ok[:, None])
-        return
-    split_o_ref, split_m_ref, split_l_ref, count_ref = split_refs
-    store(split_o_ref.at[(split, *idx)], o, mask=out_ok[:, None])
-    store(split_m_ref.at[split, token, head], m, mask=out_ok)
-    store(split_l_ref.at[split, token, head], l, mask=out_ok)
-    # The last split of this (sequence, query block, KV head) to finish merges them all, as rmsnorm_matmul's split K:
-    # every thread's stores come before one thread's acquire-release counter update (the interpreter runs one program
-    # at a time and has no barrier), and the last program's plain loads come after its acquire.
-    if not interpret:
-        debug_barrier()
-    tile = (pl.program_id(0) * pl.num_programs(1) + pl.program_id(1)) * pl.num_programs(2) + kv_head
-    arrived = atomic_add(count_ref, tile, jnp.int32(1))
-
-    @pl.when(arrived == k_splits - 1)
-    def _():
-        splits = range(k_splits)
-        store(o_ref.at[idx], _combine_splits([load(split_o_ref.at[(s, *idx)], mask=out_ok[:, None], other=0.0)
-                                              for s in splits],
-                                             [load(split_m_ref.at[s, token, head], mask=out_ok, other=_MASK)
-                                              for s in splits],
-                                             [load(split_l_ref.at[s, token, head], mask=out_ok, other=0.0)
-                                              for s in splits], o_ref.dtype), mask=out_ok[:, None])
 
 
-def _combine_splits(os, ms, ls, dtype):
-    """Log-sum-exp merge of the splits' results, in split order: os [M, D] unnormalized, ms and ls [M] -> [M, D]."""
-    m_max = functools.reduce(jnp.maximum, ms)
-    weights = [jnp.exp2(m - m_max) for m in ms]  # <= 1; empty splits have l == 0 and o == 0 and drop out
-    denom = sum(w * l for w, l in zip(weights, ls))
-    out = sum(w[:, None] * o for w, o in zip(weights, os)) / jnp.where(denom > 0, denom, 1.0)[:, None]
+def _combine_splits(o, m, l, dtype):
+    """Log-sum-exp merge of per-split results: o [splits, ..., D] unnormalized, m and l [splits, ...] -> [..., D]."""
+    weight = jnp.exp2(m - m.max(axis=0))  # <= 1; empty splits have l == 0 and o == 0 and drop out
+    denom = (weight * l).sum(axis=0)
+    out = (weight[..., None] * o).sum(axis=0) / jnp.where(denom > 0, denom, 1.0)[..., None]
     return out.astype(dtype)
 
 
@@ -291,35 +270,27 @@ def _paged_attention(q, k_pages, v_pages, page_table, seq_lens, q_lens, *, scale
     kv_spec = pl.BlockSpec((num_pages, None, page_size, head_dim), lambda b, i, h, s: (0, h, 0, 0))
     q_spec = pl.BlockSpec((None, *q.shape[1:]), lambda b, i, h, s: (b, 0, 0, 0))
     in_specs = [q_spec, kv_spec, kv_spec, pl.BlockSpec((None, pages_per_seq), lambda b, i, h, s: (b, 0)),
-                seq_spec, None if q_lens is None else seq_spec, None]
-    out_specs, out_shape = [q_spec], [jax.ShapeDtypeStruct(q.shape, q.dtype)]
-    counts = None
-    if k_splits > 1:  # the splits' partial results and the per-tile counters (see the kernel)
-        tiles = batch * q_blocks * num_kv_heads
-        count_spec = pl.BlockSpec((tiles,), lambda b, i, h, s: (0,))
-        out_specs += [pl.BlockSpec((k_splits, None, *q.shape[1:]), lambda b, i, h, s: (0, b, 0, 0, 0))] + 2 * [
-            pl.BlockSpec((k_splits, None, num_tokens, num_q_heads), lambda b, i, h, s: (0, b, 0, 0))] + [count_spec]
-        out_shape += [jax.ShapeDtypeStruct((k_splits, *q.shape), jnp.float32)] + 2 * [
-            jax.ShapeDtypeStruct((k_splits, *q.shape[:-1]), jnp.float32)] + [
-            jax.ShapeDtypeStruct((tiles,), jnp.int32)]
-        counts = jnp.zeros((tiles,), jnp.int32)
-        in_specs[-1] = count_spec
-    inputs = (q, k_pages, v_pages, page_table, seq_lens, q_lens, counts)
+                seq_spec, None if q_lens is None else seq_spec]
+    if k_splits == 1:
+        out_specs, out_shape = q_spec, jax.ShapeDtypeStruct(q.shape, q.dtype)
+    else:
+        out_specs = [pl.BlockSpec((None, None, *q.shape[1:]), lambda b, i, h, s: (s, b, 0, 0, 0))] + 2 * [
+            pl.BlockSpec((None, None, num_tokens, num_q_heads), lambda b, i, h, s: (s, b, 0, 0))]
+        out_shape = [jax.ShapeDtypeStruct((k_splits, *q.shape), jnp.float32)] + 2 * [
+            jax.ShapeDtypeStruct((k_splits, *q.shape[:-1]), jnp.float32)]
     kernel = functools.partial(_paged_attention_kernel, block_m=block_m, group=group, group_pad=group_pad,
-                               block_k=config.block_k, k_splits=k_splits, scale=scale, interpret=interpret)
-    return pl.pallas_call(
+                               block_k=config.block_k, k_splits=k_splits, scale=scale)
+    out = pl.pallas_call(
         kernel,
         grid=(batch, q_blocks, num_kv_heads, k_splits),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
-        # The counters are updated in place: their input (its index among the inputs that are not None) is the last
-        # output.
-        input_output_aliases={} if counts is None else {sum(a is not None for a in inputs) - 1: 4},
         compiler_params=triton_params(config.num_warps, config.num_stages),
         interpret=interpret,
         name="paged_attention",
-    )(*inputs)[0]
+    )(q, k_pages, v_pages, page_table, seq_lens, q_lens)
+    return out if k_splits == 1 else _combine_splits(*out, q.dtype)
 
 
 def _check_inputs(q, k_pages, v_pages, page_table, seq_lens, q_lens):

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._compat import atomic_add, debug_barrier, load, store, triton_params
+from pallas_kernels._compat import load, store, triton_params
 
 ACTIVATIONS = (None, "silu_mul")
 
@@ -62,11 +62,9 @@ def rmsnorm_matmul_reference(x, norm_scale, w, bias=None, *, eps=None, residual=
 # [w[:, j:j+bn] (gate), w[:, I+j:I+j+bn] (up)] of the same [K, 2I] array. The epilogue (bias, SiLU * up, residual)
 # runs on the f32 accumulators and the tile is rounded to x.dtype once. At decode sizes (M <= 64) the cost is
 # streaming w once, and num_stages keeps several w slices in flight per program. With k_splits > 1 (split K),
-# k_splits programs share an output tile's K range: each stores its f32 partial sums and counts itself in with an
-# atomic add on the tile's counter, and the program that arrives last sums the partials (in split order, so the
-# result does not depend on arrival order) and runs the epilogue. Split K pays where N is too narrow for the tiles
-# alone to cover the SMs (o_proj / down_proj with N = hidden); finishing in the kernel saves the launch of a
-# separate XLA epilogue per projection.
+# k_splits programs share an output tile's K range and store f32 partial sums; XLA adds them up and runs the same
+# epilogue in one fusion after the kernel. That costs a launch and a few KiB of traffic, and pays where N is too
+# narrow for the tiles alone to cover the SMs (o_proj / down_proj with N = hidden).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +76,7 @@ class RmsNormMatmulConfig:
     block_k: int = 256
     num_warps: int = 4
     num_stages: int = 4
-    k_splits: int = 1  # programs sharing one output tile's K range; the last to finish sums their partials
+    k_splits: int = 1  # programs sharing one output tile's K range; their f32 partials are summed by XLA
 
     def __post_init__(self):
         if any(b < 16 or b & (b - 1) for b in (self.block_m, self.block_n, self.block_k)):
@@ -137,18 +135,15 @@ def _k_slice(kb, block_k, k):
     return cols, cols < k
 
 
-def _rmsnorm_matmul_kernel(x_ref, scale_ref, w_ref, bias_ref, res_ref, _count_in_ref, o_ref, *split_refs, eps,
-                           silu_mul, block_m, block_n, block_k, n_out, k_blocks_per_split, interpret):
+def _rmsnorm_matmul_kernel(x_ref, scale_ref, w_ref, bias_ref, res_ref, o_ref, *, eps, silu_mul, block_m, block_n,
+                           block_k, n_out, k_blocks_per_split, partial):
     # x_ref: [M, K]; scale_ref: [K] or None; w_ref: [K, N]; bias_ref: [N] or None; res_ref: [M, N_out] or None;
-    # _count_in_ref: count_ref's buffer as an input (aliased), or None;
-    # o_ref: [M, N_out] with N_out = N, or N / 2 for silu_mul;
-    # split_refs (split K only): partial_ref [k_splits, M, N] f32, each split's accumulators; count_ref [tiles] int32,
-    #     zeros on entry: the splits of each output tile that have stored their partials.
+    # o_ref: [M, N_out] with N_out = N, or N / 2 for silu_mul; if partial (split K): [k_splits, M, N] f32, where this
+    #     program stores its split's accumulators and leaves bias, activation and residual to _epilogue in XLA.
     m, k = x_ref.shape
     rows = pl.program_id(0) * block_m + jnp.arange(block_m)
     cols_n = pl.program_id(1) * block_n + jnp.arange(block_n)
     row_ok, n_ok = rows < m, cols_n < n_out
-    tile_mask = row_ok[:, None] & n_ok[None, :]
     first_kb = pl.program_id(2) * k_blocks_per_split
     num_kb = jnp.minimum(pl.cdiv(k, block_k) - first_kb, k_blocks_per_split)
     # The w (and bias) columns this program reads: its output columns, or the gate and the up columns for them.
@@ -182,39 +177,19 @@ def _rmsnorm_matmul_kernel(x_ref, scale_ref, w_ref, bias_ref, res_ref, _count_in
 
     zeros = jnp.zeros((block_m, block_n), jnp.float32)
     accs = lax.fori_loop(0, num_kb, body, tuple(zeros for _ in col_groups))
-
-    def finish(accs):
-        biases = None if bias_ref is None else tuple(load(bias_ref.at[cols], mask=n_ok, other=0.0)
-                                                     for cols in col_groups)
-        residual = None if res_ref is None else load(res_ref.at[rows[:, None], cols_n[None, :]], mask=tile_mask,
-                                                     other=0.0)
-        store(o_ref.at[rows[:, None], cols_n[None, :]], _epilogue(accs, biases, residual, o_ref.dtype),
-              mask=tile_mask)
-
-    if not split_refs:
-        finish(accs)
+    if partial:
+        for acc, cols in zip(accs, col_groups):
+            store(o_ref.at[pl.program_id(2), rows[:, None], cols[None, :]], acc, mask=row_ok[:, None] & n_ok[None, :])
         return
-    partial_ref, count_ref = split_refs
-    for acc, cols in zip(accs, col_groups):
-        store(partial_ref.at[pl.program_id(2), rows[:, None], cols[None, :]], acc, mask=tile_mask)
-    # All threads' partial stores come before the counter's update, which one thread makes (acquire-release at GPU
-    # scope): the program that sees every other split counted in then sees their partials too. (The interpreter runs
-    # one program at a time and has no barrier.)
-    if not interpret:
-        debug_barrier()
-    arrived = atomic_add(count_ref, pl.program_id(0) * pl.num_programs(1) + pl.program_id(1), jnp.int32(1))
-
-    @pl.when(arrived == pl.num_programs(2) - 1)
-    def _():
-        # Plain loads are enough, as in CUTLASS's serial split-K: the atomic's acquire (then the barrier through which
-        # Triton hands its result to every thread) orders them after the other splits' stores.
-        finish(tuple(sum(load(partial_ref.at[s, rows[:, None], cols[None, :]], mask=tile_mask, other=0.0)
-                         for s in range(partial_ref.shape[0]))
-                     for cols in col_groups))
+    tile_mask = row_ok[:, None] & n_ok[None, :]
+    biases = None if bias_ref is None else tuple(load(bias_ref.at[cols], mask=n_ok, other=0.0) for cols in col_groups)
+    residual = None if res_ref is None else load(res_ref.at[rows[:, None], cols_n[None, :]], mask=tile_mask, other=0.0)
+    store(o_ref.at[rows[:, None], cols_n[None, :]], _epilogue(accs, biases, residual, o_ref.dtype), mask=tile_mask)
 
 
 def _epilogue(accs, biases, residual, dtype):
-    """f32 accumulators (gate and up for silu_mul) [+ bias] [-> silu(gate) * up] [+ residual], rounded once to dtype."""
+    """f32 accumulators (gate and up for silu_mul) [+ bias] [-> silu(gate) * up] [+ residual], rounded once to dtype.
+    Shared by the kernel and the split-K path, which runs it in XLA on the summed partials."""
     if biases is not None:
         accs = tuple(acc + b.astype(jnp.float32)[None, :] for acc, b in zip(accs, biases))
     if len(accs) == 2:
@@ -276,25 +251,22 @@ def rmsnorm_matmul(x, norm_scale, w, bias=None, *, eps=None, residual=None, acti
     block_m = _block_m(config, m)
     k_blocks = pl.cdiv(x.shape[1], config.block_k)
     k_splits = min(config.k_splits, k_blocks)
-    grid = (pl.cdiv(m, block_m), pl.cdiv(n_out, config.block_n), k_splits)
+    partial = k_splits > 1
     kernel = functools.partial(_rmsnorm_matmul_kernel, eps=eps, silu_mul=silu_mul, block_m=block_m,
                                block_n=config.block_n, block_k=config.block_k, n_out=n_out,
-                               k_blocks_per_split=pl.cdiv(k_blocks, k_splits), interpret=interpret)
-    out_shape = [jax.ShapeDtypeStruct((m, n_out), x.dtype)]
-    counts = None
-    if k_splits > 1:  # the partials and the per-tile counters (see the kernel)
-        out_shape += [jax.ShapeDtypeStruct((k_splits, m, w.shape[1]), jnp.float32),
-                      jax.ShapeDtypeStruct((grid[0] * grid[1],), jnp.int32)]
-        counts = jnp.zeros(out_shape[-1].shape, jnp.int32)
-    inputs = (x, norm_scale, w, bias, residual, counts)
-    # The counters are updated in place: their input (its index among the inputs that are not None) is output 2.
-    aliases = {} if counts is None else {sum(a is not None for a in inputs) - 1: 2}
-    return pl.pallas_call(
+                               k_blocks_per_split=pl.cdiv(k_blocks, k_splits), partial=partial)
+    out_shape = (k_splits, m, w.shape[1]) if partial else (m, n_out)
+    out = pl.pallas_call(
         kernel,
-        grid=grid,
-        out_shape=out_shape,
-        input_output_aliases=aliases,
+        grid=(pl.cdiv(m, block_m), pl.cdiv(n_out, config.block_n), k_splits),
+        out_shape=jax.ShapeDtypeStruct(out_shape, jnp.float32 if partial else x.dtype),
         compiler_params=triton_params(config.num_warps, config.num_stages),
         interpret=interpret,
         name="rmsnorm_matmul",
-    )(*inputs)[0]
+    )(x, norm_scale, w, bias, residual)
+    if not partial:
+        return out
+    # Split K: XLA sums the partials and runs the epilogue, one fusion after the kernel.
+    groups = 2 if silu_mul else 1
+    biases = None if bias is None else jnp.split(bias, groups)
+    return _epilogue(jnp.split(out.sum(axis=0), groups, axis=1), biases, residual, x.dtype)
