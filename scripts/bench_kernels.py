@@ -373,6 +373,9 @@ def main():
     p.add_argument("--sections", nargs="+", default=["projections", "prefill", "decode"],
                    choices=["projections", "prefill", "decode"])
     p.add_argument("--m", type=int, nargs="+", default=[1, 8, 64, 2048], help="rows of the projection points")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256], help="batches of the decode points")
+    p.add_argument("--contexts", type=int, nargs="+", default=[128, 1024, 4096, 16384],
+                   help="contexts of the decode points")
     args = p.parse_args()
     args.max_rotations = 64
 
@@ -382,7 +385,7 @@ def main():
         args.repeats, args.calls, args.max_rotations = min(args.repeats, 2), args.calls or 2, 2
     else:
         model, m_values, prefill_tokens = QWEN3_06B, args.m, 2048
-        decode_grid = [(b, c) for b in (1, 8, 64, 256) for c in (128, 1024, 4096, 16384)]
+        decode_grid = [(b, c) for b in args.batches for c in args.contexts]
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; model {model}")
     rows = []
     if "projections" in args.sections:
