@@ -74,11 +74,16 @@ _LOG2E = math.log2(math.e)
 _MASK = -1e30
 # Automatic k_splits aims for this many programs: 2 per SM of an H100 (132 SMs).
 _PROGRAMS_TO_FILL_GPU = 264
-# A grid that fills the GPU only 1-2 times over with long sequences gets this many splits anyway: its last, partly
-# filled wave of programs streams a whole sequence each. Measured on the H100 (B=64, 8 KV heads, 512 programs):
-# 4 splits 7% faster at 4096 tokens and 11% at 16384; no gain at 1024 tokens, nor at B=256 or B=8 (docs/perf_notes.md
-# note 12).
-_LONG_KV_TOKENS, _LONG_KV_SPLITS = 4096, 4
+# A grid that fills the GPU only 1-2 times over with long sequences streams them in 2x deeper KV tiles, unsplit: its
+# last, partly filled wave then takes half the loop steps. Measured on the H100 (B=64, 8 KV heads, 512 programs,
+# docs/perf_notes.md notes 12 and 15): 8% faster than block_k 64 at 4096 tokens, 11% at 16384, and 1-3% faster than
+# the 4 splits used before (a 2.6% faster batch-64 step at 4096 tokens), the same at 512 tokens.
+_LONG_KV_TOKENS = 4096
+# Automatic splits hold at least this many KV tiles of the longest sequence the page table can hold. The table is as
+# wide as the engine's max_model_len, so splits beyond the real lengths are empty programs plus partials to combine:
+# at batch 1, a 4096-token table and 512-token sequences, 32 two-tile splits cost 0.08 ms per step over 4 (note 15);
+# 4 tiles measured as fast as 2 at 1024 tokens, 7% faster at 4096 and the same at 16384 (33 splits either way).
+_MIN_TILES_PER_SPLIT = 4
 
 
 def _is_power_of_2(n):
@@ -91,7 +96,8 @@ class PagedAttentionConfig:
 
     block_m: query rows per program, an upper bound (shrunk to the chunk, never below 16); a power of two.
     block_k: KV tokens per inner-loop step; a power of two >= 16, independent of page_size.
-    k_splits: programs sharing one query block's KV range (flash decoding); None picks enough to fill the GPU.
+    k_splits: programs sharing one query block's KV range (flash decoding); None picks enough to fill the GPU, and
+        doubles block_k for grids of 1-2 waves of long sequences (see _kv_tiling).
     """
     block_m: int = 128
     block_k: int = 64
@@ -246,13 +252,16 @@ def _combine_splits(o, m, l, dtype):
     return out.astype(dtype)
 
 
-def _num_splits(config, programs, max_kv_tokens):
+def _kv_tiling(config, programs, max_kv_tokens):
+    """-> (block_k, k_splits) for a grid of `programs` (sequences x query blocks x KV heads) over page tables of
+    max_kv_tokens; config's own when it sets k_splits."""
     if config.k_splits is not None:
-        return config.k_splits
+        return config.block_k, config.k_splits
     if _PROGRAMS_TO_FILL_GPU <= programs < 2 * _PROGRAMS_TO_FILL_GPU and max_kv_tokens >= _LONG_KV_TOKENS:
-        return _LONG_KV_SPLITS
-    # Enough programs to fill the GPU, but at least two KV tiles per split for the longest sequence the table holds.
-    return max(1, min(_PROGRAMS_TO_FILL_GPU // programs, max_kv_tokens // (2 * config.block_k)))
+        return 2 * config.block_k, 1
+    # Enough programs to fill the GPU, but at least _MIN_TILES_PER_SPLIT KV tiles per split.
+    return config.block_k, max(1, min(_PROGRAMS_TO_FILL_GPU // programs,
+                                      max_kv_tokens // (_MIN_TILES_PER_SPLIT * config.block_k)))
 
 
 def _paged_attention(q, k_pages, v_pages, page_table, seq_lens, q_lens, *, scale, config, interpret):
@@ -264,7 +273,7 @@ def _paged_attention(q, k_pages, v_pages, page_table, seq_lens, q_lens, *, scale
     group_pad = pl.next_power_of_2(group)
     block_m = max(16, group_pad, min(config.block_m, pl.next_power_of_2(num_tokens * group_pad)))
     q_blocks = pl.cdiv(num_tokens, block_m // group_pad)
-    k_splits = _num_splits(config, batch * q_blocks * num_kv_heads, pages_per_seq * page_size)
+    block_k, k_splits = _kv_tiling(config, batch * q_blocks * num_kv_heads, pages_per_seq * page_size)
 
     seq_spec = pl.BlockSpec((None,), lambda b, i, h, s: (b,))
     kv_spec = pl.BlockSpec((num_pages, None, page_size, head_dim), lambda b, i, h, s: (0, h, 0, 0))
@@ -279,7 +288,7 @@ def _paged_attention(q, k_pages, v_pages, page_table, seq_lens, q_lens, *, scale
         out_shape = [jax.ShapeDtypeStruct((k_splits, *q.shape), jnp.float32)] + 2 * [
             jax.ShapeDtypeStruct((k_splits, *q.shape[:-1]), jnp.float32)]
     kernel = functools.partial(_paged_attention_kernel, block_m=block_m, group=group, group_pad=group_pad,
-                               block_k=config.block_k, k_splits=k_splits, scale=scale)
+                               block_k=block_k, k_splits=k_splits, scale=scale)
     out = pl.pallas_call(
         kernel,
         grid=(batch, q_blocks, num_kv_heads, k_splits),

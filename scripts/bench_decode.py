@@ -131,6 +131,8 @@ def main():
                     help="HF generate (eager) peer points, at the first context")
     ap.add_argument("--hf-compiled-batches", type=int, nargs="*", default=[1, 64],
                     help="HF static cache + torch.compile peer points (a compile each), at the first context")
+    ap.add_argument("--table-tokens", type=int, default=0,
+                    help="page-table width in tokens, as the engine's max_model_len gives (default: context + steps)")
     ap.add_argument("--out", default="decode.json")
     args = ap.parse_args()
 
@@ -160,7 +162,7 @@ def main():
             print(f"TTFT {kern}: {results['ttft_ms'][kern]}", flush=True)
             del runner
         for context in args.contexts:
-            pps = -(-(context + max(args.steps)) // PAGE)
+            pps = -(-max(context + max(args.steps), args.table_tokens) // PAGE)
             for batch in args.batches:
                 if batch * pps * PAGE * kv_token_bytes > 40e9:
                     continue
@@ -171,7 +173,7 @@ def main():
                 for steps in args.steps:
                     point = bench_point(runner, batch, context, steps)
                     step_bytes = wbytes + batch * context * kv_token_bytes
-                    point.update(kernels=kern, batch=batch, context=context, steps=steps,
+                    point.update(kernels=kern, batch=batch, context=context, steps=steps, table_tokens=pps * PAGE,
                                  tok_s=batch / point["ms_per_step"] * 1e3,
                                  bw_pct=100 * step_bytes / (point["ms_per_step"] / 1e3) / HBM_BYTES_PER_S)
                     results["points"].append(point)

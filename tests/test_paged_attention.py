@@ -18,7 +18,7 @@ from pallas_kernels.paged_attention import (
     DECODE_CONFIG,
     PREFILL_CONFIG,
     PagedAttentionConfig,
-    _num_splits,
+    _kv_tiling,
     paged_attention_reference,
     paged_decode_attention,
     paged_prefill_attention,
@@ -128,12 +128,16 @@ def test_decode_page_256():
     run_decode(case, dataclasses.replace(DECODE_CONFIG, k_splits=2))
 
 
-@pytest.mark.parametrize("programs,max_kv_tokens,splits", [
-    (8, 128, 1), (8, 1024, 8), (8, 16384, 33), (64, 4096, 4), (256, 4096, 1),  # fill the GPU, >= 2 tiles per split
-    (512, 1024, 1), (512, 4096, 4), (512, 16384, 4), (2048, 16384, 1),  # a grid of 1-2 waves of long sequences
+@pytest.mark.parametrize("programs,max_kv_tokens,tiling", [
+    # fill the GPU, >= 4 tiles per split
+    (8, 128, (64, 1)), (8, 1024, (64, 4)), (8, 4096, (64, 16)), (8, 16384, (64, 33)), (64, 4096, (64, 4)),
+    (256, 4096, (64, 1)),
+    # a grid of 1-2 waves of long sequences: deeper tiles, unsplit
+    (512, 1024, (64, 1)), (512, 4096, (128, 1)), (512, 16384, (128, 1)), (2048, 16384, (64, 1)),
 ])
-def test_decode_automatic_splits(programs, max_kv_tokens, splits):
-    assert _num_splits(DECODE_CONFIG, programs, max_kv_tokens) == splits
+def test_decode_automatic_tiling(programs, max_kv_tokens, tiling):
+    assert _kv_tiling(DECODE_CONFIG, programs, max_kv_tokens) == tiling
+    assert _kv_tiling(dataclasses.replace(DECODE_CONFIG, k_splits=3), programs, max_kv_tokens) == (64, 3)
 
 
 @pytest.mark.parametrize("k_splits", [1, 4])
@@ -261,9 +265,10 @@ def test_lowers_to_triton(model):
 def test_gpu_decode(model, dtype):
     lens = [1, 15, 16, 17, 0, 1000, 4097] + list(np.random.default_rng(11).integers(1, 3000, 57))
     case = decode_case(11, lens, page_size=16, dtype=dtype, **MODELS[model])
+    # None: 64 sequences x 8 KV heads over a table of > 4096 tokens, the automatic tiling's 2x deeper tiles, unsplit.
     for k_splits in (1, 4, None):
         run_decode(case, dataclasses.replace(DECODE_CONFIG, k_splits=k_splits), interpret=False)
-    # Batch 1 and 3: the automatic k_splits is large (up to 33 for 8 KV heads).
+    # Batch 1 and 3: the automatic k_splits is large (16 and 11 here for 8 KV heads).
     for seed, lens in ((15, [4097]), (16, [3000, 0, 17])):
         run_decode(decode_case(seed, lens, page_size=16, dtype=dtype, **MODELS[model]), interpret=False)
 
