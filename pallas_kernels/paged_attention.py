@@ -252,12 +252,14 @@ def _combine_splits(o, m, l, dtype):
     return out.astype(dtype)
 
 
-def _kv_tiling(config, programs, max_kv_tokens):
+def _kv_tiling(config, programs, max_kv_tokens, itemsize):
     """-> (block_k, k_splits) for a grid of `programs` (sequences x query blocks x KV heads) over page tables of
-    max_kv_tokens; config's own when it sets k_splits."""
+    max_kv_tokens, for KV of itemsize bytes; config's own when it sets k_splits."""
     if config.k_splits is not None:
         return config.block_k, config.k_splits
-    if _PROGRAMS_TO_FILL_GPU <= programs < 2 * _PROGRAMS_TO_FILL_GPU and max_kv_tokens >= _LONG_KV_TOKENS:
+    # 2-byte KV only: f32's doubled tiles need more shared memory than an SM has (279 KiB at D=128, 5 stages).
+    if (_PROGRAMS_TO_FILL_GPU <= programs < 2 * _PROGRAMS_TO_FILL_GPU and max_kv_tokens >= _LONG_KV_TOKENS
+            and itemsize <= 2):
         return 2 * config.block_k, 1
     # Enough programs to fill the GPU, but at least _MIN_TILES_PER_SPLIT KV tiles per split.
     return config.block_k, max(1, min(_PROGRAMS_TO_FILL_GPU // programs,
@@ -273,7 +275,8 @@ def _paged_attention(q, k_pages, v_pages, page_table, seq_lens, q_lens, *, scale
     group_pad = pl.next_power_of_2(group)
     block_m = max(16, group_pad, min(config.block_m, pl.next_power_of_2(num_tokens * group_pad)))
     q_blocks = pl.cdiv(num_tokens, block_m // group_pad)
-    block_k, k_splits = _kv_tiling(config, batch * q_blocks * num_kv_heads, pages_per_seq * page_size)
+    block_k, k_splits = _kv_tiling(config, batch * q_blocks * num_kv_heads, pages_per_seq * page_size,
+                                   k_pages.dtype.itemsize)
 
     seq_spec = pl.BlockSpec((None,), lambda b, i, h, s: (b,))
     kv_spec = pl.BlockSpec((num_pages, None, page_size, head_dim), lambda b, i, h, s: (0, h, 0, 0))

@@ -18,6 +18,7 @@ from pallas_kernels.paged_attention import (
     DECODE_CONFIG,
     PREFILL_CONFIG,
     PagedAttentionConfig,
+    _default_config,
     _kv_tiling,
     paged_attention_reference,
     paged_decode_attention,
@@ -136,8 +137,10 @@ def test_decode_page_256():
     (512, 1024, (64, 1)), (512, 4096, (128, 1)), (512, 16384, (128, 1)), (2048, 16384, (64, 1)),
 ])
 def test_decode_automatic_tiling(programs, max_kv_tokens, tiling):
-    assert _kv_tiling(DECODE_CONFIG, programs, max_kv_tokens) == tiling
-    assert _kv_tiling(dataclasses.replace(DECODE_CONFIG, k_splits=3), programs, max_kv_tokens) == (64, 3)
+    assert _kv_tiling(DECODE_CONFIG, programs, max_kv_tokens, 2) == tiling
+    assert _kv_tiling(dataclasses.replace(DECODE_CONFIG, k_splits=3), programs, max_kv_tokens, 2) == (64, 3)
+    f32_config = _default_config(DECODE_CONFIG, jnp.float32)  # f32 tiles are never doubled: no shared memory for it
+    assert _kv_tiling(f32_config, programs, max_kv_tokens, 4)[0] == f32_config.block_k
 
 
 @pytest.mark.parametrize("k_splits", [1, 4])
@@ -265,7 +268,8 @@ def test_lowers_to_triton(model):
 def test_gpu_decode(model, dtype):
     lens = [1, 15, 16, 17, 0, 1000, 4097] + list(np.random.default_rng(11).integers(1, 3000, 57))
     case = decode_case(11, lens, page_size=16, dtype=dtype, **MODELS[model])
-    # None: 64 sequences x 8 KV heads over a table of > 4096 tokens, the automatic tiling's 2x deeper tiles, unsplit.
+    # None: 64 sequences x 8 KV heads over a table of > 4096 tokens: bf16 takes the automatic tiling's 2x deeper
+    # tiles, unsplit.
     for k_splits in (1, 4, None):
         run_decode(case, dataclasses.replace(DECODE_CONFIG, k_splits=k_splits), interpret=False)
     # Batch 1 and 3: the automatic k_splits is large (16 and 11 here for 8 KV heads).
