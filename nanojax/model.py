@@ -2,9 +2,10 @@
 
 params (built by convert/, weights as [in, out]):
     embed [V, H]; pos_embed [P, H] (learned positions only); final_norm; lm_head [H, V] (untied only);
-    layers: tuple of {attn_norm, qkv {w [H, q+2kv], b?}, q_norm [D]?, k_norm [D]?, o {w [q, H], b?},
-                      mlp_norm, up {w [H, 2I] (gate|up, swiglu) or [H, I] (gelu), b?}, down {w [I, H], b?}}
-    a norm is {scale [H], bias [H]?}.
+    layers: tuple of {attn_norm?, qkv {w [H, q+2kv], b?}, q_norm [D]?, k_norm [D]?, o {w [q, H], b?},
+                      mlp_norm?, up {w [H, 2I] (gate|up, swiglu) or [H, I] (gelu), b?}, down {w [I, H], b?}}
+    a norm is {scale [H], bias [H]?}. attn_norm and mlp_norm exist for LayerNorm (GPT-2) only: an RMSNorm's scale is
+    folded into the qkv / up weights after it by convert/, and the projection computes the norm's statistic.
 
 Inside a layer the step's [B, T] tokens are one flat list of N = B * T rows; only attention sees [B, T] again. Each
 fused step (projection with its norm / activation / residual, the QKV epilogue with the cache write, attention) goes
@@ -56,32 +57,37 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def project(ops: Ops, x, p, config: ModelConfig, *, norm=None, residual=None, activation=None):
-    """[norm](x) @ w [+ b] [-> activation] [+ residual] for x: [N, K]. RMSNorm and SiLU-and-mul fuse into the
-    projection; GPT-2's LayerNorm and GELU run beside it."""
-    norm_scale = None
-    if norm is not None and config.norm == "rms":
-        norm_scale = norm["scale"]
-    elif norm is not None:
-        x = layer_norm(x, norm["scale"], norm["bias"], config.norm_eps)
+def pre_norm(x, lp, name: str, config: ModelConfig):
+    """The norm before a projection, x: [N, H] -> (x, norm_eps for the projection). GPT-2's LayerNorm lp[name] is
+    applied here, beside the projection (norm_eps None); an RMSNorm fuses into the projection, which computes its
+    statistic (its scale is folded into the projection's w by convert/)."""
+    if config.norm == "layer":
+        return layer_norm(x, lp[name]["scale"], lp[name]["bias"], config.norm_eps), None
+    return x, config.norm_eps
+
+
+def project(ops: Ops, x, p, *, norm_eps=None, residual=None, activation=None):
+    """[RMSNorm](x) @ w [+ b] [-> activation] [+ residual] for x: [N, K]. The RMSNorm and SiLU-and-mul fuse into the
+    projection; GELU runs beside it."""
     if activation == "gelu_tanh":
-        return jax.nn.gelu(ops.project(x, p, norm_scale=norm_scale, eps=config.norm_eps), approximate=True)
-    return ops.project(x, p, norm_scale=norm_scale, eps=config.norm_eps, residual=residual, activation=activation)
+        return jax.nn.gelu(ops.project(x, p, norm_eps=norm_eps), approximate=True)
+    return ops.project(x, p, norm_eps=norm_eps, residual=residual, activation=activation)
 
 
 def layer(ops: Ops, lp, x, positions, slots, k_pages, v_pages, batch: Batch, config: ModelConfig):
     """x: [N, H]; positions, slots: [N] -> (x after the layer, k_pages, v_pages)."""
-    qkv = project(ops, x, lp["qkv"], config, norm=lp["attn_norm"])
+    h, norm_eps = pre_norm(x, lp, "attn_norm", config)
+    qkv = project(ops, h, lp["qkv"], norm_eps=norm_eps)
     inv_freq = None if config.rope_theta is None else jnp.asarray(rope_inv_freq(config))
     q, k_pages, v_pages = ops.qkv_rope_cache(qkv, positions, slots, k_pages, v_pages, inv_freq, lp.get("q_norm"),
                                              lp.get("k_norm"), eps=config.norm_eps)
     b, t = batch.q_lens.shape[0], x.shape[0] // batch.q_lens.shape[0]
     attn = ops.attention(q.reshape(b, t, config.num_heads, config.head_dim), k_pages, v_pages, batch.page_table,
                          batch.seq_lens, batch.q_lens, scale=config.head_dim**-0.5)
-    x = project(ops, attn.reshape(b * t, config.q_size), lp["o"], config, residual=x)
-    h = project(ops, x, lp["up"], config, norm=lp["mlp_norm"],
-                activation="silu_mul" if config.mlp == "swiglu" else "gelu_tanh")
-    return project(ops, h, lp["down"], config, residual=x), k_pages, v_pages
+    x = project(ops, attn.reshape(b * t, config.q_size), lp["o"], residual=x)
+    h, norm_eps = pre_norm(x, lp, "mlp_norm", config)
+    h = project(ops, h, lp["up"], norm_eps=norm_eps, activation="silu_mul" if config.mlp == "swiglu" else "gelu_tanh")
+    return project(ops, h, lp["down"], residual=x), k_pages, v_pages
 
 
 def forward(params, tokens, kv_cache: KVCache, batch: Batch, *, config: ModelConfig, ops: Ops):

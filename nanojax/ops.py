@@ -19,10 +19,13 @@ from pallas_kernels.rmsnorm_matmul import rmsnorm_matmul, rmsnorm_matmul_referen
 
 NAMES = ("auto", "reference", "pallas", "interpret")
 # The fused projection kernel is used up to this many rows, where it beats XLA's GEMV fusion (1.3-2x at M = 1 on the
-# H100). From M = 2 on XLA switches to a GEMM that ties or beats it (o_proj: XLA 1.2-1.5x faster at M = 2..16; QKV:
-# even at M = 2..8, XLA 1.2x at 16; prefill sizes: XLA 1.05-6.6x), so larger row counts take the XLA path
+# H100). From M = 2 on XLA switches to a GEMM that ties or beats a projection without a norm (o_proj, down_proj: XLA
+# 1.1-1.5x faster at M = 2..64; prefill sizes: XLA 1.05-6.6x), so larger row counts take the XLA path
 # (docs/benchmarks.md, bench_kernels.py).
 PALLAS_PROJECTION_MAX_ROWS = 1
+# With a norm (QKV, gate/up) the fused kernel replaces XLA's two kernels (the norm, then the GEMM) by one, and stays
+# ahead up to batched decode sizes (docs/perf_notes.md, note 16).
+PALLAS_NORMED_PROJECTION_MAX_ROWS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,12 +35,14 @@ class Ops:
     pallas: bool = False
     interpret: bool = False
 
-    def project(self, x, p, *, norm_scale=None, eps=None, residual=None, activation=None):
-        """x: [N, K]; p: {w [K, N'], b [N']?} -> [N, N_out]; see rmsnorm_matmul_reference."""
-        if not self.pallas or x.shape[0] > PALLAS_PROJECTION_MAX_ROWS:
-            return rmsnorm_matmul_reference(x, norm_scale, p["w"], p.get("b"), eps=eps, residual=residual,
+    def project(self, x, p, *, norm_eps=None, residual=None, activation=None):
+        """x: [N, K]; p: {w [K, N'], b [N']?} (an RMSNorm's scale folded into w) -> [N, N_out]; see
+        rmsnorm_matmul_reference."""
+        max_rows = PALLAS_PROJECTION_MAX_ROWS if norm_eps is None else PALLAS_NORMED_PROJECTION_MAX_ROWS
+        if not self.pallas or x.shape[0] > max_rows:
+            return rmsnorm_matmul_reference(x, p["w"], p.get("b"), norm_eps=norm_eps, residual=residual,
                                             activation=activation)
-        return rmsnorm_matmul(x, norm_scale, p["w"], p.get("b"), eps=eps, residual=residual, activation=activation,
+        return rmsnorm_matmul(x, p["w"], p.get("b"), norm_eps=norm_eps, residual=residual, activation=activation,
                               interpret=self.interpret)
 
     def qkv_rope_cache(self, qkv, positions, slots, k_pages, v_pages, inv_freq, q_norm, k_norm, *, eps):

@@ -1,13 +1,23 @@
-"""The one place for jax-version differences in the Pallas Triton API (supported: jax 0.10.x and 0.11.x).
+"""The one place for jax-version differences in the Pallas Triton API (supported: jax 0.10.x and 0.11.x), and for
+how the kernels' dots lower.
 
 Both versions export `CompilerParams`, `load` and `store` from `jax.experimental.pallas.triton`. Passing Triton
 compiler params is what selects the Triton lowering: without them jax >= 0.11 lowers GPU kernels with Mosaic GPU,
 which does not support the pointer-gather loads these kernels use.
 """
+import jax.numpy as jnp
+from jax import lax
 from jax.experimental.pallas import triton as plgpu
 
 load = plgpu.load
 store = plgpu.store
+
+
+def dot(a, b, *, trans_b=False):
+    """a [M, K] @ b [K, N] (b [N, K] with trans_b) accumulated in f32. HIGHEST keeps f32 inputs in IEEE f32 on GPU:
+    the Triton lowering takes DEFAULT and HIGH as tf32."""
+    dims = (((1,), (1 if trans_b else 0,)), ((), ()))
+    return lax.dot_general(a, b, dims, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
 
 
 def triton_params(num_warps: int, num_stages: int):

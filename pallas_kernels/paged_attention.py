@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._compat import load, store, triton_params
+from pallas_kernels._compat import dot, load, store, triton_params
 
 
 def paged_attention_reference(q, k_pages, v_pages, page_table, seq_lens, q_lens, *, scale):
@@ -134,12 +134,6 @@ def _cdiv(a, b):
     return lax.div(a + (b - 1), b)
 
 
-def _dot(a, b, *, trans_b=False):
-    """f32-accumulating dot; HIGHEST keeps f32 inputs in IEEE f32 on GPU (DEFAULT would mean tf32)."""
-    dims = (((1,), (1 if trans_b else 0,)), ((), ()))
-    return lax.dot_general(a, b, dims, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
-
-
 def _query_rows(first_token, kv_head, block_m, group, group_pad):
     """-> token, query head, head_ok: each [block_m], for this program's query rows."""
     rows = jnp.arange(block_m)
@@ -186,7 +180,7 @@ def _attend(q, q_pos, row_ok, k_ref, v_ref, page_table_ref, kv_start, kv_end, fu
         pos = kv_start + i * block_k + jnp.arange(block_k)
         valid = pos < kv_end if masked else None
         k, v = _load_kv_tile(k_ref, v_ref, page_table_ref, pos, valid)
-        s = _dot(q, k, trans_b=True) * (scale * _LOG2E)  # [M, block_k]
+        s = dot(q, k, trans_b=True) * (scale * _LOG2E)  # [M, block_k]
         if masked:
             mask = row_ok[:, None] & (pos[None, :] <= q_pos[:, None]) & valid[None, :]
             s = jnp.where(mask, s, _MASK)
@@ -195,7 +189,7 @@ def _attend(q, q_pos, row_ok, k_ref, v_ref, page_table_ref, kv_start, kv_end, fu
         p = jnp.exp2(s - m_new[:, None])
         if masked:  # explicit zeros: in a row with nothing valid yet s - m_new == 0, and exp2 would count it as 1
             p = jnp.where(mask, p, 0.0)
-        return alpha[:, None] * o + _dot(p.astype(v.dtype), v), m_new, alpha * l + p.sum(axis=1)
+        return alpha[:, None] * o + dot(p.astype(v.dtype), v), m_new, alpha * l + p.sum(axis=1)
 
     block_m, head_dim = q.shape
     init = (jnp.zeros((block_m, head_dim), jnp.float32), jnp.full((block_m,), _MASK, jnp.float32),

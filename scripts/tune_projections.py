@@ -55,15 +55,15 @@ def main():
         default = _default_config(m, k, n_out, sets[0][0].dtype, silu_mul=activation is not None)
         configs = [default] + [dataclasses.replace(default, **dict(zip(GRID, values)))
                                for values in itertools.product(*GRID.values())]
-        def fn(x, second, w, config):
-            kw = {"norm_scale": second, "eps": EPS} if role == "norm" else {"norm_scale": None, "residual": second}
-            return rmsnorm_matmul(x, w=w, activation=activation, config=config, **kw)
+        def fn(x, second, w, config):  # with a norm, second is unused (its scale would be folded into w)
+            kw = {"norm_eps": EPS} if role == "norm" else {"residual": second}
+            return rmsnorm_matmul(x, w, activation=activation, config=config, **kw)
 
         timings = []
         for config in dict.fromkeys(configs):
             try:
                 t = time_per_call(functools.partial(fn, config=config), sets, work_seconds=w_bytes / args.hbm_bw,
-                                  repeats=args.repeats, dep_arg=1)
+                                  repeats=args.repeats, dep_arg=0 if role == "norm" else 1)
             except Exception as e:  # noqa: BLE001 - a tiling that does not fit shared memory is skipped
                 print(f"  {name} M={m} {config}: {type(e).__name__}")
                 continue
@@ -73,7 +73,7 @@ def main():
         # The profiler's view: the kernel alone, and every kernel of a call (split-K's XLA epilogue included).
         kernel_us = {label: [t * 1e6 for t in kernel_time_per_call(
             functools.partial(fn, config=config), sets, "rmsnorm_matmul", work_seconds=w_bytes / args.hbm_bw,
-            dep_arg=1)] for label, config in (("default", default), ("best", best))}
+            dep_arg=0 if role == "norm" else 1)] for label, config in (("default", default), ("best", best))}
         row = {"projection": name, "m": m, "k": k, "n": n, "default": dataclasses.asdict(default),
                "default_us": t_default * 1e6, "default_hbm_pct": 100 * w_bytes / t_default / args.hbm_bw,
                "best": dataclasses.asdict(best), "best_us": best_t * 1e6,

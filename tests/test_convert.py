@@ -43,6 +43,40 @@ def test_checkpoint_round_trip_and_manifest(hf_model_dir, tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folder left
 
 
+def test_rms_norm_scales_fold_into_the_projections(hf_model_dir):
+    """input_layernorm's scale goes into the QKV rows and post_attention_layernorm's into gate/up, and the folded
+    projection of the normalized x equals HF's RMSNorm (with its scale) followed by the projection."""
+    import jax.numpy as jnp
+
+    from convert.keys import fold_norm_scale
+    from pallas_kernels.rmsnorm_matmul import rms_norm, rms_normalize
+
+    folder, model = hf_model_dir("llama")
+    layer = params_from_source(open_source(folder), "float32")[1]["layers"][1]
+    assert "attn_norm" not in layer and "mlp_norm" not in layer
+    hf = model.model.layers[1]
+    pairs = [(hf.input_layernorm, [hf.self_attn.q_proj, hf.self_attn.k_proj, hf.self_attn.v_proj], layer["qkv"]),
+             (hf.post_attention_layernorm, [hf.mlp.gate_proj, hf.mlp.up_proj], layer["up"])]
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((5, 64), np.float32) * 3)
+    for norm, projections, ours in pairs:
+        scale = norm.weight.detach().numpy()
+        w = np.concatenate([p.weight.detach().numpy() for p in projections]).T
+        np.testing.assert_array_equal(ours["w"], fold_norm_scale(scale, w))
+        hf_style = np.dot(rms_norm(x, jnp.asarray(scale), 1e-6), w)
+        np.testing.assert_allclose(np.dot(rms_normalize(x, 1e-6), ours["w"]), hf_style, rtol=1e-5, atol=1e-5)
+
+
+def test_other_params_format_is_refused(hf_model_dir, tmp_path):
+    """A checkpoint written before the norm scales were folded in would run without them: loading it is an error
+    that says how to convert it again."""
+    dst = convert(str(hf_model_dir("qwen2")[0]), tmp_path / "ckpt", dtype="float32", progress=False)
+    manifest = json.loads((dst / "manifest.json").read_text())
+    assert manifest.pop("params_format") == 2
+    (dst / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"params format 1 .* reads format 2.*python -m convert .*--overwrite"):
+        load_checkpoint(dst)
+
+
 def test_sharded_safetensors_equal_single_file(hf_model_dir, tmp_path):
     folder, model = hf_model_dir("llama")
     sharded = tmp_path / "sharded"

@@ -46,6 +46,19 @@ def test_direct_gguf_load_equals_converted_checkpoint(llm, gguf_path):
         [ids], greedy, use_tqdm=False)[0].token_ids
 
 
+def test_stale_cached_checkpoint_is_converted_again(gguf_path, tmp_path, monkeypatch):
+    """A default checkpoint cached by an older nanojax (params format 1) is replaced, not loaded."""
+    import json
+
+    monkeypatch.setenv("NANOJAX_CACHE", str(tmp_path))
+    stale = tmp_path / default_model.MODEL_NAME
+    stale.mkdir()
+    (stale / "manifest.json").write_text(json.dumps({"source": str(gguf_path)}))
+    monkeypatch.setattr(default_model, "smollm2_gguf", lambda: gguf_path)
+    assert default_model.default_checkpoint() == stale
+    assert json.loads((stale / "manifest.json").read_text())["params_format"] == 2
+
+
 def test_cli_streams_the_answer(gguf_path, capsys, monkeypatch):
     monkeypatch.setattr(generate_cli, "use_compilation_cache", lambda: None)  # global jax state: its own test
     assert generate_cli.main(["--prompt", "What is the capital of France?", "--max-tokens", "24"]) == 0

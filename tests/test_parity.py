@@ -11,7 +11,7 @@ from convert import open_source, params_from_source
 from nanojax import LLM, SamplingParams
 from nanojax.kv_cache import Batch, KVCache
 from nanojax.model import forward, lm_logits
-from nanojax.ops import Ops, kernel_support
+from nanojax.ops import PALLAS_NORMED_PROJECTION_MAX_ROWS, Ops, kernel_support
 
 ARCHS = sorted(TINY)
 # The model through the Pallas kernels (in Pallas' interpreter) too, for every architecture whose head_dim they take.
@@ -46,7 +46,7 @@ def test_logits_prefill_and_decode_match_hf(hf_model_dir, name, ops):
         np.testing.assert_allclose(np.asarray(lm_logits(params, hidden, config))[:, -1], ref[:, -1],
                                    atol=1e-4, rtol=1e-4)
 
-    # One row alone: the single-row decode, where the fused projection kernel runs (ops.PALLAS_PROJECTION_MAX_ROWS).
+    # One row alone: the single-row decode, where every fused projection kernel runs (ops.PALLAS_PROJECTION_MAX_ROWS).
     nxt = ref[:1, -1].argmax(-1)[:, None]
     ids = np.concatenate([ids[:1], nxt], axis=1)
     batch = Batch(page_table=page_table[:1], seq_lens=jnp.array([ids.shape[1]]), q_lens=jnp.array([1]))
@@ -56,13 +56,15 @@ def test_logits_prefill_and_decode_match_hf(hf_model_dir, name, ops):
     np.testing.assert_allclose(np.asarray(lm_logits(params, hidden, config))[:, -1], ref[:, -1], atol=1e-4, rtol=1e-4)
 
 
-def test_projection_kernel_only_for_single_rows():
-    """The fused projection kernel runs for one row; more rows take XLA's GEMM (faster there on the H100)."""
+def test_projection_kernel_rows():
+    """The fused projection kernel runs for one row without a norm and up to PALLAS_NORMED_PROJECTION_MAX_ROWS with
+    one (there it replaces XLA's norm and GEMM); more rows take XLA's GEMM (faster there on the H100)."""
     ops, w = Ops(pallas=True, interpret=True), {"w": jnp.ones((32, 48))}
-    for rows, kernel in ((1, True), (2, False), (64, False)):
-        jaxpr = str(jax.make_jaxpr(lambda x: ops.project(x, w, norm_scale=jnp.ones(32), eps=1e-6))(
-            jnp.ones((rows, 32))))
-        assert ("pallas_call" in jaxpr) == kernel, rows
+    for rows, norm_eps, kernel in ((1, None, True), (2, None, False), (1, 1e-6, True), (2, 1e-6, True),
+                                   (PALLAS_NORMED_PROJECTION_MAX_ROWS, 1e-6, True),
+                                   (PALLAS_NORMED_PROJECTION_MAX_ROWS + 1, 1e-6, False)):
+        jaxpr = str(jax.make_jaxpr(lambda x: ops.project(x, w, norm_eps=norm_eps))(jnp.ones((rows, 32))))
+        assert ("pallas_call" in jaxpr) == kernel, (rows, norm_eps)
 
 
 @pytest.mark.parametrize("name", ARCHS)
