@@ -68,17 +68,21 @@ def is_checkpoint(path) -> bool:
 
 
 def params_format(path) -> int:
-    """The params layout of the checkpoint at `path` (1 for those written before the layout was recorded)."""
-    return json.loads((Path(path) / MANIFEST).read_text()).get("params_format", 1)
+    """The params layout of the checkpoint at `path`."""
+    return _params_format(json.loads((Path(path) / MANIFEST).read_text()))
+
+
+def _params_format(manifest: dict) -> int:
+    return manifest.get("params_format", 1)  # 1: written before the layout was recorded
 
 
 def load_checkpoint(path) -> tuple[ModelConfig, dict, dict]:
     """-> (config, params as numpy arrays, manifest); CheckpointError for a params layout this code does not read."""
     path = Path(path)
     manifest = json.loads((path / MANIFEST).read_text())
-    if params_format(path) != PARAMS_FORMAT:
+    if _params_format(manifest) != PARAMS_FORMAT:
         raise CheckpointError(
-            f"{path} holds params format {params_format(path)} (written by another nanojax version), this nanojax "
+            f"{path} holds params format {_params_format(manifest)} (written by another nanojax version), this nanojax "
             f"reads format {PARAMS_FORMAT}; convert its source again: python -m convert "
             f"{manifest.get('source', 'SRC')} {path} --overwrite")
     config = ModelConfig.from_hf_config(json.loads((path / "config.json").read_text()))

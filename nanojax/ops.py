@@ -20,7 +20,7 @@ from pallas_kernels.rmsnorm_matmul import rmsnorm_matmul, rmsnorm_matmul_referen
 NAMES = ("auto", "reference", "pallas", "interpret")
 # The fused projection kernel is used up to this many rows, where it beats XLA's GEMV fusion (1.3-2x at M = 1 on the
 # H100). From M = 2 on XLA switches to a GEMM that ties or beats a projection without a norm (o_proj, down_proj: XLA
-# 1.1-1.5x faster at M = 2..64; prefill sizes: XLA 1.05-6.6x), so larger row counts take the XLA path
+# as fast or up to 1.5x faster at M = 2..64; prefill sizes: XLA 1.05-6.6x), so larger row counts take the XLA path
 # (docs/benchmarks.md, bench_kernels.py).
 PALLAS_PROJECTION_MAX_ROWS = 1
 # With a norm (QKV, gate/up) the fused kernel replaces XLA's two kernels (the norm, then the GEMM) by one, and stays

@@ -52,6 +52,7 @@ def main():
         sets = [(normal(rng, (m, k)), 1 + normal(rng, (k,), 0.1) if role == "norm" else normal(rng, (m, n_out)),
                  normal(rng, (k, n), k ** -0.5)) for _ in range(rotations(args, k * n * 2))]
         w_bytes = k * n * 2
+        dep_arg = 0 if role == "norm" else 1  # the timing loop's dependency: x, or the residual
         default = _default_config(m, k, n_out, sets[0][0].dtype, silu_mul=activation is not None)
         configs = [default] + [dataclasses.replace(default, **dict(zip(GRID, values)))
                                for values in itertools.product(*GRID.values())]
@@ -63,7 +64,7 @@ def main():
         for config in dict.fromkeys(configs):
             try:
                 t = time_per_call(functools.partial(fn, config=config), sets, work_seconds=w_bytes / args.hbm_bw,
-                                  repeats=args.repeats, dep_arg=0 if role == "norm" else 1)
+                                  repeats=args.repeats, dep_arg=dep_arg)
             except Exception as e:  # noqa: BLE001 - a tiling that does not fit shared memory is skipped
                 print(f"  {name} M={m} {config}: {type(e).__name__}")
                 continue
@@ -73,7 +74,7 @@ def main():
         # The profiler's view: the kernel alone, and every kernel of a call (split-K's XLA epilogue included).
         kernel_us = {label: [t * 1e6 for t in kernel_time_per_call(
             functools.partial(fn, config=config), sets, "rmsnorm_matmul", work_seconds=w_bytes / args.hbm_bw,
-            dep_arg=0 if role == "norm" else 1)] for label, config in (("default", default), ("best", best))}
+            dep_arg=dep_arg)] for label, config in (("default", default), ("best", best))}
         row = {"projection": name, "m": m, "k": k, "n": n, "default": dataclasses.asdict(default),
                "default_us": t_default * 1e6, "default_hbm_pct": 100 * w_bytes / t_default / args.hbm_bw,
                "best": dataclasses.asdict(best), "best_us": best_t * 1e6,
