@@ -34,9 +34,8 @@ from pallas_kernels.rmsnorm_matmul import (
 # by rstd and rounds once at the end. Where a dot or gate * up cancels, the two can then differ by more than any
 # elementwise tolerance of the output's size, while both err by no more than their rounding: so each is measured
 # against the float64 truth (`exact`). The kernel's largest error may not exceed the reference's by more than the
-# spread between two rounding orders (ORDER_SPREAD times, plus `slack` of the largest value), and its error norm stays
-# within what the dtype's rounding gives (REL_ERROR, ||out - exact|| / ||exact||).
-ORDER_SPREAD = 1.5
+# spread between two rounding orders (`slack` of the largest value), and its error norm stays within what the dtype's
+# rounding gives (REL_ERROR, ||out - exact|| / ||exact||).
 REL_ERROR = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 1e-2}
 
 
@@ -98,7 +97,7 @@ def check(x, w, bias, residual=None, activation=None, norm=True, config=None, in
     assert np.isfinite(out).all()
     truth = exact(x, w, bias, residual, activation, norm)
     err, ref_err = np.abs(out - truth).max(), np.abs(ref - truth).max()
-    assert err <= ORDER_SPREAD * ref_err + slack(x.dtype, x.shape[1]) * np.abs(truth).max(), (err, ref_err)
+    assert err <= ref_err + slack(x.dtype, x.shape[1]) * np.abs(truth).max(), (err, ref_err)
     assert np.linalg.norm(out - truth) <= REL_ERROR[x.dtype] * np.linalg.norm(truth)
 
 
