@@ -119,6 +119,24 @@ def test_decode_pages_and_splits(page_size, block_k, k_splits):
     run_decode(case, dataclasses.replace(DECODE_CONFIG, block_k=block_k, k_splits=k_splits))
 
 
+def wild_table(case):
+    """case with every unused page-table entry far out of the pool's range (below 0, or past its end on odd rows):
+    decode reads page-table entries and K rows before it knows the length, and must clamp such ids, not follow them.
+    The output cannot show a missing clamp (those rows are masked); a GPU run reading that far outside the pool
+    faults. Interpret mode clamps gathers itself. The engine pads tables with page 0."""
+    page_size, num_pages = case.k_pages.shape[2], case.k_pages.shape[0]
+    table = np.asarray(case.page_table)
+    unused = np.arange(table.shape[1])[None] >= -(-np.asarray(case.seq_lens)[:, None] // page_size)
+    wild = np.where(np.arange(table.shape[0]) % 2, num_pages + 10 ** 5, -10 ** 5)[:, None]
+    return dataclasses.replace(case, page_table=jnp.asarray(np.where(unused, wild, table), jnp.int32))
+
+
+@pytest.mark.parametrize("k_splits", [1, 3])
+def test_decode_out_of_range_table_entries(k_splits):
+    case = wild_table(decode_case(5, [1, 15, 0, 40], num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16))
+    run_decode(case, dataclasses.replace(DECODE_CONFIG, block_k=16, k_splits=k_splits))
+
+
 def test_decode_head_dim_128_batch_1():
     case = decode_case(2, [45], num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=16)
     run_decode(case, dataclasses.replace(DECODE_CONFIG, k_splits=2))
@@ -275,6 +293,8 @@ def test_gpu_decode(model, dtype):
     # Batch 1 and 3: the automatic k_splits is large (16 and 11 here for 8 KV heads).
     for seed, lens in ((15, [4097]), (16, [3000, 0, 17])):
         run_decode(decode_case(seed, lens, page_size=16, dtype=dtype, **MODELS[model]), interpret=False)
+    run_decode(wild_table(decode_case(17, [1, 0, 100, 17], page_size=16, dtype=dtype, **MODELS[model])),
+               interpret=False)
 
 
 @requires_gpu
