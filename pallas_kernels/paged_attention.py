@@ -211,7 +211,7 @@ def _attend(q, q_pos, row_ok, k_ref, v_ref, page_table_ref, split, k_splits, kv_
     block_m, head_dim = q.shape
     init = (jnp.zeros((block_m, head_dim), jnp.float32), jnp.full((block_m,), _MASK, jnp.float32),
             jnp.zeros((block_m,), jnp.float32))
-    num_tiles = _tiles_of_split(kv_end + block_k - 1, split, k_splits, block_k)
+    num_tiles = _tiles_of_split(kv_end + block_k - 1, split, k_splits, block_k)  # tiles that start before kv_end
     if decode:
         return lax.fori_loop(0, jnp.maximum(num_tiles, 1), functools.partial(body, masked=True), init)
     num_full = _tiles_of_split(full_end, split, k_splits, block_k)
