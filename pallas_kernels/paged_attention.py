@@ -72,18 +72,14 @@ _LOG2E = math.log2(math.e)
 # Finite "minus infinity": exp2(_MASK - m) == 0 for any real m and _MASK - _MASK == 0, so fully masked rows and empty
 # splits never produce inf - inf = NaN.
 _MASK = -1e30
-# Automatic k_splits aims for this many programs: 2 per SM of an H100 (132 SMs).
-_PROGRAMS_TO_FILL_GPU = 264
-# A grid that fills the GPU only 1-2 times over with long sequences streams them in 2x deeper KV tiles, unsplit: its
-# last, partly filled wave then takes half the loop steps. Measured on the H100 (B=64, 8 KV heads, 512 programs,
+# SMs of an H100. Automatic k_splits gives a decode grid one program per SM: at batch 1-8 (8 KV heads) that measured
+# faster than half or twice as many splits, each KV tile of the table its own split at most (perf note 18).
+_NUM_SMS = 132
+# A grid that fills the GPU only 2-4 programs per SM with long sequences streams them in 2x deeper KV tiles, unsplit:
+# its last, partly filled wave then takes half the loop steps. Measured on the H100 (B=64, 8 KV heads, 512 programs,
 # docs/perf_notes.md notes 12 and 15): 8% faster than block_k 64 at 4096 tokens, 11% at 16384, and 1-3% faster than
 # the 4 splits used before (a 2.6% faster batch-64 step at 4096 tokens), the same at 512 tokens.
 _LONG_KV_TOKENS = 4096
-# Automatic splits hold at least this many KV tiles of the longest sequence the page table can hold. The table is as
-# wide as the engine's max_model_len, so splits beyond the real lengths are empty programs plus partials to combine:
-# at batch 1, a 4096-token table and 512-token sequences, 32 two-tile splits cost 0.08 ms per step over 4 (note 15);
-# 4 tiles measured as fast as 2 at 1024 tokens, 7% faster at 4096 and the same at 16384 (33 splits either way).
-_MIN_TILES_PER_SPLIT = 4
 
 
 def _is_power_of_2(n):
@@ -96,8 +92,8 @@ class PagedAttentionConfig:
 
     block_m: query rows per program, an upper bound (shrunk to the chunk, never below 16); a power of two.
     block_k: KV tokens per inner-loop step; a power of two >= 16, independent of page_size.
-    k_splits: programs sharing one query block's KV tiles, dealt round-robin (flash decoding); None picks enough to
-        fill the GPU, and doubles block_k for grids of 1-2 waves of long sequences (see _kv_tiling).
+    k_splits: programs sharing one query block's KV tiles, dealt round-robin (flash decoding); None picks one
+        program per SM, and doubles block_k for grids of 2-4 programs per SM with long sequences (see _kv_tiling).
     """
     block_m: int = 128
     block_k: int = 64
@@ -258,12 +254,48 @@ def _paged_attention_kernel(q_ref, k_ref, v_ref, page_table_ref, seq_len_ref, q_
         store(o_ref.at[idx], (o / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype), mask=out_ok[:, None])
 
 
-def _combine_splits(o, m, l, dtype):
+def combine_splits_reference(o, m, l, dtype):
     """Log-sum-exp merge of per-split results: o [splits, ..., D] unnormalized, m and l [splits, ...] -> [..., D]."""
     weight = jnp.exp2(m - m.max(axis=0))  # <= 1; empty splits have l == 0 and o == 0 and drop out
     denom = (weight * l).sum(axis=0)
     out = (weight[..., None] * o).sum(axis=0) / jnp.where(denom > 0, denom, 1.0)[..., None]
     return out.astype(dtype)
+
+
+def _combine_splits_kernel(o_ref, m_ref, l_ref, out_ref):
+    # o_ref: [k_splits, D] f32 the splits' unnormalized outputs of one (sequence, token, query head)
+    # m_ref, l_ref: [k_splits] f32 their running max (log2 units) and softmax denominator
+    # out_ref: [D] the merged output
+    k_splits, head_dim = o_ref.shape
+    split = jnp.arange(pl.next_power_of_2(k_splits))
+    ok = split < k_splits
+    m = load(m_ref.at[split], mask=ok, other=_MASK)
+    l = load(l_ref.at[split], mask=ok, other=0.0)
+    o = load(o_ref.at[split[:, None], jnp.arange(head_dim)[None, :]], mask=ok[:, None], other=0.0)
+    weight = jnp.exp2(m - m.max())  # padding lanes: l == 0 and o == 0, so they drop out like empty splits
+    denom = (weight * l).sum()
+    out = (weight[:, None] * o).sum(axis=0) / jnp.where(denom > 0, denom, 1.0)
+    store(out_ref.at[jnp.arange(head_dim)], out.astype(out_ref.dtype))
+
+
+def _combine_splits(o, m, l, dtype, interpret):
+    """combine_splits_reference as one kernel, a program per (sequence, token, query head). XLA emitted the
+    reference's reductions over the split axis as one kernel up to 8 splits and as two or three above (a max, the
+    weights, the weighted sums), ~1.2 us each at decode sizes (perf note 18).
+    o: [k_splits, B, T, Hq, D] f32; m, l: [k_splits, B, T, Hq] f32 -> [B, T, Hq, D] in dtype."""
+    k_splits, batch, num_tokens, num_q_heads, head_dim = o.shape
+    stat_spec = pl.BlockSpec((k_splits, None, None, None), lambda b, t, h: (0, b, t, h))
+    return pl.pallas_call(
+        _combine_splits_kernel,
+        grid=(batch, num_tokens, num_q_heads),
+        in_specs=[pl.BlockSpec((k_splits, None, None, None, head_dim), lambda b, t, h: (0, b, t, h, 0)),
+                  stat_spec, stat_spec],
+        out_specs=pl.BlockSpec((None, None, None, head_dim), lambda b, t, h: (b, t, h, 0)),
+        out_shape=jax.ShapeDtypeStruct(o.shape[1:], dtype),
+        compiler_params=triton_params(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="combine_splits",
+    )(o, m, l)
 
 
 def _kv_tiling(config, programs, max_kv_tokens, itemsize):
@@ -272,12 +304,9 @@ def _kv_tiling(config, programs, max_kv_tokens, itemsize):
     if config.k_splits is not None:
         return config.block_k, config.k_splits
     # 2-byte KV only: f32's doubled tiles need more shared memory than an SM has (279 KiB at D=128, 5 stages).
-    if (_PROGRAMS_TO_FILL_GPU <= programs < 2 * _PROGRAMS_TO_FILL_GPU and max_kv_tokens >= _LONG_KV_TOKENS
-            and itemsize <= 2):
+    if 2 * _NUM_SMS <= programs < 4 * _NUM_SMS and max_kv_tokens >= _LONG_KV_TOKENS and itemsize <= 2:
         return 2 * config.block_k, 1
-    # Enough programs to fill the GPU, but at least _MIN_TILES_PER_SPLIT KV tiles per split.
-    return config.block_k, max(1, min(_PROGRAMS_TO_FILL_GPU // programs,
-                                      max_kv_tokens // (_MIN_TILES_PER_SPLIT * config.block_k)))
+    return config.block_k, max(1, min(_NUM_SMS // programs, max_kv_tokens // config.block_k))
 
 
 def _paged_attention(q, k_pages, v_pages, page_table, seq_lens, q_lens, *, scale, config, interpret):
@@ -316,7 +345,7 @@ def _paged_attention(q, k_pages, v_pages, page_table, seq_lens, q_lens, *, scale
         interpret=interpret,
         name="paged_attention",
     )(q, k_pages, v_pages, page_table, seq_lens, q_lens)
-    return out if k_splits == 1 else _combine_splits(*out, q.dtype)
+    return out if k_splits == 1 else _combine_splits(*out, q.dtype, interpret)
 
 
 def _check_inputs(q, k_pages, v_pages, page_table, seq_lens, q_lens):
