@@ -1,5 +1,5 @@
-"""The one place for jax-version differences in the Pallas Triton API (supported: jax 0.10.x and 0.11.x), and for
-how the kernels' dots lower.
+"""The one place for jax-version differences in the Pallas Triton API (supported: jax 0.10.x and 0.11.x), for how
+the kernels' dots lower, and for the GPU size the kernels' automatic tilings aim at.
 
 Both versions export `CompilerParams`, `load` and `store` from `jax.experimental.pallas.triton`. Passing Triton
 compiler params is what selects the Triton lowering: without them jax >= 0.11 lowers GPU kernels with Mosaic GPU,
@@ -11,6 +11,9 @@ from jax.experimental.pallas import triton as plgpu
 
 load = plgpu.load
 store = plgpu.store
+
+# SMs of an H100 (and H200): the automatic tilings size memory-bound grids to about one program per SM.
+NUM_SMS = 132
 
 
 def dot(a, b, *, trans_b=False):

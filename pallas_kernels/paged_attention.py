@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._compat import dot, load, store, triton_params
+from pallas_kernels._compat import NUM_SMS, dot, load, store, triton_params
 
 
 def paged_attention_reference(q, k_pages, v_pages, page_table, seq_lens, q_lens, *, scale):
@@ -72,9 +72,6 @@ _LOG2E = math.log2(math.e)
 # Finite "minus infinity": exp2(_MASK - m) == 0 for any real m and _MASK - _MASK == 0, so fully masked rows and empty
 # splits never produce inf - inf = NaN.
 _MASK = -1e30
-# SMs of an H100. Automatic k_splits gives a decode grid one program per SM: at batch 1-8 (8 KV heads) that measured
-# faster than half or twice as many splits, each KV tile of the table its own split at most (perf note 18).
-_NUM_SMS = 132
 # A grid that fills the GPU only 2-4 programs per SM with long sequences streams them in 2x deeper KV tiles, unsplit:
 # its last, partly filled wave then takes half the loop steps. Measured on the H100 (B=64, 8 KV heads, 512 programs,
 # docs/perf_notes.md notes 12 and 15): 8% faster than block_k 64 at 4096 tokens, 11% at 16384, and 1-3% faster than
@@ -304,9 +301,11 @@ def _kv_tiling(config, programs, max_kv_tokens, itemsize):
     if config.k_splits is not None:
         return config.block_k, config.k_splits
     # 2-byte KV only: f32's doubled tiles need more shared memory than an SM has (279 KiB at D=128, 5 stages).
-    if 2 * _NUM_SMS <= programs < 4 * _NUM_SMS and max_kv_tokens >= _LONG_KV_TOKENS and itemsize <= 2:
+    if 2 * NUM_SMS <= programs < 4 * NUM_SMS and max_kv_tokens >= _LONG_KV_TOKENS and itemsize <= 2:
         return 2 * config.block_k, 1
-    return config.block_k, max(1, min(_NUM_SMS // programs, max_kv_tokens // config.block_k))
+    # One program per SM, and at most one split per KV tile of the table: at batch 1-8 (8 KV heads) that measured
+    # faster than half or twice as many splits (perf note 18).
+    return config.block_k, max(1, min(NUM_SMS // programs, max_kv_tokens // config.block_k))
 
 
 def _paged_attention(q, k_pages, v_pages, page_table, seq_lens, q_lens, *, scale, config, interpret):

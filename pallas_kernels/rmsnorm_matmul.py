@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._compat import dot, load, store, triton_params
+from pallas_kernels._compat import NUM_SMS, dot, load, store, triton_params
 
 ACTIVATIONS = (None, "silu_mul")
 NORM_STATS = (None, "rows", "gram")
@@ -125,8 +125,6 @@ BATCHED_DECODE_CONFIG = RmsNormMatmulConfig(block_m=64, block_n=32, block_k=128,
 # Prefill: compute-bound tiles.
 PREFILL_CONFIG = RmsNormMatmulConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
 
-# H100 / H200 SMs: a memory-bound grid gets split K until it has about one program per SM.
-NUM_SMS = 132
 # Shared memory of one pipeline stage that compiled and ran with 4 stages on the H100 (48 KiB did, 64 KiB did not).
 STAGE_BYTES = 56 << 10
 # The "rows" statistic keeps this many bytes of x per program in registers across the loop: 64 registers of a

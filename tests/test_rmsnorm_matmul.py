@@ -12,10 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels._compat import can_lower_for_cuda
+from pallas_kernels._compat import NUM_SMS, can_lower_for_cuda
 from pallas_kernels.rmsnorm_matmul import (
     DECODE_CONFIG,
-    NUM_SMS,
     PREFILL_CONFIG,
     ROW_STAT_BYTES,
     STAGE_BYTES,
