@@ -90,7 +90,8 @@ class PagedAttentionConfig:
     block_m: query rows per program, an upper bound (shrunk to the chunk, never below 16); a power of two.
     block_k: KV tokens per inner-loop step; a power of two >= 16, independent of page_size.
     k_splits: programs sharing one query block's KV tiles, dealt round-robin (flash decoding); None picks one
-        program per SM, and doubles block_k for grids of 2-4 programs per SM with long sequences (see _kv_tiling).
+        program per SM, and doubles block_k, unsplit, for grids of 2-4 programs per SM with long sequences and
+        for grids under one wave over tables of two tiles (see _kv_tiling).
     """
     block_m: int = 128
     block_k: int = 64
@@ -300,8 +301,13 @@ def _kv_tiling(config, programs, max_kv_tokens, itemsize):
     max_kv_tokens, for KV of itemsize bytes; config's own when it sets k_splits."""
     if config.k_splits is not None:
         return config.block_k, config.k_splits
-    # 2-byte KV only: f32's doubled tiles need more shared memory than an SM has (279 KiB at D=128, 5 stages).
-    if 2 * NUM_SMS <= programs < 4 * NUM_SMS and max_kv_tokens >= _LONG_KV_TOKENS and itemsize <= 2:
+    # Doubled tiles, unsplit, for 2-byte KV only: f32's need more shared memory than an SM has (279 KiB at D=128, 5
+    # stages). A table of two tiles under one wave takes one doubled tile: it beats two one-tile splits and their
+    # merge kernel, whose launch costs more than the second tile's loads (B=1 / 8 / 16 at 128 tokens: -9% / -8% /
+    # -1% per call; at B=64, 512 programs, doubled tiles were 17% slower; docs/perf_notes.md note 19).
+    long_grid = 2 * NUM_SMS <= programs < 4 * NUM_SMS and max_kv_tokens >= _LONG_KV_TOKENS
+    two_tiles = programs < NUM_SMS and config.block_k < max_kv_tokens <= 2 * config.block_k
+    if itemsize <= 2 and (long_grid or two_tiles):
         return 2 * config.block_k, 1
     # One program per SM, and at most one split per KV tile of the table: at batch 1-8 (8 KV heads) that measured
     # faster than half or twice as many splits (perf note 18).

@@ -151,8 +151,10 @@ def test_decode_page_256():
 
 @pytest.mark.parametrize("programs,max_kv_tokens,tiling", [
     # one program per SM, at most one split per KV tile of the table
-    (8, 64, (64, 1)), (8, 128, (64, 2)), (8, 1024, (64, 16)), (8, 16384, (64, 16)), (64, 4096, (64, 2)),
+    (8, 64, (64, 1)), (8, 256, (64, 4)), (8, 1024, (64, 16)), (8, 16384, (64, 16)), (64, 4096, (64, 2)),
     (128, 4096, (64, 1)), (256, 4096, (64, 1)),
+    # a table of two tiles under one wave: one doubled tile, unsplit
+    (8, 128, (128, 1)), (64, 100, (128, 1)), (128, 128, (128, 1)), (512, 128, (64, 1)),
     # a grid of 1-2 waves of long sequences: deeper tiles, unsplit
     (512, 1024, (64, 1)), (512, 4096, (128, 1)), (512, 16384, (128, 1)), (2048, 16384, (64, 1)),
 ])
@@ -183,8 +185,9 @@ def test_combine_splits(k_splits, dtype):
     assert not np.asarray(out[1, 0], np.float32).any()
 
 
-@pytest.mark.parametrize("k_splits", [1, 4])
+@pytest.mark.parametrize("k_splits", [1, 4, None])
 def test_decode_bf16(k_splits):
+    """None: the automatic tiling, one 128-token tile over this 96-token table (6 programs)."""
     case = decode_case(4, DECODE_LENS, num_q_heads=7, num_kv_heads=1, head_dim=64, page_size=16,
                        dtype=jnp.bfloat16)
     run_decode(case, dataclasses.replace(DECODE_CONFIG, k_splits=k_splits))
@@ -315,6 +318,7 @@ def test_gpu_decode(model, dtype):
     # Batch 1 and 3: the automatic k_splits is large (16 and 5 here for 8 KV heads).
     for seed, lens in ((15, [4097]), (16, [3000, 0, 17])):
         run_decode(decode_case(seed, lens, page_size=16, dtype=dtype, **MODELS[model]), interpret=False)
+    # A 128-token table, 32 programs: bf16 takes the automatic tiling's one doubled tile, unsplit.
     run_decode(wild_table(decode_case(17, [1, 0, 100, 17], page_size=16, dtype=dtype, **MODELS[model])),
                interpret=False)
 
