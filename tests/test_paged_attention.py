@@ -15,6 +15,7 @@ import pytest
 
 from pallas_kernels._compat import can_lower_for_cuda
 from pallas_kernels.paged_attention import (
+    _MASK,
     DECODE_CONFIG,
     PREFILL_CONFIG,
     PagedAttentionConfig,
@@ -176,7 +177,7 @@ def test_combine_splits(k_splits, dtype):
     o = rng.normal(0, 1, (*shape, 64)).astype(np.float32)
     empty = rng.random(shape) < 0.3
     empty[:, 1, 0] = True
-    m, l, o = np.where(empty, -1e30, m), np.where(empty, 0, l), np.where(empty[..., None], 0, o)
+    m, l, o = np.where(empty, _MASK, m), np.where(empty, 0, l), np.where(empty[..., None], 0, o)
     out = _combine_splits(jnp.asarray(o), jnp.asarray(m), jnp.asarray(l), dtype, interpret=True)
     ref = combine_splits_reference(jnp.asarray(o), jnp.asarray(m), jnp.asarray(l), dtype)
     assert out.dtype == dtype and np.isfinite(np.asarray(out, np.float32)).all()
