@@ -98,7 +98,6 @@ class PagedAttentionConfig:
     k_splits: int | None = 1
     num_warps: int = 8
     num_stages: int = 5
-    decode_programs: int | None = None
 
     def __post_init__(self):
         if not all(_is_power_of_2(b) and b >= 16 for b in (self.block_m, self.block_k)):
@@ -354,160 +353,6 @@ def _paged_attention(q, k_pages, v_pages, page_table, seq_lens, q_lens, *, scale
     return out if k_splits == 1 else _combine_splits(*out, q.dtype, interpret)
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Balanced decode (stream-K): a fixed grid of programs deals the step's KV tiles out evenly.
-
-def _seq_tiles(seq_lens_ref, batch, block_k):
-    """-> lens, tiles, tiles_before: each [next_pow2(batch)] int32, zero past batch: the sequences' lengths, their
-    block_k tiles, and the tiles of the sequences before each."""
-    seq = jnp.arange(pl.next_power_of_2(batch))
-    lens = load(seq_lens_ref.at[seq], mask=seq < batch, other=0)
-    tiles = _cdiv(lens, block_k)
-    return lens, tiles, jnp.cumsum(tiles) - tiles
-
-
-def _pick(values, i):
-    """values[i] for a vector in registers and a traced scalar i."""
-    return jnp.sum(jnp.where(jnp.arange(values.shape[0]) == i, values, 0))
-
-
-def _program_of(tile, total, active):
-    """The program whose share [p * total // active, (p + 1) * total // active) holds global tile `tile`."""
-    return lax.div((tile + 1) * active - 1, total)
-
-
-def _balanced_decode_kernel(q_ref, k_ref, v_ref, page_table_ref, seq_lens_ref, o_ref, m_ref, l_ref, *, block_m,
-                            group, block_k, scale):
-    # q_ref: [B, Hq, D] the new tokens' queries
-    # k_ref, v_ref: [num_pages, Hkv, S, D] the page pool
-    # page_table_ref: [B, P]; seq_lens_ref: [B]
-    # o_ref: [pieces, group, D] f32 each piece's unnormalized output; m_ref, l_ref: [pieces, group] f32 its running
-    #   max (log2 units) and denominator. A piece is one program's run of one (sequence, KV head) row's tiles.
-    batch, _, head_dim = q_ref.shape
-    num_pages, num_kv_heads, page_size, _ = k_ref.shape
-    pages_per_seq = page_table_ref.shape[1]
-    lens, tiles, tiles_before = _seq_tiles(seq_lens_ref, batch, block_k)
-    # Global tile g of row (b, h) is num_kv_heads * tiles_before[b] + h * tiles[b] + (its tile in the row).
-    total = num_kv_heads * jnp.sum(tiles)
-    active = jnp.maximum(jnp.minimum(pl.num_programs(0), total), 1)  # every active program gets >= 1 tile
-    program = pl.program_id(0)
-    end = jnp.minimum(lax.div((program + 1) * total, active), total)
-    rows = jnp.arange(block_m)
-    row_ok = rows < group
-    cols = jnp.arange(head_dim)
-
-    def tile_step(t, carry, q, seq, kv_head, seq_len):
-        o, m, l = carry
-        pos = t * block_k + jnp.arange(block_k)
-        valid = pos < seq_len
-        entry = jnp.minimum(lax.div(pos, page_size), pages_per_seq - 1)
-        page = jnp.clip(load(page_table_ref.at[seq, entry]), 0, num_pages - 1)
-        idx = (page[:, None], kv_head, lax.rem(pos, page_size)[:, None], cols[None, :])
-        k = load(k_ref.at[idx])
-        v = load(v_ref.at[idx], mask=valid[:, None], other=0.0)
-        s = jnp.where(row_ok[:, None] & valid[None, :], dot(q, k, trans_b=True) * (scale * _LOG2E), _MASK)
-        m_new = jnp.maximum(m, s.max(axis=1))
-        alpha = jnp.exp2(m - m_new)
-        p = jnp.where(valid[None, :], jnp.exp2(s - m_new[:, None]), 0.0)
-        return alpha[:, None] * o + dot(p.astype(v.dtype), v), m_new, alpha * l + p.sum(axis=1)
-
-    def segment(g):  # this program's tiles of the row that holds global tile g
-        seq = jnp.sum((num_kv_heads * (tiles_before + tiles) <= g).astype(jnp.int32))
-        seq_tiles = _pick(tiles, seq)
-        seq_start = num_kv_heads * _pick(tiles_before, seq)
-        kv_head = lax.div(g - seq_start, seq_tiles)
-        row_start = seq_start + kv_head * seq_tiles
-        stop = jnp.minimum(end, row_start + seq_tiles)
-        q_idx = (seq, kv_head * group + rows[:, None], cols[None, :])
-        q = load(q_ref.at[q_idx], mask=row_ok[:, None], other=0.0)
-        init = (jnp.zeros((block_m, head_dim), jnp.float32), jnp.full((block_m,), _MASK, jnp.float32),
-                jnp.zeros((block_m,), jnp.float32))
-        o, m, l = lax.fori_loop(g - row_start, stop - row_start,
-                                functools.partial(tile_step, q=q, seq=seq, kv_head=kv_head, seq_len=_pick(lens, seq)),
-                                init)
-        # Pieces along the global tile line step by one at each program or row boundary: program + row is unique.
-        piece = program + seq * num_kv_heads + kv_head
-        store(o_ref.at[piece, rows[:, None], cols[None, :]], o, mask=row_ok[:, None])
-        store(m_ref.at[piece, rows], m, mask=row_ok)
-        store(l_ref.at[piece, rows], l, mask=row_ok)
-        return stop
-
-    lax.while_loop(lambda g: g < end, segment, lax.div(program * total, active))
-
-
-def _merge_pieces_kernel(seq_lens_ref, o_ref, m_ref, l_ref, out_ref, *, group, block_k, num_kv_heads, programs,
-                         chunk):
-    # seq_lens_ref: [B]
-    # o_ref: [pieces, group, D] f32; m_ref, l_ref: [pieces, group] f32 (see _balanced_decode_kernel)
-    # out_ref: [D] the output of this program's (sequence, query head)
-    seq, head = pl.program_id(0), pl.program_id(1)
-    kv_head, slot = lax.div(head, group), lax.rem(head, group)
-    _, tiles, tiles_before = _seq_tiles(seq_lens_ref, seq_lens_ref.shape[0], block_k)
-    total = num_kv_heads * jnp.sum(tiles)
-    active = jnp.maximum(jnp.minimum(programs, total), 1)
-    seq_tiles = _pick(tiles, seq)
-    row_start = num_kv_heads * _pick(tiles_before, seq) + kv_head * seq_tiles
-    first = _program_of(row_start, jnp.maximum(total, 1), active)
-    count = jnp.where(seq_tiles > 0, _program_of(row_start + seq_tiles - 1, jnp.maximum(total, 1), active) - first + 1,
-                      0)
-    base = first + seq * num_kv_heads + kv_head
-    head_dim = o_ref.shape[2]
-
-    def body(c, carry):
-        o, m, l = carry
-        k = c * chunk + jnp.arange(chunk)
-        ok = k < count
-        m_k = load(m_ref.at[base + k, slot], mask=ok, other=_MASK)
-        l_k = load(l_ref.at[base + k, slot], mask=ok, other=0.0)
-        o_k = load(o_ref.at[(base + k)[:, None], slot, jnp.arange(head_dim)[None, :]], mask=ok[:, None], other=0.0)
-        m_new = jnp.maximum(m, m_k.max())
-        w = jnp.exp2(m_k - m_new)
-        alpha = jnp.exp2(m - m_new)
-        return alpha * o + (w[:, None] * o_k).sum(axis=0), m_new, alpha * l + (w * l_k).sum()
-
-    init = (jnp.zeros((head_dim,), jnp.float32), jnp.float32(_MASK), jnp.float32(0.0))
-    o, _, l = lax.fori_loop(0, _cdiv(count, chunk), body, init)
-    store(out_ref.at[jnp.arange(head_dim)], (o / jnp.where(l > 0, l, 1.0)).astype(out_ref.dtype))
-
-
-def _balanced_decode(q, k_pages, v_pages, page_table, seq_lens, *, scale, config, interpret):
-    """q: [B, Hq, D] -> [B, Hq, D]: decode over config.decode_programs programs that split the KV tiles evenly."""
-    batch, num_q_heads, head_dim = q.shape
-    num_kv_heads = k_pages.shape[1]
-    group = num_q_heads // num_kv_heads
-    programs = config.decode_programs
-    pieces = programs + batch * num_kv_heads
-    whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
-    kernel = functools.partial(_balanced_decode_kernel, block_m=max(16, pl.next_power_of_2(group)), group=group,
-                               block_k=config.block_k, scale=scale)
-    part_shapes = [jax.ShapeDtypeStruct((pieces, group, head_dim), jnp.float32)] + 2 * [
-        jax.ShapeDtypeStruct((pieces, group), jnp.float32)]
-    o, m, l = pl.pallas_call(
-        kernel,
-        grid=(programs,),
-        in_specs=[whole(a) for a in (q, k_pages, v_pages, page_table, seq_lens)],
-        out_specs=[pl.BlockSpec(s.shape, lambda p, n=len(s.shape): (0,) * n) for s in part_shapes],
-        out_shape=part_shapes,
-        compiler_params=triton_params(config.num_warps, config.num_stages),
-        interpret=interpret,
-        name="paged_attention_balanced",
-    )(q, k_pages, v_pages, page_table, seq_lens)
-    # Pieces per row: <= programs // num_kv_heads + 2, as a row holds at most 1 / num_kv_heads of all the tiles.
-    chunk = min(32, pl.next_power_of_2(programs // num_kv_heads + 2))
-    merge = functools.partial(_merge_pieces_kernel, group=group, block_k=config.block_k, num_kv_heads=num_kv_heads,
-                              programs=programs, chunk=chunk)
-    return pl.pallas_call(
-        merge,
-        grid=(batch, num_q_heads),
-        in_specs=[whole(seq_lens), whole(o), whole(m), whole(l)],
-        out_specs=pl.BlockSpec((None, None, head_dim), lambda b, h: (b, h, 0)),
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        compiler_params=triton_params(num_warps=4, num_stages=1),
-        interpret=interpret,
-        name="merge_pieces",
-    )(seq_lens, o, m, l)
-
-
 def _check_inputs(q, k_pages, v_pages, page_table, seq_lens, q_lens):
     """Raises ValueError for inputs the kernel cannot take; q is [B, T, Hq, D] here."""
     if k_pages.ndim != 4 or v_pages.shape != k_pages.shape:
@@ -543,9 +388,6 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, *, scale, 
         raise ValueError(f"q must be [batch, num_q_heads, head_dim], got shape {q.shape}")
     _check_inputs(q[:, None], k_pages, v_pages, page_table, seq_lens, None)
     config = config or _default_config(DECODE_CONFIG, q.dtype)
-    if config.decode_programs:
-        return _balanced_decode(q, k_pages, v_pages, page_table, seq_lens, scale=scale, config=config,
-                                interpret=interpret)
     out = _paged_attention(q[:, None], k_pages, v_pages, page_table, seq_lens, None, scale=scale, config=config,
                            interpret=interpret)
     return out[:, 0]
