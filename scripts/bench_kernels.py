@@ -39,8 +39,8 @@ TINY = {"num_q_heads": 4, "num_kv_heads": 2, "head_dim": 64, "hidden": 64}
 
 
 # ------------------------------------------------------------------------------------------------------------ timing
-def time_per_call(fn, arg_sets, *, work_seconds, repeats, dep_arg=0, calls=None, target_seconds=50e-3,
-                  trace_dir=None):
+def time_per_call(fn, arg_sets, *, work_seconds, repeats, dep_arg=0, fuse_offset=False, calls=None,
+                  target_seconds=50e-3, trace_dir=None):
     """Median seconds per call of fn(*args), args cycling over arg_sets. work_seconds: a rough lower bound on one
     call (bytes / bandwidth), used to pick enough calls (unless given) that a timed run lasts ~target_seconds.
     trace_dir: run the timed runs (not the compile) under jax.profiler.trace, writing there.
@@ -48,15 +48,17 @@ def time_per_call(fn, arg_sets, *, work_seconds, repeats, dep_arg=0, calls=None,
     The calls run in a fori_loop, and each call's input `dep_arg` (pick a small one) is offset by a value computed
     from the previous call's whole output (always zero, but not to the compiler), so XLA can neither merge the calls
     nor hoist them out of the loop, nor compute only part of an output (a split-K epilogue for one element): every
-    call really runs, one after the other, in full. The offset is a kernel of its own before a Pallas call, and fused
-    into the first fusion of an XLA implementation (perf note 13).
+    call really runs, one after the other, in full. The offset is a kernel of its own before every implementation:
+    an optimization barrier keeps XLA from fusing it into an XLA implementation's first fusion, as it cannot into a
+    Pallas call (perf note 21). fuse_offset lets it fuse, for a read of the offset input itself.
     """
     calls = num_calls(arg_sets, work_seconds, calls, target_seconds)
     rounds = calls // len(arg_sets)
 
     def one_call(args, token):
         args = list(args)
-        args[dep_arg] = args[dep_arg] + token.astype(args[dep_arg].dtype)
+        offset = args[dep_arg] + token.astype(args[dep_arg].dtype)
+        args[dep_arg] = offset if fuse_offset else jax.lax.optimization_barrier(offset)
         out = fn(*args)
         return jnp.where(jnp.isnan(out).any(), 1.0, 0.0)
 
@@ -85,15 +87,16 @@ def num_calls(arg_sets, work_seconds, calls=None, target_seconds=50e-3):
     return -(-calls // len(arg_sets)) * len(arg_sets)
 
 
-def kernel_times_by_kind(fn, arg_sets, *, work_seconds, dep_arg=0, calls=None, target_seconds=50e-3):
+def kernel_times_by_kind(fn, arg_sets, *, work_seconds, dep_arg=0, fuse_offset=False, calls=None,
+                         target_seconds=50e-3):
     """The profiler's view of one call: {kernel kind (gpu_trace.kernel_kind): GPU seconds per call}, for every GPU
     kernel of the timing loop (fn's kernels, and the loop's own add and NaN check), without the launch gaps that
     time_per_call includes."""
     from gpu_trace import kernel_kind, trace_events
     repeats = 2
     with tempfile.TemporaryDirectory() as trace_dir:
-        time_per_call(fn, arg_sets, work_seconds=work_seconds, repeats=repeats, dep_arg=dep_arg, calls=calls,
-                      target_seconds=target_seconds, trace_dir=trace_dir)
+        time_per_call(fn, arg_sets, work_seconds=work_seconds, repeats=repeats, dep_arg=dep_arg,
+                      fuse_offset=fuse_offset, calls=calls, target_seconds=target_seconds, trace_dir=trace_dir)
         kernels, _ = trace_events(trace_dir)
     per_call = 1e-9 / (repeats * num_calls(arg_sets, work_seconds, calls, target_seconds))
     by_kind = {}
@@ -303,7 +306,9 @@ def weight_read_row(args, name, sets, kw):
     reduction, not the timing loop's NaN check)."""
     k, n = sets[0][2].shape
     read_w = jax.jit(lambda x, s, w, _: jnp.sum(w, axis=1, dtype=jnp.float32))
-    read_kw = dict(kw, dep_arg=2)  # the loop's offset goes into w itself, so the read cannot be hoisted
+    # The loop's offset goes into w itself, so the read cannot be hoisted, and fuses into the read (isolated, it
+    # would be a copy of w).
+    read_kw = dict(kw, dep_arg=2, fuse_offset=True)
     t = time_per_call(read_w, sets, **read_kw)
     by_kind = kernel_times_by_kind(read_w, sets, **profile_kwargs(read_kw))
     return row(f"{name}_weight_read", f"K={k} N={n}", t, {}, k * n * 2, args.hbm_bw,
