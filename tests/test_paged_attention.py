@@ -22,6 +22,7 @@ from pallas_kernels.paged_attention import (
     _combine_splits,
     _default_config,
     _kv_tiling,
+    _num_stages,
     combine_splits_reference,
     paged_attention_reference,
     paged_decode_attention,
@@ -164,6 +165,19 @@ def test_decode_automatic_tiling(programs, max_kv_tokens, tiling):
     assert _kv_tiling(dataclasses.replace(DECODE_CONFIG, k_splits=3), programs, max_kv_tokens, 2) == (64, 3)
     f32_config = _default_config(DECODE_CONFIG, jnp.float32)  # f32 tiles are never doubled: no shared memory for it
     assert _kv_tiling(f32_config, programs, max_kv_tokens, 4)[0] == f32_config.block_k
+
+
+@pytest.mark.parametrize("programs,max_kv_tokens,stages", [
+    # loops of one step (one tile per split, or one doubled tile): 2 stages
+    (8, 64, 2), (8, 128, 2), (8, 1024, 2), (128, 128, 2),
+    # two steps: 3; three: 4; four and more: DECODE_CONFIG's 5
+    (512, 128, 3), (512, 192, 4), (8, 4096, 5), (512, 16384, 5), (64, 16384, 5),
+])
+def test_decode_automatic_stages(programs, max_kv_tokens, stages):
+    tiling = _kv_tiling(DECODE_CONFIG, programs, max_kv_tokens, 2)
+    assert _num_stages(DECODE_CONFIG, *tiling, max_kv_tokens) == stages
+    explicit = dataclasses.replace(DECODE_CONFIG, k_splits=1)  # a config that sets its tiling keeps its stages
+    assert _num_stages(explicit, 64, 1, max_kv_tokens) == DECODE_CONFIG.num_stages
 
 
 @pytest.mark.parametrize("k_splits,dtype", [(2, jnp.float32), (3, jnp.bfloat16), (16, jnp.float32), (33, jnp.float32)])
