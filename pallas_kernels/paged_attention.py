@@ -337,9 +337,9 @@ def _paged_attention(q, k_pages, v_pages, page_table, seq_lens, q_lens, *, scale
     group_pad = pl.next_power_of_2(group)
     block_m = max(16, group_pad, min(config.block_m, pl.next_power_of_2(num_tokens * group_pad)))
     q_blocks = pl.cdiv(num_tokens, block_m // group_pad)
-    block_k, k_splits = _kv_tiling(config, batch * q_blocks * num_kv_heads, pages_per_seq * page_size,
-                                   k_pages.dtype.itemsize)
-    num_stages = _num_stages(config, block_k, k_splits, pages_per_seq * page_size)
+    table_tokens = pages_per_seq * page_size
+    block_k, k_splits = _kv_tiling(config, batch * q_blocks * num_kv_heads, table_tokens, k_pages.dtype.itemsize)
+    num_stages = _num_stages(config, block_k, k_splits, table_tokens)
 
     seq_spec = pl.BlockSpec((None,), lambda b, i, h, s: (b,))
     kv_spec = pl.BlockSpec((num_pages, None, page_size, head_dim), lambda b, i, h, s: (0, h, 0, 0))
