@@ -1,4 +1,4 @@
-"""Continuous-batching scheduler with chunked prefill and preemption (plain Python).
+"""Continuous-batching scheduler with chunked prefill and preemption (plain Python, no JAX).
 
 Engine contract (one engine step)::
 
@@ -9,61 +9,68 @@ Engine contract (one engine step)::
         if c.sample and stop(c.seq):                 # eos / max_tokens / stop string /
             scheduler.finish(c.seq)                  # c.seq.num_tokens >= max_model_len
 
+``scheduler.finish(seq)`` also aborts a request at any time, waiting or running (mid-prefill
+included): its pages are freed and a chunk of it still in flight is skipped by ``update``.
+
 For every :class:`ScheduledChunk` ``c`` the engine computes the tokens
-``c.seq.token_ids[c.start : c.start + c.num_tokens]`` at positions ``c.start ..
-c.end - 1``, attending to the KV of all earlier positions, and writes their KV to
-slot ``block_table[p // block_size] * block_size + p % block_size``.  If
-``c.sample`` the chunk ends at the last token and the engine samples the next token
-from the last position's logits.
+``c.seq.token_ids[c.start : c.start + c.num_tokens]`` at positions ``c.start .. c.end - 1``,
+attending to the KV of all earlier positions, and writes their KV to slot
+``page_table[p // page_size] * page_size + p % page_size``.  If ``c.sample`` the chunk ends at the
+last token and the engine samples the next token from the last position's logits.
 
-Multi-step decode: if ``c.num_steps == K > 1`` (all chunks of the step then have
-``num_tokens == 1``, ``sample`` True and the same ``num_steps``) the engine runs K
-decode steps in one dispatch: step j feeds the token at position ``c.start + j``
-(the sequence's last token for j == 0, then the token sampled at step j-1) and
-samples one token.  Blocks are reserved for positions ``c.start .. c.start + K - 1``
-(K new KV slots).  The engine passes the K sampled tokens (or only a prefix of them,
-e.g. cut after a stop token) as a list to :meth:`Scheduler.update`.
+Multi-step decode: if ``c.num_steps == K > 1`` (all chunks of the step then have ``num_tokens == 1``,
+``sample`` True and the same ``num_steps``) the engine runs K decode steps in one dispatch: step j
+feeds the token at position ``c.start + j`` (the sequence's last token for j == 0, then the token
+sampled at step j-1) and samples one token.  Pages are reserved for positions
+``c.start .. c.start + K - 1`` (K new KV slots).  The engine passes the K sampled tokens (or only a
+prefix of them, e.g. cut after a stop token) as a list to :meth:`Scheduler.update`.
 
-The scheduler never schedules a KV position >= max_model_len; as long as the engine
-finishes sequences once ``num_tokens >= max_model_len``, ``len(block_table)`` never
-exceeds ``ceil(max_model_len / block_size)`` (the engine's page-table width).
+The scheduler never schedules a KV position >= max_model_len; as long as the engine finishes
+sequences once ``num_tokens >= max_model_len``, ``len(page_table)`` never exceeds
+``ceil(max_model_len / page_size)`` (the engine's page-table width).
 
-Policy (as nano-vllm / vLLM v1): running decodes first (in admission order), then
-running partial prefills, then waiting requests in FIFO order (none in a step that
-had to preempt), within ``max_num_seqs``, the per-step token budget
-``max_num_batched_tokens`` and free blocks.  Admission allocates blocks for the
-whole prompt; a decode grows the table by one block when needed.  With
-``chunk_size=None`` a waiting prompt is admitted only when all its uncached tokens
-fit in the budget left by that step's decodes (set ``max_num_batched_tokens >=
-max_model_len + max_num_seqs`` to never delay admissions because of decodes).
+Policy (as nano-vllm / vLLM v1), one phase after the other within ``max_num_seqs``, the per-step
+token budget ``max_num_batched_tokens`` and the free pages:
 
-When a decode needs a block and none is free, the most recently admitted
-running sequence is preempted by recompute: its blocks are freed, it goes back to
-the FRONT of the waiting queue with ``num_computed_tokens = 0`` keeping its generated
-tokens (which it recomputes like a prompt, usually hitting its own still-cached
-blocks).  The oldest running sequence is never preempted, so the system always
-makes progress; a sequence that cannot proceed even alone raises
+1. decodes: one token for each running sequence whose prompt is computed, in admission order; a
+   decode grows the page table by one page when needed;
+2. running partial prefills: the next chunk of each running sequence still prefilling;
+3. admissions: waiting sequences in FIFO order, none in a step that had to preempt.  Admission
+   allocates the pages of the whole prompt (prefix-cache hits shared);
+4. multi-step decode: a pure-decode step gets ``num_steps=K`` if every sequence has room for K
+   new KV slots without preempting anyone.
+
+A prefill chunk is at most ``chunk_size`` tokens and what is left of the budget.  With
+``chunk_size=None`` a prompt is never split: a waiting prompt is admitted only when all its
+uncached tokens fit in the budget left by that step's decodes (set ``max_num_batched_tokens >=
+max_model_len + max_num_seqs`` to never delay admissions because of decodes); with a
+``chunk_size`` the budget may be smaller than ``max_model_len``.
+
+When a decode needs a page and none is free, the most recently admitted running sequence is
+preempted by recompute: its pages are freed, it goes back to the FRONT of the waiting queue with
+``num_computed_tokens = 0`` keeping its generated tokens (which it recomputes like a prompt,
+usually hitting its own still-cached pages).  The oldest running sequence is never preempted, so
+the system always makes progress; a sequence that cannot proceed even alone raises
 :class:`CapacityError`.
-
-This module must not import JAX.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence as SequenceLike
 
-from .block_manager import BlockManager
+from .page_manager import PageManager
 from .sequence import Sequence, SequenceStatus
 
 
 class CapacityError(RuntimeError):
-    """A sequence cannot make progress even with every unpinned block free.
+    """A sequence cannot make progress even with every unpinned page free.
 
     ``self.seq`` is the offending sequence.  The scheduler state is consistent when
-    this is raised: the engine may ``finish(err.seq)`` (or unpin blocks) and call
+    this is raised: the engine may ``finish(err.seq)`` (or unpin pages) and call
     ``schedule()`` again."""
 
     def __init__(self, seq: Sequence, message: str):
@@ -76,11 +83,13 @@ class SchedulerConfig:
     max_num_seqs: int = 64  # running sequences (decoding or mid-prefill)
     max_num_batched_tokens: int = 4096  # tokens computed per model forward
     max_model_len: int = 4096  # max KV positions per sequence (prompt + generated)
-    chunk_size: int | None = None  # max prefill tokens of one sequence per step; None: whole prompts only
-    block_size: int = 16
+    # max prefill tokens of one sequence per step (a chunk is also cut to the budget left, so the budget
+    # is a fine value); None: whole prompts only, which needs max_num_batched_tokens >= max_model_len
+    chunk_size: int | None = None
+    page_size: int = 16
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "page_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -122,17 +131,17 @@ class ScheduledChunk:
 
 
 class Scheduler:
-    """Continuous batching over a :class:`BlockManager`.  ``waiting`` (deque, FIFO)
+    """Continuous batching over a :class:`PageManager`.  ``waiting`` (deque, FIFO)
     and ``running`` (list, admission order) are public read-only views."""
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
-        if config.block_size != block_manager.block_size:
+    def __init__(self, config: SchedulerConfig, page_manager: PageManager):
+        if config.page_size != page_manager.page_size:
             raise ValueError(
-                f"config.block_size ({config.block_size}) != block_manager.block_size "
-                f"({block_manager.block_size})"
+                f"config.page_size ({config.page_size}) != page_manager.page_size "
+                f"({page_manager.page_size})"
             )
         self.config = config
-        self.block_manager = block_manager
+        self.page_manager = page_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -140,32 +149,32 @@ class Scheduler:
     # ------------------------------------------------------------------ requests
     def add(self, seq: Sequence) -> None:
         """Queue a new WAITING sequence.  ValueError if its prompt is longer than
-        max_model_len or needs more blocks than the whole pool has."""
-        if seq.status is not SequenceStatus.WAITING or seq.block_table or seq.num_computed_tokens:
+        max_model_len or needs more pages than the whole pool has."""
+        if seq.status is not SequenceStatus.WAITING or seq.page_table or seq.num_computed_tokens:
             raise ValueError(f"sequence {seq.seq_id} is not a fresh WAITING sequence: {seq!r}")
-        n, cfg, bm = seq.num_tokens, self.config, self.block_manager
+        n, cfg, pm = seq.num_tokens, self.config, self.page_manager
         if n > cfg.max_model_len:
             raise ValueError(
                 f"request {seq.seq_id}: prompt has {n} tokens, more than max_model_len={cfg.max_model_len}"
             )
-        need = bm.num_blocks_for(n)
-        if need > bm.num_blocks:
+        need = pm.num_pages_for(n)
+        if need > pm.num_pages:
             raise ValueError(
-                f"request {seq.seq_id}: prompt has {n} tokens and needs {need} KV blocks of "
-                f"{bm.block_size} tokens, but the whole pool has only {bm.num_blocks} blocks"
+                f"request {seq.seq_id}: prompt has {n} tokens and needs {need} KV pages of "
+                f"{pm.page_size} tokens, but the whole pool has only {pm.num_pages} pages"
             )
         self.waiting.append(seq)
 
     def finish(self, seq: Sequence) -> None:
-        """Mark ``seq`` FINISHED (also aborts a waiting one), free its blocks, drop it
-        from the queues.  No-op if already finished."""
+        """Mark ``seq`` FINISHED and free its pages, whatever its state: decoding, mid-prefill
+        (its committed pages stay cached) or waiting (aborted).  No-op if already finished."""
         if seq.status is SequenceStatus.FINISHED:
             return
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         else:
             self.waiting.remove(seq)
-        self.block_manager.free(seq)
+        self.page_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
 
     def has_unfinished(self) -> bool:
@@ -173,104 +182,110 @@ class Scheduler:
 
     # ------------------------------------------------------------------ stepping
     def schedule(self, decode_steps: int = 1) -> list[ScheduledChunk]:
-        """Pick the work of one engine step (see module docstring).  Returns [] only
-        when nothing is unfinished.  ``decode_steps=K > 1`` is honoured (all chunks
-        get ``num_steps=K``) only for a pure-decode step where every sequence has
-        blocks for K new KV slots without preempting anyone and
-        ``num_tokens + K - 1 <= max_model_len``; otherwise the step has num_steps 1."""
+        """Pick the work of one engine step (see module docstring).  Returns [] only when nothing is
+        unfinished.  ``decode_steps=K > 1`` is honoured (all chunks get ``num_steps=K``) only for a
+        pure-decode step where every sequence gets pages for K new KV slots without preempting anyone
+        and ``num_tokens + K - 1 <= max_model_len``; otherwise the step has num_steps 1."""
         if decode_steps < 1:
             raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")
-        cfg, bm = self.config, self.block_manager
-        budget = cfg.max_num_batched_tokens
-        plan: list[tuple[Sequence, int, int]] = []  # (seq, start, num_tokens)
         preemptions_before = self.num_preemptions
+        chunks = self._schedule_decodes()
+        chunks += self._schedule_prefills(self._budget_left(chunks))
+        # as vLLM v1: memory is short in a step that preempted, don't re-admit what was just evicted
+        if self.num_preemptions == preemptions_before:
+            chunks += self._admit(self._budget_left(chunks))
+        if not chunks and self.waiting and not self.running:
+            raise self._admission_error(self.waiting[0])
+        return self._reserve_decode_steps(chunks, decode_steps)
 
-        # 1. decodes (one token each), preempting the newest running sequences for blocks
+    def _schedule_decodes(self) -> list[ScheduledChunk]:
+        """One token for every running sequence whose prompt is computed, in admission order.  The
+        budget always covers them (``max_num_batched_tokens >= max_num_seqs``); a page does not:
+        see :meth:`_make_room`."""
+        chunks = []
         for seq in [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]:
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # preempted as a victim earlier in this loop
-            if budget == 0:
-                break
-            if seq.num_tokens > cfg.max_model_len:
-                raise RuntimeError(
-                    f"sequence {seq.seq_id} has {seq.num_tokens} tokens > max_model_len="
-                    f"{cfg.max_model_len}; the engine must finish sequences at max_model_len"
+            if seq.status is SequenceStatus.RUNNING and self._make_room(seq):  # not preempted meanwhile
+                self.page_manager.ensure_capacity(seq, seq.num_tokens)
+                chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, 1))
+        return chunks
+
+    def _make_room(self, seq: Sequence) -> bool:
+        """Preempt the most recently admitted running sequences until ``seq`` has a slot for its
+        last token.  False if that preempted ``seq`` itself; CapacityError if ``seq`` runs alone
+        and still does not fit."""
+        cfg, pm = self.config, self.page_manager
+        if seq.num_tokens > cfg.max_model_len:
+            raise RuntimeError(
+                f"sequence {seq.seq_id} has {seq.num_tokens} tokens > max_model_len="
+                f"{cfg.max_model_len}; the engine must finish sequences at max_model_len"
+            )
+        while not pm.can_ensure_capacity(seq, seq.num_tokens):
+            if len(self.running) == 1:
+                raise CapacityError(
+                    seq,
+                    f"sequence {seq.seq_id} needs {pm.num_pages_for(seq.num_tokens)} KV pages "
+                    f"for {seq.num_tokens} tokens but the pool has {pm.num_pages} pages "
+                    f"({pm.num_pinned_pages} pinned) and nothing else to preempt",
                 )
-            while not bm.can_ensure_capacity(seq, seq.num_tokens):
-                if len(self.running) == 1:
-                    raise CapacityError(
-                        seq,
-                        f"sequence {seq.seq_id} needs {bm.num_blocks_for(seq.num_tokens)} KV blocks "
-                        f"for {seq.num_tokens} tokens but the pool has {bm.num_blocks} blocks "
-                        f"({bm.num_pinned_blocks} pinned) and nothing else to preempt",
-                    )
-                victim = self.running[-1]
-                self._preempt(victim)
-                if victim is seq:
-                    break
-            else:
-                bm.ensure_capacity(seq, seq.num_tokens)
-                plan.append((seq, seq.num_computed_tokens, 1))
-                budget -= 1
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
 
-        # 2. running partial prefills (their blocks were allocated at admission)
-        for seq in list(self.running):
+    def _schedule_prefills(self, budget: int) -> list[ScheduledChunk]:
+        """The next chunk of every running sequence still prefilling (its pages were allocated at
+        admission), in admission order, within ``budget`` tokens."""
+        chunks = []
+        for seq in self.running:
             remaining = seq.num_tokens - seq.num_computed_tokens
-            if remaining <= 1:
-                continue
-            if budget == 0:
-                break
-            n = self._prefill_len(remaining, budget)
+            n = self._prefill_len(remaining, budget) if remaining > 1 else 0
             if n:
-                plan.append((seq, seq.num_computed_tokens, n))
+                chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
                 budget -= n
+        return chunks
 
-        # 3. admit waiting sequences in FIFO order (head-of-line blocking); not in a step
-        #    that had to preempt (as vLLM v1: memory is short, don't re-admit what was just evicted)
-        while (
-            self.waiting
-            and budget > 0
-            and len(self.running) < cfg.max_num_seqs
-            and self.num_preemptions == preemptions_before
-        ):
+    def _admit(self, budget: int) -> list[ScheduledChunk]:
+        """Admit waiting sequences in FIFO order (head-of-line blocking) while a sequence slot, the
+        pages of the whole prompt and ``budget`` tokens for its first chunk are free."""
+        pm, chunks = self.page_manager, []
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            cached = bm.num_cached_tokens(seq)
-            n = self._prefill_len(seq.num_tokens - cached, budget)
-            if not n or not bm.can_allocate(seq):
+            n = self._prefill_len(seq.num_tokens - pm.num_cached_tokens(seq), budget)
+            if not n or not pm.can_allocate(seq):
                 break
             self.waiting.popleft()
-            bm.allocate(seq)
+            pm.allocate(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            plan.append((seq, seq.num_computed_tokens, n))
+            chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
             budget -= n
+        return chunks
 
-        if not plan and self.waiting and not self.running:
-            seq = self.waiting[0]
-            raise CapacityError(
-                seq,
-                f"waiting sequence {seq.seq_id} ({seq.num_tokens} tokens, "
-                f"{bm.num_blocks_for(seq.num_tokens)} blocks) cannot be admitted although nothing "
-                f"is running: pool has {bm.num_blocks} blocks, {bm.num_free_blocks} free, "
-                f"{bm.num_pinned_blocks} pinned; token budget {cfg.max_num_batched_tokens}",
-            )
+    def _admission_error(self, seq: Sequence) -> CapacityError:
+        cfg, pm = self.config, self.page_manager
+        return CapacityError(
+            seq,
+            f"waiting sequence {seq.seq_id} ({seq.num_tokens} tokens, "
+            f"{pm.num_pages_for(seq.num_tokens)} pages) cannot be admitted although nothing "
+            f"is running: pool has {pm.num_pages} pages, {pm.num_free_pages} free, "
+            f"{pm.num_pinned_pages} pinned; token budget {cfg.max_num_batched_tokens}",
+        )
 
-        # 4. multi-step decode: only for pure-decode steps, never at the cost of a preemption
-        num_steps = 1
-        if decode_steps > 1 and plan and all(n == 1 and st + 1 == s.num_tokens for s, st, n in plan):
-            k = decode_steps
-            if all(s.num_tokens + k - 1 <= cfg.max_model_len for s, _, _ in plan):
-                extra = sum(
-                    max(0, bm.num_blocks_for(s.num_tokens + k - 1) - len(s.block_table)) for s, _, _ in plan
-                )
-                if extra <= bm.num_free_blocks:
-                    for s, _, _ in plan:
-                        bm.ensure_capacity(s, s.num_tokens + k - 1)
-                    num_steps = k
-
-        return [
-            ScheduledChunk(s, st, n, sample=st + n == s.num_tokens, num_steps=num_steps) for s, st, n in plan
-        ]
+    def _reserve_decode_steps(self, chunks: list[ScheduledChunk], decode_steps: int) -> list[ScheduledChunk]:
+        """``chunks`` with ``num_steps=decode_steps`` and pages reserved for that many new KV slots
+        if this is a pure-decode step where that fits without preempting; else ``chunks`` as is."""
+        k, pm = decode_steps, self.page_manager
+        if k == 1 or not chunks or not all(c.num_tokens == 1 and c.sample for c in chunks):
+            return chunks
+        if any(c.seq.num_tokens + k - 1 > self.config.max_model_len for c in chunks):
+            return chunks
+        new = sum(max(0, pm.num_pages_for(c.seq.num_tokens + k - 1) - len(c.seq.page_table)) for c in chunks)
+        if new > pm.num_free_pages:
+            return chunks
+        for c in chunks:
+            pm.ensure_capacity(c.seq, c.seq.num_tokens + k - 1)
+        return [dataclasses.replace(c, num_steps=k) for c in chunks]
 
     def update(self, chunks: SequenceLike[ScheduledChunk], sampled: Mapping[int, Any]) -> None:
         """Apply the results of running ``chunks`` (the list from the last schedule()).
@@ -279,7 +294,7 @@ class Scheduler:
         token (int or 0-d array; same as ``[tok]``) or a list of 1..num_steps tokens
         for a multi-step decode chunk.  Other entries are ignored.  Advances
         ``num_computed_tokens`` (to ``num_tokens - 1`` after appending the sampled
-        tokens of a sampling chunk), appends the tokens and commits full blocks to
+        tokens of a sampling chunk), appends the tokens and commits full pages to
         the prefix cache.  Chunks of sequences finished meanwhile are skipped."""
         for c in chunks:
             seq = c.seq
@@ -300,9 +315,12 @@ class Scheduler:
                     seq.append_token(t)
             else:
                 seq.num_computed_tokens = c.start + c.num_tokens
-            self.block_manager.commit(seq)
+            self.page_manager.commit(seq)
 
     # ------------------------------------------------------------------ internals
+    def _budget_left(self, chunks: list[ScheduledChunk]) -> int:
+        return self.config.max_num_batched_tokens - sum(c.num_tokens for c in chunks)
+
     def _prefill_len(self, remaining: int, budget: int) -> int:
         if self.config.chunk_size is None:
             return remaining if remaining <= budget else 0
@@ -310,7 +328,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.block_manager.free(seq)  # also resets num_computed_tokens to 0
+        self.page_manager.free(seq)  # also resets num_computed_tokens to 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1

@@ -1,7 +1,7 @@
 """A request's token sequence and its scheduling state (plain Python, no JAX).
 
 A :class:`Sequence` is created by the engine from a tokenized prompt, handed to
-``Scheduler.add`` and then mutated only by the scheduler / block manager:
+``Scheduler.add`` and then mutated only by the scheduler and the page manager:
 
 * ``token_ids``            prompt + generated tokens (grows via :meth:`append_token`).
 * ``num_prompt_tokens``    length of the original prompt (never changes, also not
@@ -10,8 +10,8 @@ A :class:`Sequence` is created by the engine from a tokenized prompt, handed to
                            the cache (prefix-cache hits included).
 * ``num_cached_tokens``    how many of those came from the prefix cache at the last
                            admission (statistics only).
-* ``block_table``          physical KV block ids; token position ``p`` lives in block
-                           ``block_table[p // block_size]`` at offset ``p % block_size``.
+* ``page_table``           physical KV page ids; token position ``p`` lives in page
+                           ``page_table[p // page_size]`` at offset ``p % page_size``.
 * ``status``               :class:`SequenceStatus`.
 * ``params``               opaque object for the engine (sampling params, stop strings,
                            ...); the scheduler never looks inside.
@@ -41,7 +41,7 @@ class Sequence:
         self.num_prompt_tokens: int = len(self.token_ids)
         self.num_computed_tokens: int = 0
         self.num_cached_tokens: int = 0
-        self.block_table: list[int] = []
+        self.page_table: list[int] = []
         self.status: SequenceStatus = SequenceStatus.WAITING
         self.params: Any = params
 
@@ -66,5 +66,5 @@ class Sequence:
         return (
             f"Sequence(id={self.seq_id}, status={self.status.name}, tokens={self.num_tokens}, "
             f"prompt={self.num_prompt_tokens}, computed={self.num_computed_tokens}, "
-            f"blocks={len(self.block_table)})"
+            f"pages={len(self.page_table)})"
         )
