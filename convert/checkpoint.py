@@ -1,7 +1,9 @@
-"""The nanojax checkpoint folder: params as an Orbax checkpoint, config.json, tokenizer files, manifest.json.
+"""The nanojax checkpoint folder: params as Orbax checkpoints, config.json, tokenizer files, manifest.json.
 
-A conversion writes everything into a temporary sibling folder and renames it into place at the end, so a
-failed or interrupted conversion leaves nothing half-written at the destination.
+The params are one Orbax checkpoint per part (params/layers/{i} for each layer, params/top for the rest), written
+as each part is converted: Orbax holds a second copy of what it saves, so saving the whole tree at once would
+need twice the model in memory. A conversion writes everything into a temporary sibling folder and renames it
+into place at the end, so a failed or interrupted conversion leaves nothing half-written at the destination.
 """
 import json
 import os
@@ -12,37 +14,41 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from convert.keys import CheckpointError, hf_to_params
+from convert.keys import CheckpointError, param_parts, params_from_parts
 from convert.sources import Source, open_source
 from nanojax.config import ModelConfig
 
 MANIFEST = "manifest.json"
 PARAMS = "params"
-# The params layout this code writes and reads. 2: RMSNorm scales folded into the qkv / up weights (convert/keys.py).
-# Format 1 (no "params_format" in the manifest) kept them apart; this model code would run it without those scales.
-PARAMS_FORMAT = 2
+# The params layout this code writes and reads. 3: one Orbax checkpoint per part. 2: one Orbax checkpoint of the
+# whole tree. 2 and 3 fold the RMSNorm scales into the qkv / up weights (convert/keys.py); format 1 (no
+# "params_format" in the manifest) kept them apart, and this model code would run it without those scales.
+PARAMS_FORMAT = 3
 DTYPES = {"float32": np.float32, "bfloat16": jax.numpy.bfloat16, "float16": np.float16}
 
 
 def params_from_source(source: Source, dtype: str, progress: bool = False) -> tuple[ModelConfig, dict]:
     config = ModelConfig.from_hf_config(source.hf_config)
-    params = hf_to_params(config, source.hf_config["model_type"], source.tensors, DTYPES[dtype], progress)
-    return config, params
+    return config, params_from_parts(_parts(source, config, dtype, progress), config.num_layers)
+
+
+def _parts(source: Source, config: ModelConfig, dtype: str, progress: bool):
+    return param_parts(config, source.hf_config["model_type"], source.tensors, DTYPES[dtype], progress, source.label)
 
 
 def convert(src, dst, dtype: str = "bfloat16", overwrite: bool = False, progress: bool = True) -> Path:
-    """Convert `src` (HF folder, hub-cache model id or .gguf) into a nanojax checkpoint folder `dst`."""
+    """Convert `src` (HF folder, Hub model id or .gguf) into a nanojax checkpoint folder `dst`."""
     if dtype not in DTYPES:
         raise CheckpointError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
     dst = Path(dst).expanduser().absolute()
     if dst.exists() and not overwrite:
         raise CheckpointError(f"{dst} already exists (pass --overwrite to replace it)")
     source = open_source(src)
-    config, params = params_from_source(source, dtype, progress)
+    config = ModelConfig.from_hf_config(source.hf_config)
     tmp = dst.parent / f".{dst.name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
         tmp.mkdir(parents=True)
-        _save_params(tmp / PARAMS, params)
+        num_parameters = _save_params(tmp / PARAMS, _parts(source, config, dtype, progress))
         (tmp / "config.json").write_text(json.dumps(source.hf_config, indent=2, default=str))
         has_tokenizer = source.save_tokenizer(tmp)
         manifest = {
@@ -51,7 +57,7 @@ def convert(src, dst, dtype: str = "bfloat16", overwrite: bool = False, progress
             "architecture": config.architecture,
             "dtype": dtype,
             "params_format": PARAMS_FORMAT,
-            "num_parameters": int(sum(np.size(x) for x in jax.tree.leaves(params))),
+            "num_parameters": num_parameters,
             "tokenizer": has_tokenizer,
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
@@ -89,11 +95,16 @@ def load_checkpoint(path) -> tuple[ModelConfig, dict, dict]:
     return config, _load_params(path / PARAMS, config), manifest
 
 
-def _save_params(path: Path, params: dict) -> None:
+def _save_params(path: Path, parts) -> int:
+    """Saves each (name, part) as the Orbax checkpoint path/name; returns the number of parameters."""
     import orbax.checkpoint as ocp
 
+    count = 0
     with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(path, _to_storable(params))
+        for name, part in parts:
+            ckptr.save(path / name, part)
+            count += sum(np.size(x) for x in jax.tree.leaves(part))
+    return int(count)
 
 
 def _load_params(path: Path, config: ModelConfig) -> dict:
@@ -101,15 +112,11 @@ def _load_params(path: Path, config: ModelConfig) -> dict:
 
     cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
     with ocp.StandardCheckpointer() as ckptr:
-        meta = ckptr.metadata(path)
-        meta = getattr(meta, "item_metadata", meta)
-        target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=cpu), meta)
-        stored = ckptr.restore(path, target)
-    params = jax.tree.map(np.asarray, stored)
-    params["layers"] = tuple(params["layers"][str(i)] for i in range(config.num_layers))
-    return params
+        def restore(name):
+            meta = ckptr.metadata(path / name)
+            meta = getattr(meta, "item_metadata", meta)
+            target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=cpu), meta)
+            return name, jax.tree.map(np.asarray, ckptr.restore(path / name, target))
 
-
-def _to_storable(params: dict) -> dict:
-    """Orbax keys are names: the layer tuple is stored as {"0": ..., "1": ...}."""
-    return {**params, "layers": {str(i): layer for i, layer in enumerate(params["layers"])}}
+        names = ["top", *(f"layers/{i}" for i in range(config.num_layers))]
+        return params_from_parts(map(restore, names), config.num_layers)

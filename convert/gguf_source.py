@@ -1,37 +1,35 @@
-"""Read llama.cpp GGUF checkpoints into an HF-style config and HF-layout float32 tensors.
+"""A llama.cpp GGUF file as a source: its metadata as an HF config, its tensors renamed to HF names.
 
-Public API (consumed by the rest of the converter):
-
-    read_gguf(path) -> (hf_config: dict, tensors: dict[str, np.ndarray])
+    read_gguf(path) -> (hf_config, {HF name: loader of a float32 array})   (each tensor read when it is asked for)
+    gguf_source(path) -> Source   (convert/sources.py)
     save_gguf_tokenizer(path, dst_dir) -> None
     GGUFError(ValueError)
 
-Scope: GGUF architectures ``llama`` (Llama 1/2/3, SmolLM2, TinyLlama; optional q/k/v/o attention
-biases), ``qwen2`` (q/k/v biases) and ``qwen3`` (q/k norms); tensor types F32, F16, BF16, Q8_0, Q4_0,
-Q4_1, Q4_K and Q6_K (decoded with gguf.quants.dequantize).  RoPE scaling comes from the
-``{arch}.rope.scaling.*`` metadata (linear, yarn) or, for Llama 3.x, from the rope_freqs tensor.
-Everything else is rejected with a GGUFError that names the offending tensor or metadata field.
+Scope: GGUF architectures ``llama`` (Llama 1/2/3, SmolLM2, TinyLlama; optional q/k/v/o attention biases),
+``qwen2`` (q/k/v biases) and ``qwen3`` (q/k norms); tensor types F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K and Q6_K
+(decoded with gguf.quants.dequantize). Llama 3's RoPE scaling comes back from the rope_freqs tensor; the scalings
+GGUF records in metadata (linear, yarn) are refused, as nanojax/config.py refuses them. The key table of
+convert/keys.py checks every tensor's presence and shape; this file only renames (a GGUF tensor without an HF name
+keeps its GGUF name, which that table then reports as unmapped) and names the GGUF tensor in those errors.
 
 Layout notes
-  * GGUF stores a tensor's dims fastest-first (``ne[0]`` is the contiguous one), so a GGUF shape
-    [in, out] is the row-major numpy/HF shape [out, in].  ``GGUFReader`` already hands out the data
-    with numpy's (reversed) shape; we check it against the shape HF expects for every tensor.
-  * llama.cpp's convert_hf_to_gguf.py permutes the rows of q_proj / k_proj for the ``llama`` arch
-    only (llama.cpp's "normal" RoPE rotates adjacent pairs, HF's rotates the two halves of each head):
+  * GGUF stores a tensor's dims fastest-first (``ne[0]`` is the contiguous one), so a GGUF shape [in, out] is the
+    row-major numpy/HF shape [out, in].
+  * llama.cpp's convert_hf_to_gguf.py permutes the rows of q_proj / k_proj for the ``llama`` arch only (llama.cpp's
+    "normal" RoPE rotates adjacent pairs, HF's rotates the two halves of each head):
         permute(w, n_head, n_head_kv) = w.reshape(n, 2, rows // n // 2, ...).swapaxes(1, 2)
-    with n = n_head_kv for K (when it differs) and n = n_head for Q.  We apply the inverse (the same
-    thing transformers' ``LlamaTensorProcessor`` does).  qwen2/qwen3 use NEOX RoPE in llama.cpp, which
-    matches HF's layout, so their tensors are stored unpermuted.
+    with n = n_head_kv for K and n = n_head for Q.  We apply the inverse (as transformers' ``LlamaTensorProcessor``
+    does).  qwen2/qwen3 use NEOX RoPE in llama.cpp, which matches HF's layout, so their tensors are unpermuted.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import re
+import struct
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -39,8 +37,9 @@ import gguf
 from gguf import GGMLQuantizationType, GGUFValueType
 
 from convert import gguf_tokenizer
+from convert.sources import Source, normalized_hf_config
 
-__all__ = ["GGUFError", "read_gguf", "save_gguf_tokenizer", "GGUF_TO_HF", "SUPPORTED_TYPES"]
+__all__ = ["GGUFError", "read_gguf", "gguf_source", "save_gguf_tokenizer", "SUPPORTED_TYPES"]
 
 
 class GGUFError(ValueError):
@@ -48,83 +47,32 @@ class GGUFError(ValueError):
     architecture, truncated or corrupt file.  The message names the tensor or metadata field."""
 
 
-# --------------------------------------------------------------------------------------------------
-# Tables
-# --------------------------------------------------------------------------------------------------
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
-_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
+SUPPORTED_TYPES = frozenset({
+    GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16, GGMLQuantizationType.Q8_0,
+    GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K,
+})
+
+# The renaming: GGUF tensor name -> HF name, outside the layers and (after "blk.{i}." -> "model.layers.{i}.")
+# inside them.
+_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+              "output.weight": "lm_head.weight"}
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias", "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
 }
-
-SUPPORTED_TYPES = frozenset(
-    {
-        GGMLQuantizationType.F32,
-        GGMLQuantizationType.F16,
-        GGMLQuantizationType.BF16,
-        GGMLQuantizationType.Q8_0,
-        GGMLQuantizationType.Q4_0,
-        GGMLQuantizationType.Q4_1,
-        GGMLQuantizationType.Q4_K,
-        GGMLQuantizationType.Q6_K,
-    }
-)
-
-# The one mapping table: GGUF tensor name -> HF safetensors name ("{i}" = layer index).
-GGUF_TO_HF: dict[str, str] = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
-    "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
-    "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
-    "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
-    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
-    "blk.{i}.attn_q.bias": "model.layers.{i}.self_attn.q_proj.bias",
-    "blk.{i}.attn_k.bias": "model.layers.{i}.self_attn.k_proj.bias",
-    "blk.{i}.attn_v.bias": "model.layers.{i}.self_attn.v_proj.bias",
-    "blk.{i}.attn_output.bias": "model.layers.{i}.self_attn.o_proj.bias",
-    "blk.{i}.attn_q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
-    "blk.{i}.attn_k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
-    "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
-    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
-    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
-    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
-}
-
-_COMMON = (
-    "token_embd.weight",
-    "output_norm.weight",
-    "blk.{i}.attn_norm.weight",
-    "blk.{i}.attn_q.weight",
-    "blk.{i}.attn_k.weight",
-    "blk.{i}.attn_v.weight",
-    "blk.{i}.attn_output.weight",
-    "blk.{i}.ffn_norm.weight",
-    "blk.{i}.ffn_gate.weight",
-    "blk.{i}.ffn_up.weight",
-    "blk.{i}.ffn_down.weight",
-)
-# Which entries of GGUF_TO_HF each architecture must have.  "output.weight" is optional everywhere
-# (absent <=> tied embeddings).  Anything in the file outside required + optional (+ _CONFIG_TENSORS)
-# is an error.
-_REQUIRED = {
-    "llama": _COMMON,
-    "qwen2": _COMMON + ("blk.{i}.attn_q.bias", "blk.{i}.attn_k.bias", "blk.{i}.attn_v.bias"),
-    "qwen3": _COMMON + ("blk.{i}.attn_q_norm.weight", "blk.{i}.attn_k_norm.weight"),
-}
-_OPTIONAL = ("output.weight",)
-# Llama checkpoints with attention_bias=True (HF: q/k/v/o all biased) -- all four or none, in every layer.
-_LLAMA_BIASES = ("blk.{i}.attn_q.bias", "blk.{i}.attn_k.bias", "blk.{i}.attn_v.bias", "blk.{i}.attn_output.bias")
-# Tensors that are not returned as weights.  rope_freqs.weight: llama.cpp writes it for Llama-3.x
-# ("llama3" rope_type) as per-frequency divisors computed from HF's rope_scaling.  It has no HF tensor,
-# but GGUF has no metadata for llama3 scaling either, so it is *not* simply dropped (transformers' own
-# GGUF loader does drop it, losing the scaling): _llama3_rope_scaling() turns it back into
-# config["rope_scaling"] and checks that this reproduces the tensor.  Only the llama arch has it.
-_CONFIG_TENSORS = {"llama": ("rope_freqs.weight",), "qwen2": (), "qwen3": ()}
-
-_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+# llama.cpp writes rope_freqs.weight for Llama 3.x: per-frequency divisors computed from HF's rope_scaling. It has
+# no HF tensor and GGUF has no metadata for that scaling, so _llama3_rope_scaling turns it back into the config's
+# rope_scaling (transformers' own GGUF loader drops it, losing the scaling). Only the llama arch has it.
+_ROPE_FREQS = "rope_freqs.weight"
 
 _INT_TYPES = {
     GGUFValueType.UINT8, GGUFValueType.INT8, GGUFValueType.UINT16, GGUFValueType.INT16,
@@ -133,81 +81,127 @@ _INT_TYPES = {
 _FLOAT_TYPES = {GGUFValueType.FLOAT32, GGUFValueType.FLOAT64}
 
 
+def hf_name(name: str) -> str | None:
+    """The HF name of GGUF tensor `name`; None if it has none."""
+    if name in _TOP_NAMES:
+        return _TOP_NAMES[name]
+    block, _, layer_name = name.partition(".")[2].partition(".")
+    if name.startswith("blk.") and block.isdigit() and layer_name in _LAYER_NAMES:
+        return f"model.layers.{block}.{_LAYER_NAMES[layer_name]}"
+    return None
+
+
+_TOP_FROM_HF = {hf: name for name, hf in _TOP_NAMES.items()}
+_LAYER_FROM_HF = {hf: name for name, hf in _LAYER_NAMES.items()}
+
+
+def gguf_name(name: str) -> str | None:
+    """The GGUF name of HF tensor `name` (inverse of hf_name); None if it has none."""
+    if name in _TOP_FROM_HF:
+        return _TOP_FROM_HF[name]
+    parts = name.split(".", 3)
+    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in _LAYER_FROM_HF:
+        return f"blk.{parts[2]}.{_LAYER_FROM_HF[parts[3]]}"
+    return None
+
+
+def _label(name: str) -> str:
+    """How errors name a tensor: by its HF name and, where it has one, its name in the GGUF file."""
+    in_file = gguf_name(name)
+    return f"{name!r} (GGUF {in_file!r})" if in_file else repr(name)
+
+
 # --------------------------------------------------------------------------------------------------
 # Opening the file
 # --------------------------------------------------------------------------------------------------
-
-class _CheckedReader(gguf.GGUFReader):
-    """GGUFReader that fails with a GGUFError naming what it was reading when the file ends early,
-    and checks each tensor's type id and data extent before gguf slices the data.
-
-    It hooks a few private GGUFReader methods; if a future gguf renames them the hooks are simply not
-    called and read_gguf's catch-all still turns the failure into a (less specific) GGUFError."""
-
-    _where = "the GGUF header"
-
-    def _get(self, offset, dtype, count=1, *args, **kwargs):
-        end = int(offset) + np.dtype(dtype).itemsize * int(count)
-        if end > len(self.data):
-            raise GGUFError(
-                f"file ends at byte {len(self.data)} while reading {self._where} (needs byte {end}): "
-                "truncated or corrupt GGUF file"
-            )
-        return super()._get(offset, dtype, count, *args, **kwargs)
-
-    def _push_field(self, field, *args, **kwargs):
-        self._where = f"the metadata entry after {field.name!r}"
-        return super()._push_field(field, *args, **kwargs)
-
-    def _get_tensor_info_field(self, orig_offs):
-        field = super()._get_tensor_info_field(orig_offs)
-        self._where = f"the tensor info after tensor {field.name!r}"
-        return field
-
-    def _build_tensors(self, start_offs, fields):
-        size = len(self.data)
-        for field in fields:
-            parts = field.parts
-            if len(parts) != 6:  # unknown gguf internals: leave the checks to gguf + read_gguf
-                break
-            name = bytes(parts[1]).decode("utf-8", errors="replace")
-            dims = [int(d) for d in parts[3]]
-            raw_type = int(parts[4][0])
-            try:
-                qtype = GGMLQuantizationType(raw_type)
-                block, type_size = gguf.GGML_QUANT_SIZES[qtype]
-            except (ValueError, KeyError):
-                raise GGUFError(f"tensor {name!r} has unknown GGML type id {raw_type}") from None
-            if not dims or any(d <= 0 for d in dims):
-                raise GGUFError(f"tensor {name!r} has invalid dims {dims}")
-            if dims[0] % block:
-                raise GGUFError(
-                    f"tensor {name!r} ({qtype.name}) has row length {dims[0]}, not a multiple of the "
-                    f"block size {block}"
-                )
-            n_bytes = math.prod(dims) // block * type_size
-            start = int(start_offs) + int(parts[5][0])
-            if start + n_bytes > size:
-                raise GGUFError(
-                    f"tensor {name!r} data (bytes {start}..{start + n_bytes}) runs past the end of the "
-                    f"file ({size} bytes): truncated or corrupt GGUF file"
-                )
-        self._where = "the tensor data"
-        return super()._build_tensors(start_offs, fields)
-
 
 def _open(path: str | os.PathLike) -> gguf.GGUFReader:
     if not os.path.isfile(path):
         raise GGUFError("GGUF file not found")
     try:
-        reader = _CheckedReader(path)
-    except GGUFError:
-        raise
+        reader = gguf.GGUFReader(path)
     except Exception as e:  # anything gguf/numpy raise while parsing means the file is bad
-        raise GGUFError(f"not a readable GGUF file ({type(e).__name__}: {e})") from e
+        raise GGUFError(_header_problem(Path(path)) or f"not a readable GGUF file ({type(e).__name__}: {e})") from e
     if reader.byte_order != "I":
         raise GGUFError("byte-swapped (big-endian) GGUF files are not supported")
     return reader
+
+
+_SCALAR_BYTES = {GGUFValueType.UINT8: 1, GGUFValueType.INT8: 1, GGUFValueType.BOOL: 1, GGUFValueType.UINT16: 2,
+                 GGUFValueType.INT16: 2, GGUFValueType.UINT32: 4, GGUFValueType.INT32: 4, GGUFValueType.FLOAT32: 4,
+                 GGUFValueType.UINT64: 8, GGUFValueType.INT64: 8, GGUFValueType.FLOAT64: 8}
+
+
+class _Walk:
+    """Reads a GGUF header field by field, remembering what it reads, to say what is wrong with a file gguf's
+    reader refused (its own errors name no metadata entry or tensor)."""
+
+    def __init__(self, f):
+        self.f, self.size, self.where = f, os.fstat(f.fileno()).st_size, "the GGUF header"
+
+    def unpack(self, fmt: str) -> tuple:
+        size = struct.calcsize("<" + fmt)
+        return struct.unpack("<" + fmt, self.bytes(size))
+
+    def bytes(self, n: int) -> bytes:
+        if self.f.tell() + n > self.size:  # checked before reading: a corrupt length may be huge
+            raise EOFError
+        return self.f.read(n)
+
+    def string(self) -> str:
+        return self.bytes(self.unpack("Q")[0]).decode("utf-8", errors="replace")
+
+    def value(self, kind: int):
+        """Reads one metadata value of GGUFValueType `kind`; returns it if it is a scalar."""
+        if kind == GGUFValueType.STRING:
+            return self.string()
+        if kind == GGUFValueType.ARRAY:
+            item, count = self.unpack("IQ")
+            if item in _SCALAR_BYTES:
+                self.bytes(_SCALAR_BYTES[GGUFValueType(item)] * count)
+            else:
+                for _ in range(count):
+                    self.value(item)
+            return None
+        return self.unpack({1: "B", 2: "H", 4: "I", 8: "Q"}[_SCALAR_BYTES[GGUFValueType(kind)]])[0]
+
+
+def _header_problem(path: Path) -> str | None:
+    """What makes the file unreadable: where it ends early, or which tensor has an unknown type or runs past its
+    end; None if the header reads fine (gguf's own message then says what is wrong)."""
+    with open(path, "rb") as f:
+        walk, infos, alignment = _Walk(f), [], gguf.GGUF_DEFAULT_ALIGNMENT
+        try:
+            magic, _, n_tensors, n_kv = walk.unpack("IIQQ")
+            if magic != gguf.GGUF_MAGIC:  # not a GGUF file at all: gguf's message says so
+                return None
+            for _ in range(n_kv):
+                key = walk.string()
+                walk.where = f"the metadata entry {key!r}"
+                value = walk.value(walk.unpack("I")[0])
+                alignment = value if key == "general.alignment" and value else alignment
+            for _ in range(n_tensors):
+                name = walk.string()
+                walk.where = f"the tensor info of {name!r}"
+                dims = walk.unpack(f"{walk.unpack('I')[0]}Q")
+                infos.append((name, dims, *walk.unpack("IQ")))
+        except EOFError:
+            return f"file ends at byte {walk.size} while reading {walk.where}: truncated or corrupt GGUF file"
+        except (ValueError, KeyError):  # an unknown value type: gguf's message says which
+            return None
+        data_start = -(-f.tell() // alignment) * alignment
+    for name, dims, type_id, offset in infos:
+        try:
+            block, type_size = gguf.GGML_QUANT_SIZES[GGMLQuantizationType(type_id)]
+        except (ValueError, KeyError):
+            return f"tensor {name!r} has unknown GGML type id {type_id}"
+        if not dims or dims[0] % block:
+            return f"tensor {name!r} has dims {list(dims)}: not a whole number of {block}-element blocks per row"
+        end = data_start + offset + math.prod(dims) // block * type_size
+        if end > walk.size:
+            return (f"tensor {name!r} data ends at byte {end}, past the end of the file ({walk.size} bytes): "
+                    "truncated or corrupt GGUF file")
+    return None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -272,30 +266,49 @@ def _kv_heads(reader, arch: str, n_head: int) -> int:
     return value
 
 
-def _rope_scaling_from_metadata(reader, arch: str) -> dict | None:
-    p = f"{arch}.rope.scaling."
-    for suffix in ("attn_factor", "alpha", "yarn_log_multiplier", "yarn_ext_factor", "yarn_attn_factor"):
-        if p + suffix in reader.fields:
-            raise GGUFError(f"metadata field {p + suffix!r} is not supported")
-    kind = _meta(reader, p + "type", str, None)
-    legacy = _meta(reader, f"{arch}.rope.scale_linear", float, None)  # pre-2023 key
-    if kind is None and legacy is not None and legacy != 1.0:
-        return {"rope_type": "linear", "factor": _f32_value(legacy)}
-    if kind in (None, "none"):
-        return None
-    if kind == "linear":
-        return {"rope_type": "linear", "factor": _f32_value(_meta(reader, p + "factor", float))}
-    if kind == "yarn":
-        out = {"rope_type": "yarn", "factor": _f32_value(_meta(reader, p + "factor", float))}
-        orig = _meta(reader, p + "original_context_length", int, None)
-        if orig is not None:
-            out["original_max_position_embeddings"] = orig
-        for suffix in ("beta_fast", "beta_slow"):
-            v = _meta(reader, p + "yarn_" + suffix, float, None)
-            if v is not None:
-                out[suffix] = _f32_value(v)
-        return out
-    raise GGUFError(f"metadata field {p + 'type'!r}: unsupported rope scaling type {kind!r}")
+def _check_rope_scaling(reader, arch: str) -> None:
+    """nanojax runs default and Llama 3 RoPE (nanojax/config.py); GGUF metadata records only other scalings."""
+    kind = _meta(reader, f"{arch}.rope.scaling.type", str, "none")
+    if kind != "none":
+        raise GGUFError(f"metadata field '{arch}.rope.scaling.type' = {kind!r}: RoPE scaling is not supported "
+                        "(Llama 3's, from tensor 'rope_freqs.weight', is)")
+    if _meta(reader, f"{arch}.rope.scale_linear", float, 1.0) != 1.0:  # pre-2023 key
+        raise GGUFError(f"metadata field '{arch}.rope.scale_linear': linear RoPE scaling is not supported")
+
+
+def _head_dim(reader, arch: str, hidden: int, n_head: int) -> int:
+    key_len = f"{arch}.attention.key_length"
+    if key_len in reader.fields:
+        head_dim = _meta_pos_int(reader, key_len)
+    elif hidden % n_head == 0:
+        head_dim = hidden // n_head  # llama.cpp's default n_embd_head_k
+    else:
+        raise GGUFError(f"missing metadata field {key_len!r} and embedding_length {hidden} is not divisible by "
+                        f"head_count {n_head}")
+    v_len = _meta_pos_int(reader, f"{arch}.attention.value_length", head_dim)
+    if v_len != head_dim:
+        raise GGUFError(f"metadata field '{arch}.attention.value_length' = {v_len} != key_length {head_dim}: "
+                        "unsupported")
+    n_rot = _meta_pos_int(reader, f"{arch}.rope.dimension_count", head_dim)
+    if n_rot != head_dim:
+        raise GGUFError(f"metadata field '{arch}.rope.dimension_count' = {n_rot} != head_dim {head_dim}: partial "
+                        "rotary is unsupported")
+    if head_dim % 2:
+        raise GGUFError(f"head_dim {head_dim} (from '{key_len}' or embedding_length/head_count) must be even")
+    return head_dim
+
+
+def _vocab_size(reader, arch: str, tinfo: dict) -> int:
+    if "token_embd.weight" not in tinfo:
+        raise GGUFError("missing tensor 'token_embd.weight'")
+    embd_ne = [int(d) for d in tinfo["token_embd.weight"].shape]
+    if len(embd_ne) != 2:
+        raise GGUFError(f"tensor 'token_embd.weight' has GGUF shape {embd_ne}, expected 2 dims")
+    meta_vocab = _meta(reader, f"{arch}.vocab_size", int, None)
+    if meta_vocab is not None and meta_vocab != embd_ne[1]:
+        raise GGUFError(f"metadata field '{arch}.vocab_size' = {meta_vocab} disagrees with tensor "
+                        f"'token_embd.weight' ({embd_ne[1]} rows)")
+    return embd_ne[1]
 
 
 def _llama3_factors(wavelen: np.ndarray, factor: float, low: float, high: float, orig: float) -> np.ndarray:
@@ -344,17 +357,12 @@ def _llama3_rope_scaling(factors: np.ndarray, head_dim: int, theta: float) -> di
             }
     raise GGUFError(f"tensor {name!r} does not match any llama3 rope scaling; refusing to guess the RoPE frequencies")
 
-
-def _build_config(reader, arch: str, tinfo: dict) -> dict:
+def _build_config(reader, arch: str, tinfo: dict, path: Path) -> dict:
     hidden = _meta_pos_int(reader, f"{arch}.embedding_length")
-    n_layers = _meta_pos_int(reader, f"{arch}.block_count")
     n_head = _meta_pos_int(reader, f"{arch}.attention.head_count")
-    n_kv = _kv_heads(reader, arch, n_head)
     ffn_key = f"{arch}.feed_forward_length"
     if ffn_key in reader.fields and reader.fields[ffn_key].types[0] == GGUFValueType.ARRAY:
         raise GGUFError(f"metadata field {ffn_key!r}: per-layer feed-forward sizes are not supported")
-    inter = _meta_pos_int(reader, ffn_key)
-    ctx = _meta_pos_int(reader, f"{arch}.context_length")
     eps = _meta(reader, f"{arch}.attention.layer_norm_rms_epsilon", float)
     theta = _meta(reader, f"{arch}.rope.freq_base", float, 10000.0)  # llama.cpp's default
     if not (eps > 0 and theta > 0):
@@ -362,60 +370,28 @@ def _build_config(reader, arch: str, tinfo: dict) -> dict:
     expert_count = _meta(reader, f"{arch}.expert_count", int, 0)
     if expert_count:
         raise GGUFError(f"metadata field '{arch}.expert_count' = {expert_count}: mixture-of-experts is not supported")
-
-    key_len = f"{arch}.attention.key_length"
-    if key_len in reader.fields:
-        head_dim = _meta_pos_int(reader, key_len)
-    elif hidden % n_head == 0:
-        head_dim = hidden // n_head  # llama.cpp's default n_embd_head_k
-    else:
-        raise GGUFError(f"missing metadata field {key_len!r} and embedding_length {hidden} is not divisible by head_count {n_head}")
-    v_len = _meta_pos_int(reader, f"{arch}.attention.value_length", head_dim)
-    if v_len != head_dim:
-        raise GGUFError(f"metadata field '{arch}.attention.value_length' = {v_len} != key_length {head_dim}: unsupported")
-    n_rot = _meta_pos_int(reader, f"{arch}.rope.dimension_count", head_dim)
-    if n_rot != head_dim:
-        raise GGUFError(f"metadata field '{arch}.rope.dimension_count' = {n_rot} != head_dim {head_dim}: partial rotary is unsupported")
-    if head_dim % 2:
-        raise GGUFError(f"head_dim {head_dim} (from '{key_len}' or embedding_length/head_count) must be even")
-
-    if "token_embd.weight" not in tinfo:
-        raise GGUFError("missing tensor 'token_embd.weight'")
-    embd_ne = [int(d) for d in tinfo["token_embd.weight"].shape]
-    if len(embd_ne) != 2:
-        raise GGUFError(f"tensor 'token_embd.weight' has GGUF shape {embd_ne}, expected 2 dims")
-    vocab = embd_ne[1]
-    meta_vocab = _meta(reader, f"{arch}.vocab_size", int, None)
-    if meta_vocab is not None and meta_vocab != vocab:
-        raise GGUFError(f"metadata field '{arch}.vocab_size' = {meta_vocab} disagrees with tensor 'token_embd.weight' ({vocab} rows)")
-
-    rope_scaling = _rope_scaling_from_metadata(reader, arch)
-    if "rope_freqs.weight" in tinfo and arch == "llama":
-        if rope_scaling is not None:
-            raise GGUFError(f"tensor 'rope_freqs.weight' together with metadata rope scaling {rope_scaling} is not supported")
-        rope_scaling = _llama3_rope_scaling(_dequantize(tinfo["rope_freqs.weight"]), head_dim, theta)
-
+    _check_rope_scaling(reader, arch)
     cfg: dict[str, Any] = {
         "architectures": [_ARCHITECTURES[arch]],
         "model_type": arch,
         "hidden_size": hidden,
-        "intermediate_size": inter,
-        "num_hidden_layers": n_layers,
+        "intermediate_size": _meta_pos_int(reader, ffn_key),
+        "num_hidden_layers": _meta_pos_int(reader, f"{arch}.block_count"),
         "num_attention_heads": n_head,
-        "num_key_value_heads": n_kv,
-        "head_dim": head_dim,
+        "num_key_value_heads": _kv_heads(reader, arch, n_head),
+        "head_dim": _head_dim(reader, arch, hidden, n_head),
         "hidden_act": "silu",
         "rms_norm_eps": _f32_value(eps),
         "rope_theta": _f32_value(theta),
-        "max_position_embeddings": ctx,
-        "vocab_size": vocab,
+        "max_position_embeddings": _meta_pos_int(reader, f"{arch}.context_length"),
+        "vocab_size": _vocab_size(reader, arch, tinfo),
         "tie_word_embeddings": "output.weight" not in tinfo,
     }
-    if rope_scaling is not None:
-        cfg["rope_scaling"] = rope_scaling
-    if arch == "llama":  # llama.cpp writes (and permutes) attention biases when the HF model has them
-        biases = {t.split(".", 2)[2] for t in _LLAMA_BIASES}
-        cfg["attention_bias"] = any(m.group(2) in biases for m in map(_BLOCK_RE.match, tinfo) if m)
+    if arch == "llama" and _ROPE_FREQS in tinfo:
+        scaling = _llama3_rope_scaling(_read_tensor(path, tinfo[_ROPE_FREQS]), cfg["head_dim"], theta)
+        cfg.update({"rope_scaling": scaling} if scaling else {})
+    if arch == "llama":  # llama.cpp writes (and permutes) attention biases when the HF model has them: all four
+        cfg["attention_bias"] = all(f"blk.0.attn_{p}.bias" in tinfo for p in ("q", "k", "v", "output"))
     for tok_key, cfg_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                              ("padding_token_id", "pad_token_id")):
         cfg[cfg_key] = _meta(reader, f"tokenizer.ggml.{tok_key}", int, None)
@@ -436,31 +412,40 @@ def _torch_dtype(tinfo: dict) -> str:
         return "bfloat16"
     return "float32"
 
-
 # --------------------------------------------------------------------------------------------------
 # Tensors
 # --------------------------------------------------------------------------------------------------
 
-def _dequantize(t) -> np.ndarray:
-    """ReaderTensor -> owned, C-contiguous float32 array in numpy/HF dim order (GGUF ne reversed)."""
-    qtype = t.tensor_type
+def dequantize(name: str, qtype: GGMLQuantizationType, shape: tuple[int, ...], raw: np.ndarray) -> np.ndarray:
+    """raw: the tensor's bytes (uint8) -> C-contiguous float32 [shape] (numpy order: GGUF ne reversed), decoded and
+    checked for NaN/Inf 16 MB at a time (gguf decodes a whole tensor through temporaries several times its float32
+    size)."""
     if qtype not in SUPPORTED_TYPES:
         supported = ", ".join(sorted(q.name for q in SUPPORTED_TYPES))
-        raise GGUFError(f"tensor {t.name!r} has unsupported type {qtype.name} (supported: {supported})")
-    shape = tuple(int(d) for d in reversed([int(x) for x in t.shape]))
-    try:
-        if qtype == GGMLQuantizationType.F32:
-            arr = np.array(t.data, dtype=np.float32)  # copy: t.data is a view of the memmap
-        elif qtype == GGMLQuantizationType.F16:
-            arr = np.asarray(t.data).astype(np.float32)
-        else:
-            arr = gguf.quants.dequantize(np.asarray(t.data), qtype)
-        arr = np.ascontiguousarray(arr, dtype=np.float32).reshape(shape)
-    except GGUFError:
-        raise
-    except Exception as e:
-        raise GGUFError(f"tensor {t.name!r} ({qtype.name}, GGUF shape {list(t.shape)}) could not be decoded: {e}") from e
-    return arr
+        raise GGUFError(f"tensor {name!r} has unsupported type {qtype.name} (supported: {supported})")
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    row_len = shape[-1]
+    rows = raw.reshape(-1, row_len // block * type_size)
+    out = np.empty((rows.shape[0], row_len), np.float32)
+    step = max(1, (1 << 22) // row_len)
+    for start in range(0, rows.shape[0], step):
+        chunk = out[start:start + step]
+        try:
+            chunk[...] = gguf.quants.dequantize(rows[start:start + step], qtype)
+        except Exception as e:
+            raise GGUFError(f"tensor {name!r} ({qtype.name}, shape {list(shape)}) could not be decoded: {e}") from e
+        if not np.isfinite(chunk).all():
+            raise GGUFError(f"tensor {name!r} contains NaN/Inf values: corrupt file?")
+    return out.reshape(shape)
+
+
+def _read_tensor(path: Path, t: gguf.ReaderTensor) -> np.ndarray:
+    """Reads the tensor's bytes with a plain read rather than through the reader's memory map: the mapped pages
+    would stay resident, so a conversion would end up holding the whole file."""
+    raw = np.fromfile(path, dtype=np.uint8, count=int(t.n_bytes), offset=int(t.data_offset))
+    if raw.size != t.n_bytes:
+        raise GGUFError(f"tensor {t.name!r} runs past the end of the file: truncated GGUF file")
+    return dequantize(t.name, t.tensor_type, tuple(int(d) for d in reversed(t.shape)), raw)
 
 
 def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -470,104 +455,58 @@ def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def _expected_tensors(arch: str, cfg: dict) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """GGUF name -> (HF name, HF shape) for every tensor the architecture may have."""
-    H, I, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    d, nh, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    shapes = {
-        "token_embd.weight": (V, H),
-        "output_norm.weight": (H,),
-        "output.weight": (V, H),
-        "blk.{i}.attn_norm.weight": (H,),
-        "blk.{i}.attn_q.weight": (nh * d, H),
-        "blk.{i}.attn_k.weight": (nkv * d, H),
-        "blk.{i}.attn_v.weight": (nkv * d, H),
-        "blk.{i}.attn_output.weight": (H, nh * d),
-        "blk.{i}.attn_q.bias": (nh * d,),
-        "blk.{i}.attn_k.bias": (nkv * d,),
-        "blk.{i}.attn_v.bias": (nkv * d,),
-        "blk.{i}.attn_output.bias": (H,),
-        "blk.{i}.attn_q_norm.weight": (d,),
-        "blk.{i}.attn_k_norm.weight": (d,),
-        "blk.{i}.ffn_norm.weight": (H,),
-        "blk.{i}.ffn_gate.weight": (I, H),
-        "blk.{i}.ffn_up.weight": (I, H),
-        "blk.{i}.ffn_down.weight": (H, I),
-    }
-    templates = _REQUIRED[arch] + _OPTIONAL + (_LLAMA_BIASES if cfg.get("attention_bias") else ())
-    out = {t: (GGUF_TO_HF[t], shapes[t]) for t in templates if "{i}" not in t}
-    for i in range(cfg["num_hidden_layers"]):  # layer-major order
-        for t in templates:
-            if "{i}" in t:
-                out[t.format(i=i)] = (GGUF_TO_HF[t].format(i=i), shapes[t])
-    return out
+
+def _loader(path: Path, t: gguf.ReaderTensor, rope_heads: int | None, head_dim: int) -> Callable[[], np.ndarray]:
+    """Reads, decodes and checks the tensor when called; rope_heads: undo llama.cpp's Q/K permutation."""
+    def load() -> np.ndarray:
+        try:
+            array = _read_tensor(path, t)
+            if rope_heads and array.shape[0] == rope_heads * head_dim:  # another shape: keys.py reports it
+                array = _unpermute_rope(array, rope_heads)
+        except GGUFError as e:
+            raise GGUFError(f"{path}: {e}") from e.__cause__
+        return array
+
+    return load
 
 
-def read_gguf(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]]:
-    """Returns (hf_config, tensors): an HF-style config.json dict (architectures, model_type, hidden_size,
-    intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim (always),
-    hidden_act, rms_norm_eps, rope_theta, rope_scaling if any, max_position_embeddings, vocab_size,
-    tie_word_embeddings, attention_bias (llama only), bos_token_id, eos_token_id, pad_token_id if given,
-    torch_dtype) and tensors keyed
-    by the HF safetensors names (model.embed_tokens.weight, model.layers.{i}.self_attn.q_proj.weight, ...,
-    lm_head.weight only when the file has output.weight), as float32 numpy arrays in HF's shapes
-    ([out, in] for Linear).  Raises GGUFError (message prefixed with the path) for anything unexpected."""
+def read_gguf(path: str | os.PathLike) -> tuple[dict, dict[str, Callable[[], np.ndarray]]]:
+    """(hf_config, tensors): an HF-style config.json dict (architectures, model_type, hidden_size, intermediate_size,
+    num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim (always), hidden_act, rms_norm_eps,
+    rope_theta, rope_scaling if any, max_position_embeddings, vocab_size, tie_word_embeddings, attention_bias (llama
+    only), bos/eos/pad_token_id, torch_dtype) and a loader of each float32 tensor by its HF name, in HF's shape
+    ([out, in] for Linear); a tensor without an HF name keeps its GGUF name. Raises GGUFError (message prefixed
+    with the path) for a bad file; a loader raises it for a bad tensor."""
+    path = Path(path)
     try:
-        return _read_gguf(path)
+        reader = _open(path)
+        arch = _meta(reader, "general.architecture", str)
+        if arch not in _ARCHITECTURES:
+            raise GGUFError(f"metadata field 'general.architecture' = {arch!r}: unsupported architecture "
+                            f"(supported: {', '.join(_ARCHITECTURES)})")
+        tinfo = {t.name: t for t in reader.tensors}
+        cfg = _build_config(reader, arch, tinfo, path)
     except GGUFError as e:
         raise GGUFError(f"{os.fspath(path)}: {e}") from e.__cause__
-
-
-def _read_gguf(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]]:
-    reader = _open(path)
-    arch = _meta(reader, "general.architecture", str)
-    if arch not in _ARCHITECTURES:
-        raise GGUFError(
-            f"metadata field 'general.architecture' = {arch!r}: unsupported architecture "
-            f"(supported: {', '.join(_ARCHITECTURES)})"
-        )
-    tinfo = {t.name: t for t in reader.tensors}
-    cfg = _build_config(reader, arch, tinfo)
-    expected = _expected_tensors(arch, cfg)
-
-    for name in tinfo:
-        if name in expected or name in _CONFIG_TENSORS[arch]:
+    rope_heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
+    tensors = {}
+    for name, t in tinfo.items():
+        if arch == "llama" and name == _ROPE_FREQS:  # in the config now
             continue
-        m = _BLOCK_RE.match(name)
-        if m and int(m.group(1)) >= cfg["num_hidden_layers"]:
-            raise GGUFError(f"tensor {name!r} belongs to layer {m.group(1)} but block_count is {cfg['num_hidden_layers']}")
-        raise GGUFError(f"tensor {name!r} is not in the GGUF->HF mapping table for architecture {arch!r}")
-    if cfg.get("attention_bias"):
-        present = sorted(n for n in expected if n in tinfo and n.endswith(".bias"))
-        absent = sorted(n for n in expected if n not in tinfo and n.endswith(".bias"))
-        if absent:
-            raise GGUFError(
-                f"tensor {present[0]!r} present but {absent[0]!r} missing: Llama attention biases must exist "
-                "for q, k, v and output in every layer"
-            )
-    for name in expected:
-        if name not in tinfo and name not in _OPTIONAL:
-            raise GGUFError(f"missing tensor {name!r} (architecture {arch!r})")
-
-    tensors: dict[str, np.ndarray] = {}
-    for gname, (hname, shape) in expected.items():
-        t = tinfo.get(gname)
-        if t is None:
-            continue
-        arr = _dequantize(t)
-        if arr.shape != shape:
-            raise GGUFError(
-                f"tensor {gname!r} has shape {list(arr.shape)} (GGUF ne {[int(x) for x in t.shape]}), "
-                f"expected {list(shape)} from the metadata"
-            )
-        if arch == "llama" and gname.endswith((".attn_q.weight", ".attn_q.bias")):
-            arr = _unpermute_rope(arr, cfg["num_attention_heads"])
-        elif arch == "llama" and gname.endswith((".attn_k.weight", ".attn_k.bias")):
-            arr = _unpermute_rope(arr, cfg["num_key_value_heads"])
-        if not np.isfinite(arr).all():
-            raise GGUFError(f"tensor {gname!r} contains NaN/Inf values: corrupt file?")
-        tensors[hname] = arr
+        kind = name.split(".")[-2] if arch == "llama" and name.startswith("blk.") else None
+        tensors[hf_name(name) or name] = _loader(path, t, rope_heads.get(kind), cfg["head_dim"])
     return cfg, tensors
+
+
+def gguf_source(path: str | os.PathLike) -> Source:
+    """The GGUF at `path` as a Source (read_gguf's config normalized by transformers, its tensors read lazily)."""
+    cfg, tensors = read_gguf(path)
+
+    def save_tokenizer(dst: Path) -> bool:
+        save_gguf_tokenizer(path, dst)
+        return True
+
+    return Source(str(path), "gguf", normalized_hf_config(cfg), tensors, save_tokenizer, _label)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,13 +1,15 @@
 """The one key table from HF tensor names to nanojax params, with the fusing and transposing done here.
 
 Every tensor is shape-checked against the config; a missing, unmapped or duplicated tensor is an error that
-names it. Linear weights arrive as HF's [out, in] and leave as [in, out]; GPT-2's Conv1D already is [in, out].
+names it (each source names its tensors in errors its own way: a GGUF adds the name in the file). The params come
+out part by part, one layer at a time, each cast to the checkpoint's dtype, so that a conversion holds one layer in
+float32 at most. Linear weights arrive as HF's [out, in] and leave as [in, out]; GPT-2's Conv1D already is [in, out].
 The scale of each RMSNorm before a projection (input_layernorm, post_attention_layernorm) is folded into that
 projection's weight rows, so the params hold no attn_norm / mlp_norm for RMSNorm architectures: the fused projection
 needs only the norm's statistic (pallas_kernels/rmsnorm_matmul.py says why). GPT-2's LayerNorms, the final norm
 (the LM head after it may be the tied embedding, which must stay unscaled) and Qwen3's q/k norms stay as they are.
 """
-from typing import Callable, Mapping
+from typing import Callable, Iterator, Mapping
 
 import numpy as np
 from tqdm import tqdm
@@ -26,23 +28,24 @@ _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
 class _Reader:
     """Hands out tensors by HF name, checks their shapes and remembers which ones were used."""
 
-    def __init__(self, tensors: Mapping[str, Callable[[], np.ndarray]], prefix: str = ""):
-        self.tensors, self.prefix, self.used = tensors, prefix, set()
+    def __init__(self, tensors: Mapping[str, Callable[[], np.ndarray]], prefix: str, label: Callable[[str], str]):
+        self.tensors, self.prefix, self.label, self.used = tensors, prefix, label, set()
 
     def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         full = self.prefix + name
         if full not in self.tensors:
-            raise CheckpointError(f"missing tensor {full!r} (expected shape {shape})")
+            raise CheckpointError(f"missing tensor {self.label(full)} (expected shape {shape})")
         self.used.add(full)
         array = np.asarray(self.tensors[full]())
         if array.shape != shape:
-            raise CheckpointError(f"tensor {full!r} has shape {array.shape}, config expects {shape}")
+            raise CheckpointError(f"tensor {self.label(full)} has shape {array.shape}, config expects {shape}")
         return array
 
     def check_all_used(self, ignored: set[str]) -> None:
         unmapped = sorted(set(self.tensors) - self.used - ignored)
         if unmapped:
-            raise CheckpointError(f"{len(unmapped)} unmapped tensor(s) in the checkpoint: {unmapped[:8]}")
+            raise CheckpointError(f"{len(unmapped)} unmapped tensor(s) in the checkpoint: "
+                                  f"[{', '.join(map(self.label, unmapped[:8]))}]")
 
 
 def fold_norm_scale(scale: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -108,44 +111,55 @@ def _gpt2_layer(r: _Reader, c: ModelConfig, i: int) -> dict:
     }
 
 
-def hf_to_params(config: ModelConfig, model_type: str, tensors: Mapping[str, Callable[[], np.ndarray]],
-                 dtype, progress: bool = False) -> dict:
-    """tensors: HF name -> loader of the array. Returns the nanojax params pytree in `dtype` (numpy)."""
+def param_parts(config: ModelConfig, model_type: str, tensors: Mapping[str, Callable[[], np.ndarray]], dtype,
+                progress: bool = False, label: Callable[[str], str] = repr) -> Iterator[tuple[str, dict]]:
+    """tensors: HF name -> loader of the array; label: how errors name a tensor. Yields ("layers/{i}", layer) for
+    each layer, then ("top", the params outside the layers), each in `dtype` (numpy); params_from_parts joins them.
+    Unmapped tensors are an error after the last part."""
     c, vh = config, (config.vocab_size, config.hidden_size)
     gpt2 = model_type == "gpt2"
     prefix = "transformer." if gpt2 and any(n.startswith("transformer.") for n in tensors) else ""
-    r = _Reader(tensors, prefix)
-    layers = []
+    r = _Reader(tensors, prefix, label)
     for i in tqdm(range(c.num_layers), desc="converting layers", disable=not progress):
-        layers.append(_gpt2_layer(r, c, i) if gpt2 else _llama_layer(r, c, i, ernie=model_type == "ernie4_5"))
+        layer = _gpt2_layer(r, c, i) if gpt2 else _llama_layer(r, c, i, ernie=model_type == "ernie4_5")
+        yield f"layers/{i}", _cast(layer, dtype)
     if gpt2:
-        params = {
+        top = {
             "embed": r.get("wte.weight", vh),
             "pos_embed": r.get("wpe.weight", (c.max_position_embeddings, c.hidden_size)),
             "final_norm": {"scale": r.get("ln_f.weight", (c.hidden_size,)),
                            "bias": r.get("ln_f.bias", (c.hidden_size,))},
         }
     else:
-        params = {"embed": r.get("model.embed_tokens.weight", vh),
-                  "final_norm": {"scale": r.get("model.norm.weight", (c.hidden_size,))}}
-    params["layers"] = tuple(layers)
+        top = {"embed": r.get("model.embed_tokens.weight", vh),
+               "final_norm": {"scale": r.get("model.norm.weight", (c.hidden_size,))}}
     ignored = {n for n in tensors if gpt2 and n.endswith(_IGNORED_SUFFIXES)}
     if c.tie_word_embeddings:
         if "lm_head.weight" in tensors:  # a tied copy some checkpoints still store
             r.used.add("lm_head.weight")
             tied = np.asarray(tensors["lm_head.weight"]())
-            if tied.shape != vh or not np.array_equal(tied, params["embed"]):
+            if tied.shape != vh or not np.array_equal(tied, top["embed"]):
                 raise CheckpointError("lm_head.weight differs from the embedding but the config ties them")
     else:
         r.prefix = ""
-        params["lm_head"] = r.get("lm_head.weight", vh).T
+        top["lm_head"] = r.get("lm_head.weight", vh).T
     r.check_all_used(ignored)
-    return _cast(params, dtype)
+    yield "top", _cast(top, dtype)
+
+
+def params_from_parts(parts: Iterator[tuple[str, dict]], num_layers: int) -> dict:
+    """The params pytree of nanojax.model from param_parts' (name, part) pairs."""
+    by_name = dict(parts)
+    return {**by_name.pop("top"), "layers": tuple(by_name[f"layers/{i}"] for i in range(num_layers))}
+
+
+def hf_to_params(config: ModelConfig, model_type: str, tensors: Mapping[str, Callable[[], np.ndarray]],
+                 dtype, progress: bool = False, label: Callable[[str], str] = repr) -> dict:
+    """tensors: HF name -> loader of the array. Returns the nanojax params pytree in `dtype` (numpy)."""
+    return params_from_parts(param_parts(config, model_type, tensors, dtype, progress, label), config.num_layers)
 
 
 def _cast(tree, dtype):
     if isinstance(tree, dict):
         return {k: _cast(v, dtype) for k, v in tree.items()}
-    if isinstance(tree, tuple):
-        return tuple(_cast(v, dtype) for v in tree)
-    return np.ascontiguousarray(tree.astype(dtype))
+    return np.array(tree, dtype=dtype, order="C")  # one copy, also of a transposed view

@@ -1,5 +1,6 @@
 """Where weights come from: an HF folder (one or many safetensors shards), a model id in the local HF hub
-cache (offline), or a GGUF file. Each source yields an HF config dict and HF-named tensors."""
+cache (offline), or a GGUF file. Each source yields an HF config dict and HF-named tensors,
+each read when it is asked for."""
 import dataclasses
 import json
 import os
@@ -19,12 +20,15 @@ class Source:
     hf_config: dict  # normalized by transformers (every field present)
     tensors: dict[str, Callable[[], np.ndarray]]
     save_tokenizer: Callable[[Path], bool]  # writes tokenizer files into a folder; False if the source has none
+    label: Callable[[str], str] = repr  # how errors name a tensor (a GGUF adds its name in the file)
 
 
 def open_source(src: str | os.PathLike) -> Source:
     path = Path(src).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return _gguf_source(path)
+        from convert.gguf_source import gguf_source
+
+        return gguf_source(path)
     if path.is_dir():
         return _hf_folder_source(path)
     if path.exists():
@@ -91,7 +95,7 @@ def _safetensors_tensors(shards: list[Path]) -> dict[str, Callable[[], np.ndarra
     owner: dict[str, Path] = {}
     for shard in shards:
         try:
-            with safe_open(shard, framework="flax") as f:
+            with safe_open(shard, framework="numpy") as f:
                 names = list(f.keys())
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"{shard.name}: corrupt or unreadable safetensors file ({e})") from None
@@ -106,8 +110,8 @@ def _safetensors_tensors(shards: list[Path]) -> dict[str, Callable[[], np.ndarra
 def _loader(shard: Path, name: str) -> Callable[[], np.ndarray]:
     def load():
         try:
-            with safe_open(shard, framework="flax") as f:
-                return np.asarray(f.get_tensor(name))
+            with safe_open(shard, framework="numpy") as f:
+                return f.get_tensor(name)
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"{shard.name}: cannot read tensor {name!r} ({e})") from None
 
@@ -128,16 +132,3 @@ def _save_hf_tokenizer(folder: Path, dst: Path) -> bool:
 
     AutoTokenizer.from_pretrained(folder).save_pretrained(dst)
     return True
-
-
-def _gguf_source(path: Path) -> Source:
-    from convert.gguf_source import read_gguf, save_gguf_tokenizer
-
-    raw, arrays = read_gguf(path)
-
-    def save_tokenizer(dst: Path) -> bool:
-        save_gguf_tokenizer(path, dst)
-        return True
-
-    return Source(str(path), "gguf", normalized_hf_config(raw), {n: (lambda a=a: a) for n, a in arrays.items()},
-                  save_tokenizer)

@@ -66,14 +66,18 @@ def test_rms_norm_scales_fold_into_the_projections(hf_model_dir):
         np.testing.assert_allclose(np.dot(rms_normalize(x, 1e-6), ours["w"]), hf_style, rtol=1e-5, atol=1e-5)
 
 
-def test_other_params_format_is_refused(hf_model_dir, tmp_path):
-    """A checkpoint written before the norm scales were folded in would run without them: loading it is an error
-    that says how to convert it again."""
+@pytest.mark.parametrize("old_format", [1, 2])
+def test_other_params_format_is_refused(hf_model_dir, tmp_path, old_format):
+    """A checkpoint written before the norm scales were folded in (1) would run without them, one written as a single
+    Orbax checkpoint (2) has no parts: loading either is an error that says how to convert it again."""
     dst = convert(str(hf_model_dir("qwen2")[0]), tmp_path / "ckpt", dtype="float32", progress=False)
     manifest = json.loads((dst / "manifest.json").read_text())
-    assert manifest.pop("params_format") == 2
+    assert manifest.pop("params_format") == 3
+    if old_format == 2:
+        manifest["params_format"] = 2
     (dst / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(CheckpointError, match=r"params format 1 .* reads format 2.*python -m convert .*--overwrite"):
+    with pytest.raises(CheckpointError,
+                       match=rf"params format {old_format} .* reads format 3.*python -m convert .*--overwrite"):
         load_checkpoint(dst)
 
 

@@ -47,7 +47,7 @@ def test_direct_gguf_load_equals_converted_checkpoint(llm, gguf_path):
 
 
 def test_stale_cached_checkpoint_is_converted_again(gguf_path, tmp_path, monkeypatch):
-    """A default checkpoint cached by an older nanojax (params format 1) is replaced, not loaded."""
+    """A default checkpoint cached by an older nanojax (here params format 1) is replaced, not loaded."""
     import json
 
     monkeypatch.setenv("NANOJAX_CACHE", str(tmp_path))
@@ -56,7 +56,9 @@ def test_stale_cached_checkpoint_is_converted_again(gguf_path, tmp_path, monkeyp
     (stale / "manifest.json").write_text(json.dumps({"source": str(gguf_path)}))
     monkeypatch.setattr(default_model, "smollm2_gguf", lambda: gguf_path)
     assert default_model.default_checkpoint() == stale
-    assert json.loads((stale / "manifest.json").read_text())["params_format"] == 2
+    from convert.checkpoint import PARAMS_FORMAT
+
+    assert json.loads((stale / "manifest.json").read_text())["params_format"] == PARAMS_FORMAT
 
 
 def test_cli_streams_the_answer(gguf_path, capsys, monkeypatch):

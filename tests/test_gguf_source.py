@@ -1,4 +1,4 @@
-"""Tests for convert/gguf_source.py (GGUF -> HF config + float32 tensors).
+"""Tests for convert/gguf_source.py (GGUF -> HF config + float32 tensors, fed to convert/keys.py).
 
 (a) synthetic GGUFs written like llama.cpp's convert_hf_to_gguf.py from tiny random HF models
     (Llama with permuted Q/K, Qwen2 with biases, Qwen3 with q/k norms) read back == HF state dict;
@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import subprocess
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -22,7 +21,8 @@ import pytest
 import gguf
 from gguf import GGMLQuantizationType as QT
 
-from convert.gguf_source import GGUFError, _dequantize, read_gguf, save_gguf_tokenizer
+from convert import params_from_source
+from convert.gguf_source import GGUFError, dequantize, gguf_source, read_gguf, save_gguf_tokenizer
 from nanojax import default_model
 
 torch = pytest.importorskip("torch")
@@ -110,11 +110,17 @@ def ref_dequant(qtype: QT, raw: np.ndarray) -> np.ndarray:
     return np.asarray(rows, dtype=np.float32)
 
 
-def fake_tensor(qtype: QT, raw: np.ndarray, name: str = "t") -> SimpleNamespace:
-    """What gguf.GGUFReader hands out: uint8 rows for quantized types, ne = reversed numpy shape."""
+def decode(qtype: QT, raw: np.ndarray) -> np.ndarray:
+    """dequantize() of raw rows (uint8 blocks) as a GGUF file holds them."""
     block, size = gguf.GGML_QUANT_SIZES[qtype]
-    cols = raw.shape[-1] // size * block
-    return SimpleNamespace(name=name, tensor_type=qtype, shape=np.array([cols, raw.shape[0]]), data=raw)
+    shape = (raw.shape[0], raw.shape[-1] // size * block)
+    return dequantize("t", qtype, shape, np.ascontiguousarray(raw).view(np.uint8).reshape(-1))
+
+
+def read(path) -> tuple[dict, dict[str, np.ndarray]]:
+    """read_gguf with every tensor loaded."""
+    cfg, loaders = read_gguf(path)
+    return cfg, {name: load() for name, load in loaders.items()}
 
 
 def random_blocks(qtype: QT, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
@@ -149,7 +155,7 @@ def random_blocks(qtype: QT, rows: int, cols: int, rng: np.random.Generator) -> 
 def test_dequant_random_blocks_match_reference(qtype):
     rng = np.random.default_rng(int(qtype))
     raw = random_blocks(qtype, rows=3, cols=512, rng=rng)
-    ours = _dequantize(fake_tensor(qtype, raw))
+    ours = decode(qtype, raw)
     assert ours.shape == (3, 512) and ours.dtype == np.float32
     np.testing.assert_allclose(ours, ref_dequant(qtype, raw), rtol=1e-6, atol=1e-9)
 
@@ -160,7 +166,7 @@ def test_dequant_roundtrip_of_gguf_quantizer(qtype, bound):
     # bit for bit and be within the format's error bound of the input.
     x = np.random.default_rng(0).standard_normal((4, 256)).astype(np.float32)
     raw = gguf.quants.quantize(x, qtype)
-    ours = _dequantize(fake_tensor(qtype, raw))
+    ours = decode(qtype, raw)
     np.testing.assert_array_equal(ours, ref_dequant(qtype, raw))
     blocks = x.reshape(-1, 32)
     scale = (np.abs(blocks).max(1) if qtype != QT.Q4_1 else np.ptp(blocks, 1))[:, None]
@@ -171,13 +177,13 @@ def test_dequant_roundtrip_of_gguf_quantizer(qtype, bound):
 def test_dequant_known_q8_0_q4_0_q4_1_blocks():
     half = lambda v: np.float16(v).tobytes()  # noqa: E731
     q8 = half(0.5) + bytes(np.arange(-16, 16, dtype=np.int8).tobytes())
-    y = _dequantize(fake_tensor(QT.Q8_0, np.frombuffer(q8, np.uint8)[None]))
+    y = decode(QT.Q8_0, np.frombuffer(q8, np.uint8)[None])
     np.testing.assert_array_equal(y[0], np.arange(-16, 16) * 0.5)
     nib = bytes((j & 0xF) | ((15 - j) << 4) for j in range(16))  # low nibble j, high nibble 15-j
-    y = _dequantize(fake_tensor(QT.Q4_0, np.frombuffer(half(2.0) + nib, np.uint8)[None]))
+    y = decode(QT.Q4_0, np.frombuffer(half(2.0) + nib, np.uint8)[None])
     np.testing.assert_array_equal(y[0, :16], (np.arange(16) - 8) * 2.0)
     np.testing.assert_array_equal(y[0, 16:], (15 - np.arange(16) - 8) * 2.0)
-    y = _dequantize(fake_tensor(QT.Q4_1, np.frombuffer(half(0.25) + half(-1.0) + nib, np.uint8)[None]))
+    y = decode(QT.Q4_1, np.frombuffer(half(0.25) + half(-1.0) + nib, np.uint8)[None])
     np.testing.assert_array_equal(y[0, :16], np.arange(16) * 0.25 - 1.0)
     np.testing.assert_array_equal(y[0, 16:], (15 - np.arange(16)) * 0.25 - 1.0)
 
@@ -196,7 +202,7 @@ def test_dequant_known_q4_k_block():
         for l in range(32):
             qs[32 * c + l] = (l % 16) | ((15 - l % 16) << 4)
     block = np.float16(d).tobytes() + np.float16(dmin).tobytes() + bytes(scales) + bytes(qs)
-    y = _dequantize(fake_tensor(QT.Q4_K, np.frombuffer(block, np.uint8)[None]))[0]
+    y = decode(QT.Q4_K, np.frombuffer(block, np.uint8)[None])[0]
     expect = np.empty(256)
     for c in range(4):
         l = np.arange(32)
@@ -218,7 +224,7 @@ def test_dequant_known_q6_k_block():
         ql[idx] |= lo << (4 if k >= 2 else 0)
         qh[32 * n + l] |= hi << (2 * k)
     block = bytes(ql) + bytes(qh) + sc.astype(np.int8).tobytes() + np.float16(d).tobytes()
-    y = _dequantize(fake_tensor(QT.Q6_K, np.frombuffer(block, np.uint8)[None]))[0]
+    y = decode(QT.Q6_K, np.frombuffer(block, np.uint8)[None])[0]
     np.testing.assert_array_equal(y, (d * sc[np.arange(256) // 16] * (q - 32)).astype(np.float32))
     assert (y[0], y[100], y[255]) == (32.0, -1.0, 27.125)
 
@@ -431,7 +437,7 @@ def test_synthetic_roundtrip(tmp_path, case):
     cfg, sd = tiny_model(arch, **overrides)
     path = tmp_path / "m.gguf"
     expected = write_gguf(path, arch, cfg, sd, qtype_of)
-    hf_cfg, tensors = read_gguf(path)
+    hf_cfg, tensors = read(path)
 
     assert set(tensors) == set(sd)
     for k, v in tensors.items():
@@ -470,7 +476,7 @@ def test_llama_permutation_is_undone_exactly(tmp_path):
     write_gguf(tmp_path / "m.gguf", "llama", cfg, sd)
     raw = {t.name: np.array(t.data) for t in gguf.GGUFReader(tmp_path / "m.gguf").tensors}
     assert not np.array_equal(raw["blk.0.attn_q.weight"], sd["model.layers.0.self_attn.q_proj.weight"])
-    _, tensors = read_gguf(tmp_path / "m.gguf")
+    _, tensors = read(tmp_path / "m.gguf")
     for i in range(2):
         for p in ("q", "k"):
             k = f"model.layers.{i}.self_attn.{p}_proj.weight"
@@ -488,7 +494,7 @@ def test_llama3_rope_freqs_become_rope_scaling(tmp_path, orig, low, high, factor
                          rope_scaling=dict(scaling), max_position_embeddings=131072)
     extra = {"rope_freqs.weight": (llamacpp_llama3_rope_factors(cfg), QT.F32)}
     write_gguf(tmp_path / "m.gguf", "llama", cfg, sd, extra=extra)
-    hf_cfg, tensors = read_gguf(tmp_path / "m.gguf")
+    hf_cfg, tensors = read(tmp_path / "m.gguf")
     assert "rope_freqs.weight" not in tensors and hf_cfg["rope_scaling"]["rope_type"] == "llama3"
     if (orig, low, high) == (8192, 1.0, 4.0):  # the official Llama 3.x values come back verbatim
         assert hf_cfg["rope_scaling"] == scaling
@@ -498,19 +504,19 @@ def test_llama3_rope_freqs_become_rope_scaling(tmp_path, orig, low, high, factor
     torch.testing.assert_close(inv_ours, inv_ref, rtol=1e-5, atol=0)
 
 
-def test_rope_scaling_metadata(tmp_path):
+@pytest.mark.parametrize("meta", [
+    {"qwen2.rope.scaling.type": "yarn", "qwen2.rope.scaling.factor": 4.0,
+     "qwen2.rope.scaling.original_context_length": 64},
+    {"qwen2.rope.scaling.type": "linear", "qwen2.rope.scaling.factor": 2.0},
+    {"qwen2.rope.scaling.type": "longrope"},
+    {"qwen2.rope.scale_linear": 2.0},
+])
+def test_rope_scaling_metadata_is_refused(tmp_path, meta):
+    """nanojax/config.py runs no RoPE scaling but Llama 3's (which comes from rope_freqs.weight)."""
     cfg, sd = tiny_model("qwen2")
-    write_gguf(tmp_path / "a.gguf", "qwen2", cfg, sd, meta={
-        "qwen2.rope.scaling.type": "yarn", "qwen2.rope.scaling.factor": 4.0,
-        "qwen2.rope.scaling.original_context_length": 64})
-    assert read_gguf(tmp_path / "a.gguf")[0]["rope_scaling"] == {
-        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
-    write_gguf(tmp_path / "b.gguf", "qwen2", cfg, sd, meta={
-        "qwen2.rope.scaling.type": "linear", "qwen2.rope.scaling.factor": 2.0})
-    assert read_gguf(tmp_path / "b.gguf")[0]["rope_scaling"] == {"rope_type": "linear", "factor": 2.0}
-    write_gguf(tmp_path / "c.gguf", "qwen2", cfg, sd, meta={"qwen2.rope.scaling.type": "longrope"})
-    with pytest.raises(GGUFError, match=r"qwen2\.rope\.scaling\.type.*longrope"):
-        read_gguf(tmp_path / "c.gguf")
+    write_gguf(tmp_path / "a.gguf", "qwen2", cfg, sd, meta=meta)
+    key = next(k for k in meta if k.endswith(("scaling.type", "scale_linear")))
+    assert key in _err(tmp_path / "a.gguf")
 
 
 # ==================================================================================================
@@ -530,8 +536,8 @@ def good_file(tmp_path, llama_tiny):
 
 
 def _err(path) -> str:
-    with pytest.raises(GGUFError) as e:
-        read_gguf(path)
+    with pytest.raises(ValueError) as e:  # GGUFError from the file, CheckpointError from convert/keys.py's table
+        params_from_source(gguf_source(path), "float32")
     return str(e.value)
 
 
@@ -680,7 +686,7 @@ def smollm2_gguf() -> Path:
 
 @pytest.fixture(scope="module")
 def smollm2_ours(smollm2_gguf):
-    return read_gguf(smollm2_gguf)
+    return read(smollm2_gguf)
 
 
 @pytest.fixture(scope="module")
