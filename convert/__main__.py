@@ -7,7 +7,8 @@ from convert.checkpoint import DTYPES, convert
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m convert", description=__doc__.splitlines()[0])
-    parser.add_argument("src", help="HF model folder, 'org/name' in the local HF cache, or a .gguf file")
+    parser.add_argument("src", help="HF model folder, 'org/name' on the Hugging Face Hub (downloaded into its cache; "
+                                    "HF_HUB_OFFLINE=1: the cache only), or a .gguf file")
     parser.add_argument("dst", help="output folder (written atomically)")
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     parser.add_argument("--overwrite", action="store_true", help="replace an existing destination")

@@ -1,5 +1,5 @@
-"""Where weights come from: an HF folder (one or many safetensors shards), a model id in the local HF hub
-cache (offline), or a GGUF file. Each source yields an HF config dict and HF-named tensors,
+"""Where weights come from: an HF folder (one or many safetensors shards), a model id (its files in the HF hub
+cache, the missing ones downloaded), or a GGUF file. Each source yields an HF config dict and HF-named tensors,
 each read when it is asked for."""
 import dataclasses
 import json
@@ -34,19 +34,38 @@ def open_source(src: str | os.PathLike) -> Source:
     if path.exists():
         raise CheckpointError(f"{src}: not a model folder or a .gguf file")
     if isinstance(src, str) and src.count("/") == 1 and not src.startswith(("/", ".")):
-        return _hf_folder_source(resolve_hub_cache(src))
+        return _hf_folder_source(hub_snapshot(src))
     raise CheckpointError(f"{src}: no such folder or file, and not an 'org/name' model id")
 
 
-def resolve_hub_cache(model_id: str) -> Path:
-    """The snapshot folder of `model_id` in the local HF hub cache (HF_HUB_CACHE / HF_HOME honoured), offline."""
-    from huggingface_hub import try_to_load_from_cache
+# What a conversion reads from a Hub repository; other weight formats (.bin, .pth, .gguf, ...) are not fetched.
+HUB_FILES = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
+             "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
+             "merges.txt", "tokenizer.model", "chat_template.jinja"]
 
-    config_path = try_to_load_from_cache(model_id, "config.json")
-    if not isinstance(config_path, str):
-        raise CheckpointError(f"model id {model_id!r} is not in the local Hugging Face cache "
-                              f"(looked for models--{model_id.replace('/', '--')}/snapshots/*/config.json)")
-    return Path(config_path).parent
+
+def hub_snapshot(model_id: str) -> Path:
+    """The snapshot folder of `model_id` in the HF hub cache, with HUB_FILES that are missing downloaded first
+    (HF_HOME, HF_ENDPOINT and HF_TOKEN honoured; HF_HUB_OFFLINE=1: the cache only). huggingface_hub moves a file
+    into the snapshot only once it is complete, so an interrupted download leaves nothing there to convert."""
+    import httpx2  # huggingface_hub's HTTP client: its transport errors are not OSErrors
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    try:
+        return Path(snapshot_download(model_id, allow_patterns=HUB_FILES))
+    except RepositoryNotFoundError:
+        raise CheckpointError(f"model id {model_id!r}: no such model on {constants.ENDPOINT} "
+                              "(a private or gated one needs HF_TOKEN)") from None
+    except LocalEntryNotFoundError as e:
+        if constants.is_offline_mode():
+            raise CheckpointError(f"model id {model_id!r} is not (or not completely) in the local Hugging Face cache "
+                                  f"{constants.HF_HUB_CACHE}, and HF_HUB_OFFLINE=1 forbids downloading it") from None
+        raise CheckpointError(f"model id {model_id!r}: {constants.ENDPOINT} cannot be reached and the model is not "
+                              f"in the local Hugging Face cache ({e})") from None
+    except (HfHubHTTPError, httpx2.HTTPError, OSError) as e:  # e.g. a download cut off midway
+        raise CheckpointError(f"model id {model_id!r}: downloading from {constants.ENDPOINT} failed ({e}); "
+                              "nothing partial is used; run again") from None
 
 
 def normalized_hf_config(raw: dict) -> dict:
@@ -73,6 +92,7 @@ def _hf_folder_source(folder: Path) -> Source:
     shards = sorted(folder.glob("*.safetensors"))
     if not shards:
         raise CheckpointError(f"{folder}: no *.safetensors files")
+    _check_index(folder, shards)
     return Source(str(folder), "safetensors", normalized_hf_config(raw), _safetensors_tensors(shards),
                   lambda dst: _save_hf_tokenizer(folder, dst))
 
@@ -88,6 +108,15 @@ def _merge_generation_eos(raw: dict, generation_config: Path) -> None:
             ids.append(i)
     if ids:
         raw["eos_token_id"] = ids
+
+
+def _check_index(folder: Path, shards: list[Path]) -> None:
+    """A shard the index lists but the folder lacks (an incomplete copy) would otherwise be missing tensors."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        absent = sorted(set(json.loads(index.read_text())["weight_map"].values()) - {s.name for s in shards})
+        if absent:
+            raise CheckpointError(f"{folder}: shard(s) {absent} listed in {index.name} are missing")
 
 
 def _safetensors_tensors(shards: list[Path]) -> dict[str, Callable[[], np.ndarray]]:

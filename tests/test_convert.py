@@ -90,6 +90,15 @@ def test_sharded_safetensors_equal_single_file(hf_model_dir, tmp_path):
                 params_from_source(open_source(folder), "float32")[1])
 
 
+def test_shard_missing_from_its_index(hf_model_dir, tmp_path, capsys):
+    """An incomplete copy of a sharded model (a download that stopped between shards) names the absent shard."""
+    sharded = tmp_path / "m"
+    hf_model_dir("llama")[1].save_pretrained(sharded, max_shard_size="20KB")
+    absent = sorted(sharded.glob("*.safetensors"))[1]
+    absent.unlink()
+    _expect_failure(sharded, tmp_path, f"shard(s) ['{absent.name}'] listed in model.safetensors.index.json", capsys)
+
+
 def test_hub_cache_resolution(hf_model_dir, tmp_path, monkeypatch):
     folder, _ = hf_model_dir("gpt2")
     snapshot = tmp_path / "hub" / "models--acme--tiny-gpt2" / "snapshots" / "abc123"
@@ -97,9 +106,10 @@ def test_hub_cache_resolution(hf_model_dir, tmp_path, monkeypatch):
     (tmp_path / "hub" / "models--acme--tiny-gpt2" / "refs").mkdir()
     (tmp_path / "hub" / "models--acme--tiny-gpt2" / "refs" / "main").write_text("abc123")
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)  # downloads: tests/test_hub_download.py
     source = open_source("acme/tiny-gpt2")
     assert source.description == str(snapshot)
-    with pytest.raises(CheckpointError, match="not in the local Hugging Face cache"):
+    with pytest.raises(CheckpointError, match="not .*in the local Hugging Face cache.*HF_HUB_OFFLINE=1"):
         open_source("acme/absent-model")
 
 
