@@ -176,8 +176,11 @@ def _load_kv_tile(k_ref, v_ref, page_table_ref, pos, valid, *, decode=False):
 
 
 def _attend(q, q_pos, row_ok, k_ref, v_ref, page_table_ref, split, k_splits, kv_end, full_end, *, block_k, scale,
-            decode):
-    """Online softmax of q [M, D] over this split's tiles of the KV positions [0, kv_end), causal on q_pos [M].
+            decode, kv_start=None):
+    """Online softmax of q [M, D] over this split's tiles of the KV positions [kv_start, kv_end), causal on q_pos [M].
+
+    kv_start None means 0 (the trace is then the one without it). Tiles start at kv_start, not at a multiple of
+    block_k: a range that starts mid-tile (a cascade piece, a suffix behind shared pages) takes no extra tile.
 
     Prefill: tiles that end by full_end hold only positions every row sees, so they run without the mask (no compare
     or select on the [M, block_k] scores); rows that are not row_ok get garbage there, which the caller zeroes.
@@ -190,6 +193,7 @@ def _attend(q, q_pos, row_ok, k_ref, v_ref, page_table_ref, split, k_splits, kv_
     def body(j, carry, masked):
         o, m, l = carry
         pos = (split + j * k_splits) * block_k + jnp.arange(block_k)
+        pos = pos if kv_start is None else kv_start + pos
         valid = pos < kv_end if masked else None
         k, v = _load_kv_tile(k_ref, v_ref, page_table_ref, pos, valid, decode=decode)
         s = dot(q, k, trans_b=True) * (scale * _LOG2E)  # [M, block_k]
@@ -206,21 +210,26 @@ def _attend(q, q_pos, row_ok, k_ref, v_ref, page_table_ref, split, k_splits, kv_
     block_m, head_dim = q.shape
     init = (jnp.zeros((block_m, head_dim), jnp.float32), jnp.full((block_m,), _MASK, jnp.float32),
             jnp.zeros((block_m,), jnp.float32))
-    num_tiles = _tiles_of_split(kv_end + block_k - 1, split, k_splits, block_k)  # tiles that start before kv_end
+
+    def span(end):  # positions from kv_start to end
+        return end if kv_start is None else end - kv_start
+
+    num_tiles = _tiles_of_split(span(kv_end) + block_k - 1, split, k_splits, block_k)  # tiles starting before kv_end
     if decode:
         return lax.fori_loop(0, jnp.maximum(num_tiles, 1), functools.partial(body, masked=True), init)
-    num_full = _tiles_of_split(full_end, split, k_splits, block_k)
+    num_full = _tiles_of_split(span(full_end), split, k_splits, block_k)
     carry = lax.fori_loop(0, num_full, functools.partial(body, masked=False), init)
     return lax.fori_loop(num_full, num_tiles, functools.partial(body, masked=True), carry)
 
 
-def _paged_attention_kernel(q_ref, k_ref, v_ref, page_table_ref, seq_len_ref, q_len_ref, o_ref, *stat_refs,
-                            block_m, group, group_pad, block_k, k_splits, scale):
+def _paged_attention_kernel(q_ref, k_ref, v_ref, page_table_ref, seq_len_ref, q_len_ref, kv_start_ref, o_ref,
+                            *stat_refs, block_m, group, group_pad, block_k, k_splits, scale):
     # q_ref: [T, Hq, D] this sequence's queries
     # k_ref, v_ref: [num_pages, S, D] the page pool of this program's KV head
     # page_table_ref: [P] this sequence's pages
     # seq_len_ref, q_len_ref: [] cached tokens (this chunk included) and new tokens; q_len_ref is None for decode
-    # o_ref: [T, Hq, D] the output (k_splits == 1), or this split's f32 unnormalized output (k_splits > 1)
+    # kv_start_ref: [] the first KV position attended to (decode only), or None for 0
+    # o_ref: [T, Hq, D] the output, or (with stat_refs) this split's f32 unnormalized output
     # stat_refs: () or (m_ref, l_ref), each [T, Hq] f32: this split's running max (log2 units) and denominator
     num_tokens, _, head_dim = q_ref.shape
     # Query blocks in reverse: causal work grows with the block index, and launching the heaviest first shortens the
@@ -241,7 +250,8 @@ def _paged_attention_kernel(q_ref, k_ref, v_ref, page_table_ref, seq_len_ref, q_
     # Every row sees the positions up to the block's first token: unmasked tiles end there.
     full_end = jnp.minimum(kv_end, seq_len - q_len + first_token + 1)
     o, m, l = _attend(q, seq_len - q_len + token, row_ok, k_ref, v_ref, page_table_ref, split, k_splits, kv_end,
-                      full_end, block_k=block_k, scale=scale, decode=q_len_ref is None)
+                      full_end, block_k=block_k, scale=scale, decode=q_len_ref is None,
+                      kv_start=None if kv_start_ref is None else kv_start_ref[...])
     o, l = jnp.where(row_ok[:, None], o, 0.0), jnp.where(row_ok, l, 0.0)
     out_ok = head_ok & (token < num_tokens)  # padding tokens are written too: as zeros (l == 0, o == 0)
     if stat_refs:
@@ -261,40 +271,65 @@ def combine_splits_reference(o, m, l, dtype):
     return out.astype(dtype)
 
 
-def _combine_splits_kernel(o_ref, m_ref, l_ref, out_ref):
-    # o_ref: [k_splits, D] f32 the splits' unnormalized outputs of one (sequence, token, query head)
-    # m_ref, l_ref: [k_splits] f32 their running max (log2 units) and softmax denominator
-    # out_ref: [D] the merged output
+def _load_splits(o_ref, m_ref, l_ref, count=None):
+    """-> o [n, D], m [n], l [n] (n = next_pow2(splits)) of the splits < count that hold a piece (all of them when
+    count is None); the other lanes are empty pieces (o = 0, m = _MASK, l = 0), their slots never read."""
     k_splits, head_dim = o_ref.shape
     split = jnp.arange(pl.next_power_of_2(k_splits))
-    ok = split < k_splits
+    ok = split < k_splits if count is None else split < jnp.minimum(count, k_splits)
     m = load(m_ref.at[split], mask=ok, other=_MASK)
     l = load(l_ref.at[split], mask=ok, other=0.0)
     o = load(o_ref.at[split[:, None], jnp.arange(head_dim)[None, :]], mask=ok[:, None], other=0.0)
-    weight = jnp.exp2(m - m.max())  # padding lanes: l == 0 and o == 0, so they drop out like empty splits
-    denom = (weight * l).sum()
-    out = (weight[:, None] * o).sum(axis=0) / jnp.where(denom > 0, denom, 1.0)
-    store(out_ref.at[jnp.arange(head_dim)], out.astype(out_ref.dtype))
+    return o, m, l
 
 
-def _combine_splits(o, m, l, dtype, interpret):
+def _combine_splits_kernel(*refs):
+    # refs: o_ref [k_splits, D] f32 the splits' unnormalized outputs of one (sequence, token, query head), m_ref and
+    #   l_ref [k_splits] f32 their running max (log2 units) and softmax denominator;
+    #   then optionally a second set of pieces: o2_ref [n, D], m2_ref, l2_ref [n], count_ref [] int32 (its first
+    #   count pieces hold one);
+    #   out_ref [D] the merged output
+    *in_refs, out_ref = refs
+    pieces = [_load_splits(*in_refs[:3])]
+    if len(in_refs) > 3:
+        pieces.append(_load_splits(*in_refs[3:6], count=in_refs[6][...]))
+    m_max = functools.reduce(jnp.maximum, [m.max() for _, m, _ in pieces])
+    # Empty and padding lanes have l == 0 and o == 0, so they drop out.
+    weights = [jnp.exp2(m - m_max) for _, m, _ in pieces]
+    denom = functools.reduce(jnp.add, [(w * l).sum() for w, (_, _, l) in zip(weights, pieces)])
+    out = functools.reduce(jnp.add, [(w[:, None] * o).sum(axis=0) for w, (o, _, _) in zip(weights, pieces)])
+    out = out / jnp.where(denom > 0, denom, 1.0)
+    store(out_ref.at[jnp.arange(out_ref.shape[0])], out.astype(out_ref.dtype))
+
+
+def _combine_splits(o, m, l, dtype, interpret, more=None):
     """combine_splits_reference as one kernel, a program per (sequence, token, query head). XLA emitted the
     reference's reductions over the split axis as one kernel up to 8 splits and as two or three above (a max, the
     weights, the weighted sums), ~1.2 us each at decode sizes (perf note 18).
-    o: [k_splits, B, T, Hq, D] f32; m, l: [k_splits, B, T, Hq] f32 -> [B, T, Hq, D] in dtype."""
-    k_splits, batch, num_tokens, num_q_heads, head_dim = o.shape
-    stat_spec = pl.BlockSpec((k_splits, None, None, None), lambda b, t, h: (0, b, t, h))
+    o: [k_splits, B, T, Hq, D] f32; m, l: [k_splits, B, T, Hq] f32 -> [B, T, Hq, D] in dtype.
+    more: None, or more pieces merged in the same pass: (o2 [n, B, T, Hq, D], m2, l2 [n, B, T, Hq], counts [B]
+    int32), of which sequence b has counts[b] (the first ones; the others are never read)."""
+    _, batch, num_tokens, num_q_heads, head_dim = o.shape
+
+    def specs(o, m, l):
+        stat_spec = pl.BlockSpec((m.shape[0], None, None, None), lambda b, t, h: (0, b, t, h))
+        return [pl.BlockSpec((o.shape[0], None, None, None, head_dim), lambda b, t, h: (0, b, t, h, 0)), stat_spec,
+                stat_spec]
+
+    in_specs, args = specs(o, m, l), (o, m, l)
+    if more is not None:
+        in_specs += [*specs(*more[:3]), pl.BlockSpec((None,), lambda b, t, h: (b,))]
+        args += tuple(more)
     return pl.pallas_call(
         _combine_splits_kernel,
         grid=(batch, num_tokens, num_q_heads),
-        in_specs=[pl.BlockSpec((k_splits, None, None, None, head_dim), lambda b, t, h: (0, b, t, h, 0)),
-                  stat_spec, stat_spec],
+        in_specs=in_specs,
         out_specs=pl.BlockSpec((None, None, None, head_dim), lambda b, t, h: (b, t, h, 0)),
         out_shape=jax.ShapeDtypeStruct(o.shape[1:], dtype),
         compiler_params=triton_params(num_warps=4, num_stages=1),
         interpret=interpret,
         name="combine_splits",
-    )(o, m, l)
+    )(*args)
 
 
 def _kv_tiling(config, programs, max_kv_tokens, itemsize):
@@ -328,8 +363,11 @@ def _num_stages(config, block_k, k_splits, max_kv_tokens):
     return min(config.num_stages, steps + 1)
 
 
-def _paged_attention(q, k_pages, v_pages, page_table, seq_lens, q_lens, *, scale, config, interpret):
-    """q: [B, T, Hq, D] -> [B, T, Hq, D]; q_lens None means decode (q_len = min(seq_len, 1))."""
+def _paged_attention(q, k_pages, v_pages, page_table, seq_lens, q_lens, *, scale, config, interpret, kv_starts=None,
+                     stats=False):
+    """q: [B, T, Hq, D] -> [B, T, Hq, D]; q_lens None means decode (q_len = min(seq_len, 1)). kv_starts: None or
+    [B] (decode only), each row's first KV position. stats: return the splits' pieces (o [k_splits, B, T, Hq, D],
+    m, l [k_splits, B, T, Hq], all f32) instead of their merge."""
     batch, num_tokens, num_q_heads, head_dim = q.shape
     num_pages, num_kv_heads, page_size, _ = k_pages.shape
     pages_per_seq = page_table.shape[1]
@@ -345,8 +383,8 @@ def _paged_attention(q, k_pages, v_pages, page_table, seq_lens, q_lens, *, scale
     kv_spec = pl.BlockSpec((num_pages, None, page_size, head_dim), lambda b, i, h, s: (0, h, 0, 0))
     q_spec = pl.BlockSpec((None, *q.shape[1:]), lambda b, i, h, s: (b, 0, 0, 0))
     in_specs = [q_spec, kv_spec, kv_spec, pl.BlockSpec((None, pages_per_seq), lambda b, i, h, s: (b, 0)),
-                seq_spec, None if q_lens is None else seq_spec]
-    if k_splits == 1:
+                seq_spec, None if q_lens is None else seq_spec, None if kv_starts is None else seq_spec]
+    if k_splits == 1 and not stats:
         out_specs, out_shape = q_spec, jax.ShapeDtypeStruct(q.shape, q.dtype)
     else:
         out_specs = [pl.BlockSpec((None, None, *q.shape[1:]), lambda b, i, h, s: (s, b, 0, 0, 0))] + 2 * [
@@ -364,11 +402,13 @@ def _paged_attention(q, k_pages, v_pages, page_table, seq_lens, q_lens, *, scale
         compiler_params=triton_params(config.num_warps, num_stages),
         interpret=interpret,
         name="paged_attention",
-    )(q, k_pages, v_pages, page_table, seq_lens, q_lens)
-    return out if k_splits == 1 else _combine_splits(*out, q.dtype, interpret)
+    )(q, k_pages, v_pages, page_table, seq_lens, q_lens, kv_starts)
+    if stats or k_splits == 1:
+        return out
+    return _combine_splits(*out, q.dtype, interpret)
 
 
-def _check_inputs(q, k_pages, v_pages, page_table, seq_lens, q_lens):
+def _check_inputs(q, k_pages, v_pages, page_table, seq_lens, q_lens, kv_starts=None):
     """Raises ValueError for inputs the kernel cannot take; q is [B, T, Hq, D] here."""
     if k_pages.ndim != 4 or v_pages.shape != k_pages.shape:
         raise ValueError(f"k_pages and v_pages must both be [num_pages, Hkv, page_size, D], got {k_pages.shape} "
@@ -386,25 +426,33 @@ def _check_inputs(q, k_pages, v_pages, page_table, seq_lens, q_lens):
         raise ValueError(f"page_size must be a power of two, got {page_size}")
     if page_table.ndim != 2 or page_table.shape[0] != batch or page_table.dtype != jnp.int32:
         raise ValueError(f"page_table must be int32 [{batch}, pages_per_seq], got {page_table.dtype}{page_table.shape}")
-    for name, lens in (("seq_lens", seq_lens), ("q_lens", q_lens)):
+    for name, lens in (("seq_lens", seq_lens), ("q_lens", q_lens), ("kv_starts", kv_starts)):
         if lens is not None and (lens.shape != (batch,) or lens.dtype != jnp.int32):
             raise ValueError(f"{name} must be int32 [{batch}], got {lens.dtype}{lens.shape}")
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "config", "interpret"))
-def paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, *, scale, config=None, interpret=False):
+@functools.partial(jax.jit, static_argnames=("scale", "config", "interpret", "return_stats"))
+def paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, *, scale, config=None, interpret=False,
+                           kv_starts=None, return_stats=False):
     """One new token per sequence, its KV already in the cache (position seq_lens - 1).
 
     q: [B, Hq, D]; k_pages, v_pages: [num_pages, Hkv, page_size, D]; page_table: [B, P] int32; seq_lens: [B] int32
     (0 marks a padding row, whose output is zeros). Returns [B, Hq, D] in q.dtype, as paged_attention_reference with
     T = 1 and q_lens = 1. config None: DECODE_CONFIG (smaller blocks for f32).
+    kv_starts: None (0), or [B] int32: row b attends to positions kv_starts[b] .. seq_lens[b] - 1 only (the ones
+    before are attended elsewhere: cascade_decode_attention's shared prefixes).
+    return_stats: return, instead of the output, the KV splits' pieces for a log-sum-exp merge with others:
+    (o [k_splits, B, Hq, D] unnormalized, m [k_splits, B, Hq] running max of the scores times scale in log2 units,
+    l [k_splits, B, Hq] softmax denominator), all f32; empty pieces have o = 0, m = -1e30, l = 0.
     """
     if q.ndim != 3:
         raise ValueError(f"q must be [batch, num_q_heads, head_dim], got shape {q.shape}")
-    _check_inputs(q[:, None], k_pages, v_pages, page_table, seq_lens, None)
+    _check_inputs(q[:, None], k_pages, v_pages, page_table, seq_lens, None, kv_starts)
     config = config or _default_config(DECODE_CONFIG, q.dtype)
     out = _paged_attention(q[:, None], k_pages, v_pages, page_table, seq_lens, None, scale=scale, config=config,
-                           interpret=interpret)
+                           interpret=interpret, kv_starts=kv_starts, stats=return_stats)
+    if return_stats:
+        return tuple(x[:, :, 0] for x in out)
     return out[:, 0]
 
 

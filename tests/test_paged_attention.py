@@ -200,6 +200,81 @@ def test_combine_splits(k_splits, dtype):
     assert not np.asarray(out[1, 0], np.float32).any()
 
 
+def test_combine_splits_with_counted_pieces():
+    """A second set of pieces merged in the same pass, of which each sequence has its first counts[b] (0 .. all);
+    the slots past them hold NaN and must not be read."""
+    rng = np.random.default_rng(7)
+    batch, heads, d = 5, 3, 32
+
+    def pieces(n):
+        m = rng.normal(0, 8, (n, batch, 1, heads)).astype(np.float32)
+        return rng.normal(0, 1, (n, batch, 1, heads, d)).astype(np.float32), m, rng.uniform(0.5, 4, m.shape)
+
+    o, m, l = pieces(2)
+    m[:, 2], l[:, 2], o[:, 2] = _MASK, 0, 0  # a row whose own splits are all empty
+    o2, m2, l2 = pieces(6)
+    counts = np.array([0, 6, 3, 1, 2], np.int32)
+    unused = np.arange(6)[:, None] >= counts[None]  # [n, B]
+    o2[unused], m2[unused], l2[unused] = np.nan, np.nan, np.nan
+    out = _combine_splits(*map(jnp.asarray, (o, m, l)), jnp.float32, interpret=True,
+                          more=(*map(jnp.asarray, (o2, m2, l2)), jnp.asarray(counts)))
+    used = ~unused[:, :, None, None]
+    ref = combine_splits_reference(jnp.asarray(np.concatenate([o, np.where(used[..., None], o2, 0)])),
+                                   jnp.asarray(np.concatenate([m, np.where(used, m2, _MASK)])),
+                                   jnp.asarray(np.concatenate([l, np.where(used, l2, 0)])), jnp.float32)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
+
+
+def window_reference(case, kv_starts):
+    """Decode attention of each row over its positions kv_starts .. seq_len - 1 only: [B, Hq, D] f32 (numpy)."""
+    q, k_pages, v_pages = (np.nan_to_num(np.asarray(a, np.float32)) for a in (case.q, case.k_pages, case.v_pages))
+    table, lens = np.asarray(case.page_table), np.asarray(case.seq_lens)
+    batch, _, num_q_heads, head_dim = q.shape
+    group = num_q_heads // k_pages.shape[1]
+    out = np.zeros((batch, num_q_heads, head_dim), np.float32)
+    for b in np.flatnonzero(lens):
+        pos = np.arange(kv_starts[b], lens[b])
+        page, slot = table[b, pos // k_pages.shape[2]], pos % k_pages.shape[2]
+        for h in range(num_q_heads):
+            k, v = k_pages[page, h // group, slot], v_pages[page, h // group, slot]  # [n, D]
+            s = k @ q[b, 0, h] * case.scale
+            p = np.exp(s - s.max())
+            out[b, h] = p @ v / p.sum()
+    return out
+
+
+@pytest.mark.parametrize("k_splits", [1, 3, None])
+def test_decode_kv_starts_and_stats(k_splits):
+    """kv_starts (0, mid-page, mid-tile, a page boundary, the last token) skip the positions before them: they hold
+    NaN here. The stats pieces merge (combine_splits_reference) into the same output; kv_starts 0 equals the plain
+    kernel bit for bit."""
+    lens = [1, 15, 40, 0, 70, 33]
+    starts = np.array([0, 5, 16, 0, 37, 32], np.int32)
+    case = decode_case(6, lens, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=8)
+    table = np.asarray(case.page_table)
+    before = np.zeros(case.k_pages.shape[0:1] + case.k_pages.shape[2:3], bool)  # [num_pages, S] slots to poison
+    for b, start in enumerate(starts):
+        pos = np.arange(start)
+        before[table[b, pos // 8], pos % 8] = True
+    poison = jnp.asarray(before)[:, None, :, None]
+    case = dataclasses.replace(case, k_pages=jnp.where(poison, jnp.nan, case.k_pages),
+                               v_pages=jnp.where(poison, jnp.nan, case.v_pages))
+    config = dataclasses.replace(DECODE_CONFIG, block_k=16, k_splits=k_splits)
+    args = (case.q[:, 0], case.k_pages, case.v_pages, case.page_table, case.seq_lens)
+    o, m, l = paged_decode_attention(*args, scale=case.scale, config=config, interpret=True,
+                                     kv_starts=jnp.asarray(starts), return_stats=True)
+    assert o.shape[1:] == case.q[:, 0].shape and m.shape == l.shape == o.shape[:-1] and o.dtype == jnp.float32
+    out = combine_splits_reference(o, m, l, jnp.float32)
+    assert np.isfinite(np.asarray(out)).all() and not np.asarray(out[3]).any()
+    np.testing.assert_allclose(np.asarray(out), window_reference(case, starts), rtol=1e-5, atol=1e-5)
+    fresh = decode_case(9, lens, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=8)
+    args = (fresh.q[:, 0], fresh.k_pages, fresh.v_pages, fresh.page_table, fresh.seq_lens)
+    plain = paged_decode_attention(*args, scale=fresh.scale, config=config, interpret=True)
+    zero = paged_decode_attention(*args, scale=fresh.scale, config=config, interpret=True,
+                                  kv_starts=jnp.zeros(len(lens), jnp.int32))
+    np.testing.assert_array_equal(np.asarray(zero), np.asarray(plain))
+
+
 @pytest.mark.parametrize("k_splits", [1, 4, None])
 def test_decode_bf16(k_splits):
     """None: the automatic tiling, one 128-token tile over this 96-token table (6 programs)."""
@@ -292,6 +367,9 @@ def test_decode_rejects_bad_inputs():
     with pytest.raises(ValueError, match="seq_lens"):
         paged_decode_attention(**{**args, "q": args["q"][:, 0], "seq_lens": jnp.ones((2, 1), jnp.int32)},
                                scale=1.0, interpret=True)
+    with pytest.raises(ValueError, match="kv_starts"):
+        paged_decode_attention(**{**args, "q": args["q"][:, 0]}, kv_starts=jnp.zeros((2,), jnp.float32), scale=1.0,
+                               interpret=True)
 
 
 @pytest.mark.parametrize("field,value", [("block_m", 8), ("block_k", 48), ("k_splits", 0)])
@@ -317,6 +395,9 @@ def test_lowers_to_triton(model):
         args = (jax.ShapeDtypeStruct(q, jnp.bfloat16), pages, pages, table, lens, *extra)
         lowered = jax.jit(lambda *a, fn=fn: fn(*a, scale=0.1)).trace(*args).lower(lowering_platforms=("cuda",))
         assert "triton" in lowered.as_text()
+    args = (jax.ShapeDtypeStruct((4, hq, d), jnp.bfloat16), pages, pages, table, lens)
+    stats = jax.jit(lambda *a: paged_decode_attention(*a[:5], kv_starts=a[5], return_stats=True, scale=0.1))
+    assert "triton" in stats.trace(*args, lens).lower(lowering_platforms=("cuda",)).as_text()
 
 
 # ------------------------------------------------------------------------------------------------ GPU, model sizes
@@ -336,6 +417,24 @@ def test_gpu_decode(model, dtype):
     # A 128-token table, 32 programs: bf16 takes the automatic tiling's one doubled tile, unsplit.
     run_decode(wild_table(decode_case(17, [1, 0, 100, 17], page_size=16, dtype=dtype, **MODELS[model])),
                interpret=False)
+
+
+@requires_gpu
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_gpu_decode_kv_starts_and_stats(model, dtype):
+    rng = np.random.default_rng(18)
+    lens = np.concatenate([[1, 16, 0, 4097], rng.integers(1, 3000, 12)]).astype(np.int32)
+    starts = np.where(lens > 0, rng.integers(0, np.maximum(lens, 1)), 0).astype(np.int32)
+    case = decode_case(18, lens, page_size=16, dtype=dtype, **MODELS[model])
+    for k_splits in (1, 4, None):
+        config = dataclasses.replace(_default_config(DECODE_CONFIG, dtype), k_splits=k_splits)
+        pieces = paged_decode_attention(case.q[:, 0], case.k_pages, case.v_pages, case.page_table, case.seq_lens,
+                                        scale=case.scale, config=config, kv_starts=jnp.asarray(starts),
+                                        return_stats=True)
+        out = np.asarray(combine_splits_reference(*pieces, jnp.float32))
+        tol = TOLERANCE[jnp.dtype(dtype)]
+        np.testing.assert_allclose(out, window_reference(case, starts), rtol=tol, atol=tol)
 
 
 @requires_gpu
