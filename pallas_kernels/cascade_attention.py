@@ -1,0 +1,239 @@
+"""Cascade decode attention: KV pages that several sequences share (a prefix-cached prompt) read once per step for
+all of them, not once per sequence.
+
+The shared prefixes come as work items, planned on the host each step (nanojax.cascade.plan_cascade):
+    item w: KV positions [item_start[w], item_end[w]) of row item_row[w]'s page table, pages that all its member rows
+        item_members[w, :] (-1: none) share. One program per (item, KV head) attends all its members' queries to
+        those pages together: members x query heads per KV head are the rows of one tensor-core dot, so each page
+        is read once per item. Member i's piece (o unnormalized, m, l: paged_decode_attention's return_stats format)
+        fills slot item_slots[w, i] of its row.
+    row b: its pieces, in slots 0 .. num_pieces[b] - 1, cover positions [0, kv_starts[b]) exactly once; its own
+        suffix [kv_starts[b], seq_lens[b]) goes through paged_decode_attention with kv_starts and return_stats.
+One log-sum-exp merge (paged_attention._combine_splits) combines each row's suffix pieces and shared pieces.
+
+Layouts as pallas_kernels.paged_attention: k_pages, v_pages [num_pages, Hkv, page_size, D]; q [B, Hq, D], query head
+h reading KV head h // (Hq // Hkv).
+"""
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels._compat import load, store, triton_params
+from pallas_kernels.paged_attention import (
+    _LOG2E,
+    _MASK,
+    _attend,
+    _check_inputs,
+    _combine_splits,
+    _is_power_of_2,
+    _query_rows,
+    combine_splits_reference,
+    paged_decode_attention,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class CascadeConfig:
+    """Tiling of the cascade kernel.
+
+    block_m: query rows of one program at most (members x next_pow2(query heads per KV head)), a power of two >= 16;
+        cascade_members_per_item gives the planner the members that fill it.
+    block_k: KV tokens per inner-loop step, a power of two >= 16 (halved for f32, see _default_config).
+    """
+    block_m: int = 128
+    block_k: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+
+    def __post_init__(self):
+        if not all(_is_power_of_2(b) and b >= 16 for b in (self.block_m, self.block_k)):
+            raise ValueError(f"block_m and block_k must be powers of two >= 16, got {self}")
+
+
+# A shared prefix is long and its items have many rows: compute per tile is prefill-like (128 rows), and the loop
+# streams KV as decode's does.
+CASCADE_CONFIG = CascadeConfig()
+
+
+def _default_config(dtype):
+    """CASCADE_CONFIG, with block_k halved for f32 so that the pipelined tiles fit in shared memory."""
+    if jnp.dtype(dtype).itemsize <= 2:
+        return CASCADE_CONFIG
+    return dataclasses.replace(CASCADE_CONFIG, block_k=CASCADE_CONFIG.block_k // 2)
+
+
+def cascade_members_per_item(num_q_heads: int, num_kv_heads: int, config: CascadeConfig = CASCADE_CONFIG) -> int:
+    """Member rows per work item that fill the kernel's block_m rows (the planner's members_per_item)."""
+    return config.block_m // pl.next_power_of_2(num_q_heads // num_kv_heads)
+
+
+def _attend_reference(q, k, v, valid, scale):
+    """q [..., R, D] against k, v [..., K, D] with valid [..., K] (f32) -> pieces o [..., R, D], m, l [..., R]."""
+    s = jnp.einsum("...rd,...kd->...rk", q, k, precision=lax.Precision.HIGHEST) * (scale * _LOG2E)
+    s = jnp.where(valid[..., None, :], s, _MASK)
+    m = s.max(axis=-1)
+    p = jnp.where(valid[..., None, :], jnp.exp2(s - m[..., None]), 0.0)
+    return jnp.einsum("...rk,...kd->...rd", p, v, precision=lax.Precision.HIGHEST), m, p.sum(axis=-1)
+
+
+def cascade_decode_attention_reference(q, k_pages, v_pages, page_table, seq_lens, kv_starts, num_pieces, item_row,
+                                       item_start, item_end, item_members, item_slots, *, scale):
+    """Plain jnp: every item's pieces for its members, each row's suffix [kv_starts, seq_lens), merged per row by
+    membership (num_pieces and item_slots, the kernel's bookkeeping, are not used). Returns [B, Hq, D] in q.dtype.
+    Shapes as cascade_decode_attention."""
+    del num_pieces, item_slots
+    batch, num_q_heads, head_dim = q.shape
+    _, num_kv_heads, page_size, _ = k_pages.shape
+    group = num_q_heads // num_kv_heads
+    ctx = page_table.shape[1] * page_size
+    pos = jnp.arange(ctx)
+
+    def gather(pages, table):  # [..., P] -> [..., Hkv, ctx, D] f32
+        x = jnp.moveaxis(pages[table], -3, -4)
+        return x.reshape(*x.shape[:-3], ctx, head_dim).astype(jnp.float32)
+
+    def heads(x):  # [..., Hq, D] -> [..., Hkv, group, D]
+        return x.reshape(*x.shape[:-2], num_kv_heads, group, head_dim).astype(jnp.float32)
+
+    def pieces(queries, table, valid):  # queries [..., Hq, D], table [..., P], valid [..., ctx]
+        k, v = gather(k_pages, table), gather(v_pages, table)
+        o, m, l = _attend_reference(heads(queries), k, v, valid[..., None, :], scale)
+        return o.reshape(queries.shape), m.reshape(queries.shape[:-1]), l.reshape(queries.shape[:-1])
+
+    suffix = pieces(q, page_table, (pos >= kv_starts[:, None]) & (pos < seq_lens[:, None]))  # [B, ...]
+    members = jnp.where(item_members >= 0, item_members, batch)  # [W, M]; `batch`: a bucket that is dropped
+    in_item = (pos >= item_start[:, None]) & (pos < item_end[:, None])  # [W, ctx]
+    shared = pieces(q[jnp.minimum(members, batch - 1)].swapaxes(0, 1), page_table[item_row], in_item)  # [M, W, ...]
+    ids = members.T.reshape(-1)
+    o, m, l = (x.reshape(-1, *x.shape[2:]) for x in shared)
+    m_row = jnp.maximum(suffix[1], jax.ops.segment_max(m, ids, batch + 1)[:batch])
+    weight = jnp.where((ids < batch)[:, None], jnp.exp2(m - m_row[jnp.minimum(ids, batch - 1)]), 0.0)
+    sums = [jax.ops.segment_sum(x, ids, batch + 1)[:batch] for x in (weight[..., None] * o, weight * l)]
+    return combine_splits_reference(jnp.stack([suffix[0], sums[0]]), jnp.stack([suffix[1], m_row]),
+                                    jnp.stack([suffix[2], sums[1]]), q.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Pallas (Triton) kernel: a program per (item, KV head). Its rows are (member, query head of this KV head) pairs,
+# next_pow2(group) rows per member as paged attention's (token, head) rows. The item's pages come from its
+# representative row's page table, read as positions of the flattened [B * P] table (row * P * page_size + position),
+# so the paged kernel's tile loop (_attend) serves it unchanged: full tiles unmasked, the last one masked.
+
+def _cascade_kernel(item_row_ref, item_start_ref, item_end_ref, members_ref, slots_ref, q_ref, k_ref, v_ref,
+                    page_table_ref, o_ref, m_ref, l_ref, *, block_m, group, group_pad, block_k, scale):
+    # item_row_ref, item_start_ref, item_end_ref: [] int32 this item's row (its page table) and KV positions
+    # members_ref, slots_ref: [M] int32 the item's member rows (-1: none) and the slot of each member's piece
+    # q_ref: [B, Hq, D] every row's query
+    # k_ref, v_ref: [num_pages, S, D] the page pool of this program's KV head
+    # page_table_ref: [B * P] int32 every row's page table, flattened
+    # o_ref: [W, B, Hq, D] f32 every row's pieces, unnormalized; m_ref, l_ref: [W, B, Hq] f32 their running max
+    #   (log2 units) and denominator. Only the (slot, member row, head) of this program's rows are written.
+    num_members = members_ref.shape[0]
+    batch, _, head_dim = q_ref.shape
+    member, head, head_ok = _query_rows(0, pl.program_id(1), block_m, group, group_pad)
+    member_ok = head_ok & (member < num_members)
+    row = load(members_ref.at[member], mask=member_ok, other=-1)
+    slot = load(slots_ref.at[member], mask=member_ok, other=0)
+    row_ok = row >= 0
+    # Masked lanes point past the batch: interpret mode's masked store writes every lane (the old value on masked
+    # ones), and a masked lane aliasing a written element could put the old value back.
+    row = jnp.where(row_ok, row, batch)
+    idx = (row[:, None], head[:, None], jnp.arange(head_dim)[None, :])
+    q = load(q_ref.at[idx], mask=row_ok[:, None], other=0.0)
+    table_tokens = (page_table_ref.shape[0] // batch) * k_ref.shape[1]
+    offset = item_row_ref[...] * table_tokens
+    start, end = offset + item_start_ref[...], offset + item_end_ref[...]
+    # Every member's last token lies past the item: no causal mask, every tile before `end` is full.
+    o, m, l = _attend(q, jnp.full((block_m,), end), row_ok, k_ref, v_ref, page_table_ref, 0, 1, end, end,
+                      block_k=block_k, scale=scale, decode=False, kv_start=start)
+    store(o_ref.at[(slot[:, None], *idx)], o, mask=row_ok[:, None])
+    store(m_ref.at[slot, row, head], m, mask=row_ok)
+    store(l_ref.at[slot, row, head], l, mask=row_ok)
+
+
+def _cascade_pieces(q, k_pages, v_pages, page_table, item_row, item_start, item_end, item_members, item_slots, *,
+                    scale, config, interpret):
+    """-> the items' pieces: o [W, B, Hq, D], m, l [W, B, Hq], all f32; slots a row does not fill are garbage."""
+    batch, num_q_heads, head_dim = q.shape
+    num_pages, num_kv_heads, page_size, _ = k_pages.shape
+    num_items, num_members = item_members.shape
+    group = num_q_heads // num_kv_heads
+    group_pad = pl.next_power_of_2(group)
+    block_m = max(16, pl.next_power_of_2(num_members * group_pad))
+    item_spec = pl.BlockSpec((None,), lambda w, h: (w,))
+    member_spec = pl.BlockSpec((None, num_members), lambda w, h: (w, 0))
+    kv_spec = pl.BlockSpec((num_pages, None, page_size, head_dim), lambda w, h: (0, h, 0, 0))
+
+    def whole(shape):  # every program sees (and writes into) the whole array
+        return pl.BlockSpec(shape, lambda w, h: (0,) * len(shape))
+
+    pieces_shape = (num_items, batch, num_q_heads)
+    kernel = functools.partial(_cascade_kernel, block_m=block_m, group=group, group_pad=group_pad,
+                               block_k=config.block_k, scale=scale)
+    return pl.pallas_call(
+        kernel,
+        grid=(num_items, num_kv_heads),
+        in_specs=[item_spec, item_spec, item_spec, member_spec, member_spec, whole(q.shape), kv_spec, kv_spec,
+                  whole((page_table.size,))],
+        out_specs=[whole((*pieces_shape, head_dim)), whole(pieces_shape), whole(pieces_shape)],
+        out_shape=[jax.ShapeDtypeStruct((*pieces_shape, head_dim), jnp.float32)] + 2 * [
+            jax.ShapeDtypeStruct(pieces_shape, jnp.float32)],
+        compiler_params=triton_params(config.num_warps, config.num_stages),
+        interpret=interpret,
+        name="cascade_attention",
+    )(item_row, item_start, item_end, item_members, item_slots, q, k_pages, v_pages, page_table.reshape(-1))
+
+
+def _check_cascade_inputs(q, k_pages, kv_starts, num_pieces, item_row, item_start, item_end,
+                          item_members, item_slots, config):
+    """Raises ValueError for cascade arrays the kernel cannot take (q, pages, table: _check_inputs)."""
+    batch = q.shape[0]
+    for name, x in (("kv_starts", kv_starts), ("num_pieces", num_pieces)):
+        if x is None or x.shape != (batch,) or x.dtype != jnp.int32:
+            raise ValueError(f"{name} must be int32 [{batch}], got {None if x is None else (x.dtype, x.shape)}")
+    if item_members.ndim != 2 or item_slots.shape != item_members.shape:
+        raise ValueError(f"item_members and item_slots must both be [num_items, members], got {item_members.shape} "
+                         f"and {item_slots.shape}")
+    num_items = item_members.shape[0]
+    for name, x in (("item_row", item_row), ("item_start", item_start), ("item_end", item_end),
+                    ("item_members", item_members), ("item_slots", item_slots)):
+        if x.dtype != jnp.int32 or x.shape[:1] != (num_items,) or x.ndim > 2:
+            raise ValueError(f"{name} must be int32 with {num_items} items, got {x.dtype}{x.shape}")
+    rows = item_members.shape[1] * pl.next_power_of_2(q.shape[1] // k_pages.shape[1])
+    if rows > config.block_m:
+        raise ValueError(f"{item_members.shape[1]} members per item x padded query heads per KV head = {rows} rows, "
+                         f"more than block_m {config.block_m} (see cascade_members_per_item)")
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "config", "interpret"))
+def cascade_decode_attention(q, k_pages, v_pages, page_table, seq_lens, kv_starts, num_pieces, item_row, item_start,
+                             item_end, item_members, item_slots, *, scale, config=None, interpret=False):
+    """Decode attention with shared prefixes read once per work item (module docstring), equal to
+    paged_decode_attention.
+
+    q: [B, Hq, D]; k_pages, v_pages: [num_pages, Hkv, page_size, D]; page_table: [B, P] int32; seq_lens: [B] int32
+    (0: a padding row, zeros out); kv_starts, num_pieces: [B] int32; item_row, item_start, item_end: [W] int32;
+    item_members, item_slots: [W, M] int32 (nanojax.cascade.plan_cascade's arrays, ARRAY_FIELDS order).
+    Returns [B, Hq, D] in q.dtype. config None: CASCADE_CONFIG (block_k halved for f32); the suffixes take
+    paged_decode_attention's automatic tiling.
+    """
+    if q.ndim != 3:
+        raise ValueError(f"q must be [batch, num_q_heads, head_dim], got shape {q.shape}")
+    _check_inputs(q[:, None], k_pages, v_pages, page_table, seq_lens, None, kv_starts)
+    config = config or _default_config(q.dtype)
+    _check_cascade_inputs(q, k_pages, kv_starts, num_pieces, item_row, item_start, item_end,
+                          item_members, item_slots, config)
+    suffix = paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, scale=scale, interpret=interpret,
+                                    kv_starts=kv_starts, return_stats=True)
+    shared = _cascade_pieces(q, k_pages, v_pages, page_table, item_row, item_start, item_end, item_members,
+                             item_slots, scale=scale, config=config, interpret=interpret)
+
+    def one_token(pieces):  # [n, B, Hq(, D)] -> [n, B, 1, Hq(, D)], the merge's T axis
+        return [x[:, :, None] for x in pieces]
+
+    out = _combine_splits(*one_token(suffix), q.dtype, interpret, more=(*one_token(shared), num_pieces))
+    return out[:, 0]
