@@ -37,6 +37,7 @@ import gguf
 from gguf import GGMLQuantizationType, GGUFValueType
 
 from convert import gguf_tokenizer
+from convert.keys import interleaved_to_halves
 from convert.sources import Source, normalized_hf_config
 
 __all__ = ["GGUFError", "read_gguf", "gguf_source", "save_gguf_tokenizer", "SUPPORTED_TYPES"]
@@ -448,21 +449,13 @@ def _read_tensor(path: Path, t: gguf.ReaderTensor) -> np.ndarray:
     return dequantize(t.name, t.tensor_type, tuple(int(d) for d in reversed(t.shape)), raw)
 
 
-def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Inverse of llama.cpp's LlamaModel.permute(w, n_head, n_head_kv) (pass n_head_kv for K)."""
-    return np.ascontiguousarray(
-        w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-    )
-
-
-
 def _loader(path: Path, t: gguf.ReaderTensor, rope_heads: int | None, head_dim: int) -> Callable[[], np.ndarray]:
     """Reads, decodes and checks the tensor when called; rope_heads: undo llama.cpp's Q/K permutation."""
     def load() -> np.ndarray:
         try:
             array = _read_tensor(path, t)
             if rope_heads and array.shape[0] == rope_heads * head_dim:  # another shape: keys.py reports it
-                array = _unpermute_rope(array, rope_heads)
+                array = interleaved_to_halves(array, rope_heads, head_dim)
         except GGUFError as e:
             raise GGUFError(f"{path}: {e}") from e.__cause__
         return array

@@ -54,8 +54,9 @@ def fold_norm_scale(scale: np.ndarray, w: np.ndarray) -> np.ndarray:
     return scale.astype(np.float32)[:, None] * w.astype(np.float32)
 
 
-def _interleaved_to_halves(w: np.ndarray, heads: int, head_dim: int) -> np.ndarray:
-    """Reorder rows of a [heads*D, ...] projection from (x0, x1) RoPE pairs to (first half, second half)."""
+def interleaved_to_halves(w: np.ndarray, heads: int, head_dim: int) -> np.ndarray:
+    """Reorder rows of a [heads*D, ...] projection from (x0, x1) RoPE pairs to (first half, second half): ERNIE's
+    layout, and the inverse of the permutation llama.cpp applies to Llama's q/k rows in a GGUF."""
     rest = w.shape[1:]
     return w.reshape(heads, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(heads * head_dim, *rest)
 
@@ -66,7 +67,7 @@ def _llama_layer(r: _Reader, c: ModelConfig, i: int, ernie: bool) -> dict:
     k = r.get(p + "self_attn.k_proj.weight", (c.kv_size, h))
     v = r.get(p + "self_attn.v_proj.weight", (c.kv_size, h))
     if ernie:
-        q, k = _interleaved_to_halves(q, c.num_heads, d), _interleaved_to_halves(k, c.num_kv_heads, d)
+        q, k = interleaved_to_halves(q, c.num_heads, d), interleaved_to_halves(k, c.num_kv_heads, d)
     gate_up = np.concatenate([r.get(p + f"mlp.{n}_proj.weight", (c.intermediate_size, h)) for n in ("gate", "up")])
     layer = {
         "qkv": {"w": fold_norm_scale(r.get(p + "input_layernorm.weight", (h,)), np.concatenate([q, k, v]).T)},
@@ -78,7 +79,7 @@ def _llama_layer(r: _Reader, c: ModelConfig, i: int, ernie: bool) -> dict:
         qb = r.get(p + "self_attn.q_proj.bias", (c.q_size,))
         kb = r.get(p + "self_attn.k_proj.bias", (c.kv_size,))
         if ernie:
-            qb, kb = _interleaved_to_halves(qb, c.num_heads, d), _interleaved_to_halves(kb, c.num_kv_heads, d)
+            qb, kb = interleaved_to_halves(qb, c.num_heads, d), interleaved_to_halves(kb, c.num_kv_heads, d)
         layer["qkv"]["b"] = np.concatenate([qb, kb, r.get(p + "self_attn.v_proj.bias", (c.kv_size,))])
     if c.o_bias:
         layer["o"]["b"] = r.get(p + "self_attn.o_proj.bias", (h,))
