@@ -109,8 +109,14 @@ def forward(params, tokens, kv_cache: KVCache, batch: Batch, *, config: ModelCon
 
 
 def lm_logits(params, hidden, config: ModelConfig):
-    """hidden: [..., H] -> float32 logits [..., V]."""
+    """hidden: [..., H] -> float32 logits [..., V]. An FP8 head {w [H, V], scale [V]} (nanojax/quantize.py; beside the
+    embedding when tied) is dequantized in front of XLA's dot: (hidden @ w.astype(hidden.dtype)) * scale in f32."""
     precision = jax.lax.Precision.HIGHEST
+    head = params.get("lm_head")
+    if isinstance(head, dict):
+        logits = jnp.dot(hidden, head["w"].astype(hidden.dtype), precision=precision,
+                         preferred_element_type=jnp.float32)
+        return logits * head["scale"]
     if config.tie_word_embeddings:
         return jnp.einsum("...h,vh->...v", hidden, params["embed"], precision=precision,
                           preferred_element_type=jnp.float32)

@@ -26,6 +26,9 @@ PALLAS_PROJECTION_MAX_ROWS = 1
 # With a norm (QKV, gate/up) the fused kernel replaces XLA's two kernels (the norm, then the GEMM) by one, and stays
 # ahead up to batched decode sizes (docs/perf_notes.md, note 16).
 PALLAS_NORMED_PROJECTION_MAX_ROWS = 64
+# FP8 weights (nanojax/quantize.py), with or without a norm: the kernel reads E4M3 tiles, half the bytes, where XLA's
+# path dequantizes in front of its dot. Not measured yet: the H100 sets this, as it set the two above.
+PALLAS_FP8_PROJECTION_MAX_ROWS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,14 +39,17 @@ class Ops:
     interpret: bool = False
 
     def project(self, x, p, *, norm_eps=None, residual=None, activation=None):
-        """x: [N, K]; p: {w [K, N'], b [N']?} (an RMSNorm's scale folded into w) -> [N, N_out]; see
-        rmsnorm_matmul_reference."""
-        max_rows = PALLAS_PROJECTION_MAX_ROWS if norm_eps is None else PALLAS_NORMED_PROJECTION_MAX_ROWS
+        """x: [N, K]; p: {w [K, N'], b [N']?} (an RMSNorm's scale folded into w), or FP8 {w float8_e4m3fn [K, N'],
+        scale [N'], b?} (nanojax/quantize.py) -> [N, N_out]; see rmsnorm_matmul_reference. Above the kernel's row
+        limit an FP8 projection is dequantized in front of XLA's dot, (x @ w.astype(x.dtype)) * scale in f32."""
+        if "scale" in p:
+            max_rows = PALLAS_FP8_PROJECTION_MAX_ROWS
+        else:
+            max_rows = PALLAS_PROJECTION_MAX_ROWS if norm_eps is None else PALLAS_NORMED_PROJECTION_MAX_ROWS
+        kw = {"w_scale": p.get("scale"), "norm_eps": norm_eps, "residual": residual, "activation": activation}
         if not self.pallas or x.shape[0] > max_rows:
-            return rmsnorm_matmul_reference(x, p["w"], p.get("b"), norm_eps=norm_eps, residual=residual,
-                                            activation=activation)
-        return rmsnorm_matmul(x, p["w"], p.get("b"), norm_eps=norm_eps, residual=residual, activation=activation,
-                              interpret=self.interpret)
+            return rmsnorm_matmul_reference(x, p["w"], p.get("b"), **kw)
+        return rmsnorm_matmul(x, p["w"], p.get("b"), interpret=self.interpret, **kw)
 
     def qkv_rope_cache(self, qkv, positions, slots, k_pages, v_pages, inv_freq, q_norm, k_norm, *, eps):
         """qkv: [N, (Hq + 2 Hkv) D]; positions, slots: [N] -> (q [N, Hq, D], k_pages, v_pages)."""

@@ -1,0 +1,168 @@
+"""FP8 weight-only quantization (nanojax/quantize.py): the per-channel round trip, the params layout, and the model
+with FP8 params, through the jnp references and through the Pallas kernels (interpret mode)."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import random_prompts
+
+from convert import open_source, params_from_source
+from nanojax.kv_cache import Batch, KVCache
+from nanojax.model import forward, lm_logits
+from nanojax.ops import PALLAS_FP8_PROJECTION_MAX_ROWS, Ops
+from nanojax.quantize import FP8_MAX, PROJECTIONS, dequantize, quantize_params, quantize_weight
+
+# E4M3 keeps 3 mantissa bits: a normal value rounds to within 2^-4 of itself (half a unit in the last place); below
+# 2^-6 (subnormals, steps of 2^-9) the error is at most 2^-10 absolute, in units of the column's scale.
+REL_STEP, SUBNORMAL_STEP = 2.0**-4, 2.0**-10
+
+
+def spread_weights(seed, k, n, dtype=np.float32):
+    """[K, N] weights whose columns differ in magnitude by up to e^6, one column all zeros and one with an outlier
+    100x its other values."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((k, n)) * np.exp(rng.uniform(-3, 3, n))
+    w[:, 3] = 0.0
+    w[5, 7] = 100 * np.abs(w[:, 7]).max()
+    return jnp.asarray(w.astype(np.float32), dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("k,n", [(64, 40), (333, 17)])
+def test_round_trip_error_per_channel(k, n, dtype):
+    w = spread_weights(k + n, k, n, dtype)
+    p = quantize_weight(w)
+    assert p["w"].dtype == jnp.float8_e4m3fn and p["w"].shape == (k, n)
+    assert p["scale"].dtype == jnp.float32 and p["scale"].shape == (n,)
+    wf = np.asarray(w.astype(jnp.float32), np.float64)
+    scale, q = np.asarray(p["scale"], np.float64), np.asarray(p["w"].astype(jnp.float32), np.float64)
+    amax = np.abs(wf).max(axis=0)
+    assert np.all(np.isfinite(q))
+    nonzero = amax > 0
+    # Each column's largest magnitude maps to E4M3's largest finite value: scale is amax / 448 in f32, which XLA may
+    # compute as amax times the reciprocal of 448, two roundings of 2^-24.
+    np.testing.assert_allclose(scale[nonzero], amax[nonzero] / FP8_MAX, rtol=2**-23)
+    np.testing.assert_array_equal(np.abs(q).max(axis=0)[nonzero], FP8_MAX)
+    assert np.all(q[:, ~nonzero] == 0) and np.all(scale[~nonzero] == 1)
+    err = np.abs(np.asarray(dequantize(p), np.float64) - wf)
+    # One f32 rounding of w / scale and of q * scale on top of E4M3's own.
+    bound = (REL_STEP + 2**-22) * np.abs(wf) + SUBNORMAL_STEP * scale[None, :]
+    assert np.all(err <= bound), np.max(err - bound)
+
+
+def test_dequantize_dtype():
+    p = quantize_weight(spread_weights(0, 32, 16))
+    out = dequantize(p, jnp.bfloat16)
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(out, dequantize(p).astype(jnp.bfloat16))
+
+
+def test_rounds_to_nearest():
+    """Values halfway between two E4M3 values round to the even one; the scale maps the column's max to 448."""
+    # With amax 448 the scale is 1: 17 and 19 lie halfway between 16, 18 and 20 (steps of 2 in [16, 32)).
+    w = jnp.asarray([[448.0], [17.0], [19.0], [-17.0], [0.3]], jnp.float32)
+    p = quantize_weight(w)
+    assert float(p["scale"][0]) == 1.0
+    np.testing.assert_array_equal(np.asarray(p["w"].astype(jnp.float32))[:, 0],
+                                  [448.0, 16.0, 20.0, -16.0, np.float32(jnp.asarray(0.3).astype(jnp.float8_e4m3fn))])
+
+
+def load_tiny(hf_model_dir, name):
+    folder, _ = hf_model_dir(name)
+    return params_from_source(open_source(folder), "float32")
+
+
+@pytest.mark.parametrize("name", ["llama", "llama3"])
+def test_params_layout(hf_model_dir, name):
+    """Projections and the LM head become {w fp8, scale f32, b?}; embeddings and norms stay; tied embeddings keep
+    embed and gain an FP8 lm_head quantized from embed.T."""
+    config, params = load_tiny(hf_model_dir, name)
+    fp8 = quantize_params(params, config)
+    for lp, qp in zip(params["layers"], fp8["layers"]):
+        assert set(qp) == set(lp)
+        for key in set(lp) - set(PROJECTIONS):
+            assert qp[key] is lp[key]
+        for proj in PROJECTIONS:
+            assert set(qp[proj]) == set(lp[proj]) | {"scale"}
+            k, n = lp[proj]["w"].shape
+            assert qp[proj]["w"].dtype == jnp.float8_e4m3fn and qp[proj]["w"].shape == (k, n)
+            assert qp[proj]["scale"].dtype == jnp.float32 and qp[proj]["scale"].shape == (n,)
+            if "b" in lp[proj]:
+                assert qp[proj]["b"] is lp[proj]["b"]
+    assert fp8["embed"] is params["embed"] and fp8["final_norm"] is params["final_norm"]
+    head = params["embed"].T if config.tie_word_embeddings else params["lm_head"]
+    assert config.tie_word_embeddings == (name == "llama3")
+    np.testing.assert_array_equal(fp8["lm_head"]["w"].astype(jnp.float32), quantize_weight(head)["w"].astype(
+        jnp.float32))
+    assert fp8["lm_head"]["scale"].shape == (config.vocab_size,)
+    with pytest.raises(ValueError, match="quantized already"):
+        quantize_params(fp8, config)
+    keep_head = quantize_params(params, config, lm_head=False)
+    assert keep_head.get("lm_head") is params.get("lm_head") and keep_head["layers"][0]["qkv"]["w"].dtype == (
+        jnp.float8_e4m3fn)
+
+
+def dequantized(params, config):
+    """(params, config) of what the FP8 model stands for: every projection's {w, scale} and the LM head replaced by
+    their f32 weights, the head untied from the embedding (which keeps its own, unquantized rows)."""
+    def weight(p):
+        return {key: v for key, v in p.items() if key != "scale"} | {"w": dequantize(p)}
+
+    layers = tuple(lp | {name: weight(lp[name]) for name in PROJECTIONS} for lp in params["layers"])
+    untied = dataclasses.replace(config, tie_word_embeddings=False)
+    return params | {"layers": layers, "lm_head": dequantize(params["lm_head"])}, untied
+
+
+def run_model(params, config, ops):
+    """Logits [rows, V] of three steps on a paged cache (page size 4, shuffled pages): a 2 x 40-token prefill (80
+    rows, above PALLAS_FP8_PROJECTION_MAX_ROWS: XLA's dequantize-then-dot), a 2-row decode and a 1-row decode (the
+    FP8 kernel). The logits of each step's last tokens, concatenated."""
+    assert 80 > PALLAS_FP8_PROJECTION_MAX_ROWS >= 2
+    tokens = np.array(random_prompts(config.vocab_size, [40, 40], seed=3))
+    table = jnp.asarray(np.random.default_rng(0).permutation(24).reshape(2, 12), jnp.int32)
+    cache = KVCache.create(config, 24, 4, jnp.float32)
+    logits = []
+    for step, rows in enumerate([tokens, tokens[:, :1], tokens[:1, 1:2]]):
+        b, t = rows.shape
+        batch = Batch(page_table=table[:b], seq_lens=jnp.full(b, 40 + step if step else 40), q_lens=jnp.full(b, t))
+        hidden, cache = forward(params, jnp.asarray(rows), cache, batch, config=config, ops=ops)
+        logits.append(np.asarray(lm_logits(params, hidden[:, -1], config)))
+    return np.concatenate(logits)
+
+
+MODELS = ["llama", "llama3", "qwen3", "gpt2"]  # untied, tied with biases, q/k norms, LayerNorm + GELU
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_fp8_model_is_the_dequantized_model(hf_model_dir, name):
+    """The FP8 forward (reference ops: dequantize-then-dot, scales after the dot) equals the f32 forward on the
+    dequantized weights up to f32 rounding, and stays near the unquantized model. E4M3 rounds each weight by up to
+    6.25%, 2.3% RMS on these weights; the LM head alone then moves the logits by 2.4-2.6%, and the tiny models (random
+    weights of std 0.2) measured 3.4% (gpt2), 3.9% (llama), 4.4% (qwen3) and 6.1% (llama3) in all."""
+    config, params = load_tiny(hf_model_dir, name)
+    fp8 = quantize_params(params, config)
+    out = run_model(fp8, config, Ops())
+    np.testing.assert_allclose(out, run_model(*dequantized(fp8, config), Ops()), rtol=1e-4, atol=1e-4)
+    full = run_model(params, config, Ops())
+    assert np.linalg.norm(out - full) <= 0.08 * np.linalg.norm(full)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_fp8_kernels_match_reference(hf_model_dir, name):
+    """The FP8 model through the Pallas kernels (interpret mode) equals the reference path."""
+    config, params = load_tiny(hf_model_dir, name)
+    fp8 = quantize_params(params, config)
+    np.testing.assert_allclose(run_model(fp8, config, Ops(pallas=True, interpret=True)), run_model(fp8, config, Ops()),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_fp8_projection_kernel_rows():
+    """An FP8 projection takes the kernel up to PALLAS_FP8_PROJECTION_MAX_ROWS, with or without a norm; above, XLA's
+    dot on the dequantized weight."""
+    ops, p = Ops(pallas=True, interpret=True), quantize_weight(jnp.ones((32, 48)))
+    for rows in (1, 2, PALLAS_FP8_PROJECTION_MAX_ROWS, PALLAS_FP8_PROJECTION_MAX_ROWS + 1):
+        for norm_eps in (None, 1e-6):
+            jaxpr = str(jax.make_jaxpr(lambda x: ops.project(x, p, norm_eps=norm_eps))(jnp.ones((rows, 32))))
+            assert ("pallas_call" in jaxpr) == (rows <= PALLAS_FP8_PROJECTION_MAX_ROWS), (rows, norm_eps)
