@@ -42,21 +42,8 @@ def stream_reply(llm: LLM, prompt_ids: list[int], params: SamplingParams) -> str
     return text
 
 
-def use_compilation_cache() -> None:
-    """Keep compiled steps on disk (beside the converted default model), so that a second run of the CLI loads
-    them instead of compiling again. Only the CLI does this: a library should not change global jax settings."""
-    import jax
-
-    from nanojax.default_model import cache_dir
-
-    if jax.config.jax_compilation_cache_dir is None:  # respect JAX_COMPILATION_CACHE_DIR
-        jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # the few steps there are, all kept
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
-    use_compilation_cache()
     try:
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                 max_tokens=args.max_tokens, seed=args.seed)

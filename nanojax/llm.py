@@ -1,11 +1,15 @@
-"""The public engine: `LLM(model).generate(prompts, SamplingParams(...))`, streaming and chat.
+"""The public engine: `LLM(model)`, requests added from any thread while one loop owns the device.
 
-Each step the scheduler picks what to compute (decodes first, then prefill chunks under the token budget); the
-runner dispatches it as compiled steps; here the sampled tokens are checked against the stop conditions. The host
-builds and streams the previous step's text while the GPU computes the next one: a step is dispatched, then the
-previous step's events are yielded, then the step's tokens are fetched.
+`add_request` validates a request and hands it to the engine loop, a thread that runs while requests are unfinished:
+each step the scheduler picks what to compute (decodes first, then prefill chunks under the token budget), the
+runner dispatches it, and the sampled tokens are checked against the stop conditions. The host detokenizes and
+streams the previous step's tokens while the GPU computes the next step. `generate` and `stream` are built on
+`add_request`, and several may run at once from different threads.
 """
 import dataclasses
+import itertools
+import queue
+import threading
 import time
 from typing import Iterable, Iterator
 
@@ -13,26 +17,16 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from nanojax.block_manager import BlockManager
+from nanojax.detokenizer import Detokenizer
+from nanojax.engine_io import RequestOutput, RequestStream, find_stop
 from nanojax.loader import LoadedModel, load_model
 from nanojax.ops import get_ops
+from nanojax.page_manager import PageManager
 from nanojax.runner import ModelRunner
-from nanojax.sampling import PAD_ID, SamplingMode
+from nanojax.sampling import BANNED, MAX_LOGPROBS, PROMPT
 from nanojax.sampling_params import SamplingParams
-from nanojax.scheduler import Scheduler, SchedulerConfig
-from nanojax.sequence import Sequence
-
-
-@dataclasses.dataclass
-class RequestOutput:
-    index: int  # position of the prompt in the call
-    prompt_token_ids: list[int]
-    token_ids: list[int]  # generated tokens (a stop token included)
-    text: str  # generated text, special tokens skipped, a stop string cut off (streamed: the deltas so far)
-    finish_reason: str | None  # "stop" | "length" | None while running
-    delta: str = ""  # text added since the previous streamed event
-    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
-    time_to_first_token: float | None = None
+from nanojax.scheduler import CapacityError, Scheduler, SchedulerConfig
+from nanojax.sequence import Sequence, SequenceStatus
 
 
 @dataclasses.dataclass
@@ -40,79 +34,83 @@ class _Request:
     output: RequestOutput
     params: SamplingParams
     stop_ids: frozenset[int]
+    stream: RequestStream
     start: float
+    detok: Detokenizer | None = None
     emitted_text: str = ""
     pin: bool = False  # pin the prompt's full pages when the request finishes (`LLM.pin_prefix`) ...
-    pin_handle: int | None = None  # ... under this block-manager handle
+    pin_handle: int | None = None  # ... under this page-manager handle
+    cut: bool = False  # a stop string ended it: its text is cut there
+    slot: int | None = None  # its row of the runner's token tables, while it runs (bias, penalties, min_tokens)
+    siblings: list["Sequence"] = dataclasses.field(default_factory=list)  # n > 1: admitted once the prompt is cached
 
-    def seen_counts(self) -> dict[int, int]:
-        """Every token of prompt and output -> its count in the output (for the penalties)."""
-        counts = dict.fromkeys(self.output.prompt_token_ids, 0)
-        for t in self.output.token_ids:
-            counts[t] = counts.get(t, 0) + 1
-        return counts
-
-
-def _ragged(rows: list[list[tuple[int, float]]], value_dtype=np.int32) -> tuple[np.ndarray, np.ndarray]:
-    """Per-row (token id, value) lists -> ([B, W] ids padded with PAD_ID, [B, W] values); W a power of two so
-    the compiled step sees few shapes."""
-    width = 1 << (max(1, max(len(r) for r in rows)) - 1).bit_length()
-    ids = np.full((len(rows), width), PAD_ID, np.int32)
-    values = np.zeros((len(rows), width), value_dtype)
-    for i, r in enumerate(rows):
-        if r:
-            ids[i, :len(r)], values[i, :len(r)] = zip(*r)
-    return ids, values
+    @property
+    def needs_tables(self) -> bool:
+        p = self.params
+        return bool(p.logit_bias) or p.penalized or p.min_tokens > 0
 
 
 class LLM:
     """An inference engine over one model.
 
-    model: a nanojax checkpoint folder, an HF folder, an 'org/name' in the local HF cache, a .gguf file, None
-    for the embedded default (SmolLM2-135M-Instruct), or a `LoadedModel` already in memory.
+    model: a nanojax checkpoint folder, an HF folder, an 'org/name' on the Hugging Face Hub, a .gguf file, None for
+    the embedded default (SmolLM2-135M-Instruct), or a `LoadedModel` already in memory.
     dtype: "bfloat16" (default on GPU) or "float32" (default on CPU).
     num_pages: KV pages in the pool; None sizes it from free device memory (`memory_fraction`).
+    max_num_seqs, max_num_batched_tokens: requests running at once and tokens per step; prompts are prefilled in
+    chunks that share the step's token budget. Defaults on GPU: 256 and 8192 (docs/benchmarks.md, "Defaults").
     decode_steps: decode steps run on device per dispatch when a step is decode-only. None: 32 on GPU (on the H100,
-    batch 1 ran at 2.27 / 1.72 / 1.43 / 1.33 / 1.28 ms per step with 4 / 8 / 16 / 32 / 64; docs/benchmarks.md),
-    8 on CPU, where a step takes ~65 ms and text streams in bursts of decode_steps tokens (the default model,
-    2 cores: 13.9 tok/s and 0.6 s between streamed events at 8, 15.8 tok/s and 2.1 s at 32).
+    batch 1 ran at 1.43 / 1.33 / 1.28 ms per step with 16 / 32 / 64; docs/benchmarks.md), 8 on CPU, where text
+    streams in bursts of decode_steps tokens.
     kernels: "reference" (jnp), "pallas", "interpret" (the Pallas kernels interpreted, for CPU tests), or "auto"
     (the Pallas kernels on a GPU where the model's shapes allow them).
+    warmup: compile every program before returning, behind one progress bar (None: on a GPU; on a CPU programs
+    compile on first use). Compiled programs are kept in the persistent compilation cache (`nanojax.cache`).
     """
 
     def __init__(self, model: "str | LoadedModel | None" = None, *, dtype: str | None = None,
                  max_model_len: int | None = None, page_size: int = 16, num_pages: int | None = None,
-                 memory_fraction: float = 0.85,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int | None = None, chunk_size: int | None = None,
-                 decode_steps: int | None = None, kernels: str = "auto", seed: int = 0):
+                 memory_fraction: float = 0.85, max_num_seqs: int | None = None,
+                 max_num_batched_tokens: int | None = None, chunk_size: int | None = None,
+                 decode_steps: int | None = None, kernels: str = "auto", seed: int = 0, warmup: bool | None = None,
+                 progress: bool = True):
+        from nanojax.cache import use_compilation_cache
+
+        use_compilation_cache()
         on_gpu = jax.default_backend() == "gpu"
         self.dtype = dtype or ("bfloat16" if on_gpu else "float32")
         loaded = load_model(model, self.dtype)
         self.config, params, self.tokenizer = loaded.config, loaded.params, loaded.tokenizer
-        self.max_model_len = min(max_model_len or 4096, self.config.max_position_embeddings)
         if max_model_len and max_model_len > self.config.max_position_embeddings:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
                              f"{self.config.max_position_embeddings}")
-        decode_steps = (32 if on_gpu else 8) if decode_steps is None else decode_steps
-        if decode_steps < 1:
-            raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")
-        self.decode_steps = decode_steps
-        max_num_batched_tokens = max_num_batched_tokens or max(2048, self.max_model_len)
+        self.max_model_len = min(max_model_len or 4096, self.config.max_position_embeddings)
+        self.decode_steps = _positive("decode_steps", decode_steps, 32 if on_gpu else 8)
+        max_num_seqs = _positive("max_num_seqs", max_num_seqs, 256 if on_gpu else 64)
+        budget = _positive("max_num_batched_tokens", max_num_batched_tokens, 8192 if on_gpu else 2048)
         pages_per_seq = -(-self.max_model_len // page_size)
         if num_pages is None:
             num_pages = self._pages_that_fit(page_size, memory_fraction, max_num_seqs * pages_per_seq)
         vocab_limit = min(len(self.tokenizer), self.config.vocab_size) if self.tokenizer else self.config.vocab_size
+        self.page_manager = PageManager(num_pages, page_size)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=self.max_model_len,
+            chunk_size=chunk_size or budget, page_size=page_size), self.page_manager)
         self.runner = ModelRunner(
             self.config, params, num_pages=num_pages, page_size=page_size, pages_per_seq=pages_per_seq,
             dtype=params["embed"].dtype, ops=get_ops(kernels, self.config), vocab_limit=vocab_limit,
-            max_num_seqs=max_num_seqs,
-            max_tokens_per_row=min(max_num_batched_tokens, chunk_size or self.max_model_len, self.max_model_len))
-        self.block_manager = BlockManager(num_pages, page_size)
-        self.scheduler = Scheduler(SchedulerConfig(
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=self.max_model_len, chunk_size=chunk_size, block_size=page_size), self.block_manager)
+            max_num_seqs=max_num_seqs, max_prefill_tokens=budget, decode_steps=self.decode_steps)
         self.eos_ids = frozenset(self.config.eos_token_ids)
         self._rng = np.random.default_rng(seed)
+        self._free_slots = list(range(max_num_seqs))
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("add", _Request, [Sequence]) | ("abort", id) | ...
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._requests: dict[str, list[Sequence]] = {}  # request id -> its unfinished choices
+        self._ids = itertools.count()
+        self.dead: BaseException | None = None  # set when a step failed in a way that lost the device state
+        if warmup if warmup is not None else on_gpu:
+            self.warmup(progress)
 
     def _pages_that_fit(self, page_size: int, fraction: float, wanted: int) -> int:
         c = self.config
@@ -125,12 +123,10 @@ class LLM:
             budget = 2 << 30
         return int(max(1, min(wanted, budget // page_bytes)))
 
-    def warmup(self, sampled: bool = True) -> None:
-        """Compile every step shape now (greedy, and random sampling unless sampled=False), not on first use."""
-        modes = [SamplingMode(random=False, filtered=False, adjusted=False)]
-        if sampled:
-            modes.append(SamplingMode(random=True, filtered=False, adjusted=False))
-        self.runner.warmup(self.decode_steps, modes)
+    def warmup(self, progress: bool = True) -> None:
+        """Compiles every program the engine runs (any sampling mix, any batch up to max_num_seqs, any prompt up
+        to max_model_len), so that no request compiles anything."""
+        self.runner.compile_all(progress)
 
     # ----- requests -----
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -151,6 +147,61 @@ class LLM:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                   return_dict=False)
 
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
+                    request_id: str | None = None, index: int = 0, stream: RequestStream | None = None,
+                    stream_text: bool = True) -> RequestStream:
+        """Queues a request (from any thread); its events arrive on the returned stream: a RequestOutput each time
+        one of its n choices gains text or finishes. Bad requests raise ValueError here, naming what is wrong.
+
+        request_id: for `abort` (default: a fresh one); index: RequestOutput.index; stream: deliver to this stream
+        (shared by several requests); stream_text=False detokenizes a request only when it finishes (or to find its
+        stop strings)."""
+        if self.dead is not None:
+            raise RuntimeError(f"the engine has stopped after an error: {self.dead!r}")
+        params = params or SamplingParams()
+        ids = self.encode(prompt)
+        self._check(index, ids, params)
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        stream = stream or RequestStream()
+        stream.expect(params.n)
+        seqs = [self._sequence(request_id, index, choice, ids, params, stream, stream_text)
+                for choice in range(params.n)]
+        seqs[0].params.siblings = seqs[1:]
+        self._inbox.put(("add", seqs[0]))
+        self._start()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Ends a request (all its choices) with finish_reason "abort"; its KV pages are freed in the next step."""
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
+
+    def _check(self, index: int, ids: list[int], params: SamplingParams) -> None:
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt {index} has {len(ids)} tokens; max_model_len={self.max_model_len} "
+                             "leaves no room to generate")
+        total = min(len(ids) + params.max_tokens, self.max_model_len)
+        pages = -(-total // self.page_manager.page_size)
+        if pages > self.page_manager.num_pages:
+            raise ValueError(f"prompt {index} needs up to {pages} KV pages ({total} tokens) but the pool has only "
+                             f"{self.page_manager.num_pages}: lower max_tokens or raise num_pages")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer, and this checkpoint has none: use stop_token_ids")
+        if params.n > self.scheduler.config.max_num_seqs:
+            raise ValueError(f"n={params.n} is more than max_num_seqs={self.scheduler.config.max_num_seqs}")
+        bad = [t for t in (params.logit_bias or {}) if t >= self.config.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias token ids must be < vocab_size={self.config.vocab_size}, got {bad[:4]}")
+
+    def _sequence(self, request_id, index, choice, ids, params, stream, stream_text) -> Sequence:
+        seed = params.seed + choice if params.seed is not None else int(self._rng.integers(2**32))
+        params = dataclasses.replace(params, seed=seed % 2**32)
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
+        detok = Detokenizer(self.tokenizer) if self.tokenizer and (stream_text or params.stop) else None
+        out = RequestOutput(index, list(ids), [], "", None, request_id=request_id, choice=choice,
+                            logprobs=[] if params.logprobs is not None else None)
+        return Sequence(ids, params=_Request(out, params, stop_ids, stream, time.perf_counter(), detok))
+
     # ----- pinned prefixes -----
     def pin_prefix(self, prompt: str | list[int]) -> int:
         """Computes the prompt's KV once and pins its full pages (len(prompt) // page_size of them): every later
@@ -158,160 +209,207 @@ class LLM:
         (RequestOutput.num_cached_tokens), however much else is evicted meanwhile. Returns a handle for `unpin`.
         """
         ids = self.encode(prompt)
-        page_size = self.block_manager.block_size
+        page_size = self.page_manager.page_size
         if len(ids) < page_size:
             raise ValueError(f"the prefix has {len(ids)} tokens, less than one KV page ({page_size} tokens): "
                              "nothing to pin")
-        added = []  # one request with max_tokens=1: the prefill computes the KV, the pin is taken as it finishes
         once = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-        for _ in self._run(lambda: added.append(self._add(0, ids, once, pin=True)), stream_text=False):
+        self._check(0, ids, once)
+        stream = RequestStream()
+        stream.expect(1)
+        seq = self._sequence(str(next(self._ids)), 0, 0, ids, once, stream, False)
+        seq.params.pin = True
+        self._inbox.put(("add", seq))
+        self._start()
+        for _ in stream:
             pass
-        return added[0].pin_handle
+        return seq.params.pin_handle
 
     def unpin(self, handle: int) -> None:
         """Releases a pinned prefix: its pages become ordinary cached pages, evicted under memory pressure."""
-        self.block_manager.unpin(handle)
+        done = threading.Event()
+        self._inbox.put(("call", lambda: (self.page_manager.unpin(handle), done.set())))
+        self._start()
+        done.wait()
 
-    def _add(self, index: int, prompt_ids: list[int], params: SamplingParams, pin: bool = False) -> _Request:
-        if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(f"prompt {index} has {len(prompt_ids)} tokens; max_model_len={self.max_model_len} "
-                             "leaves no room to generate")
-        total = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
-        pages = -(-total // self.block_manager.block_size)
-        if pages > self.block_manager.num_blocks:
-            raise ValueError(f"prompt {index} needs up to {pages} KV pages ({total} tokens) but the pool has only "
-                             f"{self.block_manager.num_blocks}: lower max_tokens or raise num_pages")
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer, and this checkpoint has none: use stop_token_ids")
-        if params.seed is None:
-            params = dataclasses.replace(params, seed=int(self._rng.integers(2**32)))
-        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
-        request = _Request(RequestOutput(index, prompt_ids, [], "", None), params, stop_ids, time.perf_counter(),
-                           pin=pin)
-        self.scheduler.add(Sequence(prompt_ids, params=request))
-        return request
-
-    # ----- the loop -----
+    # ----- offline use -----
     def stream(self, prompts: Iterable[str | list[int]],
                sampling_params: SamplingParams | list[SamplingParams] | None = None) -> Iterator[RequestOutput]:
         """Runs the prompts together; yields a RequestOutput each time a request gains text or finishes."""
         return self._run_requests(prompts, sampling_params, stream_text=True)
 
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Outputs in prompt order (n > 1: each prompt's choices in order). A single prompt (str or token-id list)
+        may be passed as is."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        done: dict[tuple[int, int], RequestOutput] = {}
+        with tqdm(total=len(prompts), desc="generating", disable=not use_tqdm) as bar:
+            for out in self._run_requests(prompts, sampling_params, stream_text=False):
+                if out.finish_reason is not None:
+                    done[out.index, out.choice] = out
+                    bar.update(out.choice == 0)
+        return [done[k] for k in sorted(done)]
+
     def _run_requests(self, prompts, sampling_params, stream_text: bool) -> Iterator[RequestOutput]:
-        """stream_text=False detokenizes a request only when it finishes (or to look for its stop strings)."""
+        """The requests' events in the order they happen; requests still running when the caller stops early (a
+        stream closed, an error) are aborted."""
         prompts = list(prompts)
         params = sampling_params or SamplingParams()
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         ids = [self.encode(p) for p in prompts]
-        yield from self._run(lambda: [self._add(i, p, sp) for i, (p, sp) in enumerate(zip(ids, params))],
-                             stream_text)
-
-    def _run(self, add, stream_text: bool) -> Iterator[RequestOutput]:
-        """Runs the requests `add()` queues until all finish. If the caller stops early (a stream closed, an
-        error) they are aborted, so they never run inside a later call."""
-        if self.scheduler.has_unfinished():
-            raise RuntimeError("the engine is still running another stream's requests: exhaust or close it first")
+        for i, (p, sp) in enumerate(zip(ids, params)):
+            self._check(i, p, sp or SamplingParams())
+        stream, request_ids = RequestStream(), []
         try:
-            add()
-            sampled = []  # the sequences that gained tokens in the previous step; their events are not built yet
-            while self.scheduler.has_unfinished():
-                pending = self._dispatch()
-                # While the GPU computes this step, the host detokenizes and streams the previous one.
-                yield from self._events(sampled, stream_text)
-                sampled = self._complete(*pending)
-            yield from self._events(sampled, stream_text)
+            for i, (p, sp) in enumerate(zip(ids, params)):
+                request_ids.append(str(next(self._ids)))
+                self.add_request(p, sp, request_id=request_ids[-1], index=i, stream=stream, stream_text=stream_text)
+            yield from stream
         finally:
-            for seq in [*self.scheduler.running, *self.scheduler.waiting]:
-                self.scheduler.finish(seq)
+            if not stream.finished:
+                for request_id in request_ids:
+                    self.abort(request_id)
 
-    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
-        """Outputs in prompt order. A single prompt (str or token-id list) may be passed as is."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
-        done: dict[int, RequestOutput] = {}
-        with tqdm(total=len(prompts), desc="generating", disable=not use_tqdm) as bar:
-            for out in self._run_requests(prompts, sampling_params, stream_text=False):
-                if out.finish_reason is not None:
-                    done[out.index] = out
-                    bar.update(1)
-        return [done[i] for i in range(len(prompts))]
+    # ----- the engine loop (its own thread; the only code that touches scheduler, pages and runner) -----
+    def _start(self) -> None:
+        self._wake.set()
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._loop, name="nanojax-engine", daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        sampled: list[Sequence] = []  # the sequences that gained tokens in the previous step; no events built yet
+        while True:
+            self._take_inbox()
+            if not self.scheduler.has_unfinished():
+                self._emit(sampled)
+                sampled = []
+                self._wake.wait(timeout=1.0)
+                self._wake.clear()
+                continue
+            try:
+                pending = self._dispatch()
+            except CapacityError as e:  # this request can never fit: it ends, the others go on
+                self._fail([e.seq], e)
+                continue
+            except Exception as e:  # noqa: BLE001 -- a failed step ends its requests, not the engine
+                self._step_failed(e)
+                sampled = []
+                continue
+            self._emit(sampled)  # while the GPU computes this step, the host streams the previous one
+            try:
+                sampled = self._complete(*pending)
+            except Exception as e:  # noqa: BLE001
+                self._step_failed(e)
+                sampled = []
+
+    def _take_inbox(self) -> None:
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self._requests[item.params.output.request_id] = [item, *item.params.siblings]
+                self.scheduler.add(item)
+            elif kind == "abort":
+                for seq in list(self._requests.get(item, ())):
+                    self._end(seq, "abort")
+            else:
+                item()
 
     def _dispatch(self):
-        """Schedules a step and dispatches all of its computations: the decodes in one call, each prefill chunk
-        in its own, all queued on the GPU back to back. -> (chunks, {seq_id: (runner.Pending, row)})."""
-        # The penalties count the output so far, so their requests decode one step per dispatch.
-        penalized = any(seq.params.params.penalized for seq in self.scheduler.running)
-        chunks = self.scheduler.schedule(decode_steps=1 if penalized else self.decode_steps)
+        """Schedules a step and dispatches it: the decodes in one call, the prefill chunks packed in another.
+        -> (chunks, {seq_id: (runner.Pending, row)})."""
+        chunks = self.scheduler.schedule(decode_steps=self.decode_steps)
+        self._assign_slots(chunks)
         pending = {}
         decodes = [c for c in chunks if c.num_tokens == 1 and c.sample]
         if decodes:  # num_steps > 1 only in a decode-only step
-            arrays, mode = self._sampling_arrays(decodes)
-            out = self.runner.decode([c.seq.token_ids[c.start] for c in decodes], [c.seq.block_table for c in decodes],
-                                     [c.end for c in decodes], arrays, mode, decodes[0].num_steps)
+            out = self.runner.decode([c.seq.token_ids[c.start] for c in decodes], [c.seq.page_table for c in decodes],
+                                     [c.end for c in decodes], self._sampling(decodes), decodes[0].num_steps)
             pending.update({c.seq.seq_id: (out, i) for i, c in enumerate(decodes)})
-        for c in chunks:  # prefill chunks one row each, so their shapes stay [1, T]
-            if not (c.num_tokens == 1 and c.sample):
-                arrays, mode = self._sampling_arrays([c])
-                out = self.runner.prefill(c.seq.token_ids[c.start:c.end], c.seq.block_table, c.end, arrays, mode)
-                if c.sample:  # a chunk that ends mid-prompt samples nothing: its result is never fetched
-                    pending[c.seq.seq_id] = (out, 0)
+        prefills = [c for c in chunks if not (c.num_tokens == 1 and c.sample)]
+        if prefills:
+            rows = [self._sampling([c]) if c.sample else None for c in prefills]
+            outs = self.runner.prefill([(c.seq.token_ids[c.start:c.end], c.seq.page_table, c.end,
+                                         r and {k: v[0] for k, v in r.items()}) for c, r in zip(prefills, rows)])
+            pending.update({c.seq.seq_id: out for c, out in zip(prefills, outs) if c.sample})
         return chunks, pending
+
+    def _assign_slots(self, chunks) -> None:
+        """Gives each scheduled request that uses bias, penalties or min_tokens a token-table slot, written from its
+        prompt and output so far; a request preempted since its last step gives its slot back."""
+        for seq in self.scheduler.waiting:
+            self._release_slot(seq.params)
+        for c in chunks:
+            req: _Request = c.seq.params
+            if req.needs_tables and req.slot is None:
+                req.slot = self._free_slots.pop()
+                self.runner.set_slot(req.slot, *self._table_rows(req))
+
+    def _table_rows(self, req: _Request) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        vocab = self.config.vocab_size
+        counts = np.bincount(np.asarray(req.output.token_ids, np.int64), minlength=vocab).astype(np.int32)
+        flags = np.zeros(vocab, np.int8)
+        flags[req.output.prompt_token_ids] |= PROMPT
+        flags[[t for t in req.stop_ids if t < vocab]] |= BANNED
+        bias = np.zeros(vocab, np.float32)
+        for t, b in (req.params.logit_bias or {}).items():
+            bias[t] = b
+        return counts, flags, bias
+
+    def _release_slot(self, req: _Request) -> None:
+        if req.slot is not None:
+            self._free_slots.append(req.slot)
+            req.slot = None
+
+    def _sampling(self, chunks) -> dict[str, list]:
+        reqs: list[_Request] = [c.seq.params for c in chunks]
+        ps = [r.params for r in reqs]
+        generated = [len(r.output.token_ids) for r in reqs]
+        return dict(
+            temperature=[p.temperature for p in ps], top_k=[p.top_k for p in ps], top_p=[p.top_p for p in ps],
+            min_p=[p.min_p for p in ps], seeds=[p.seed for p in ps], counters=generated,
+            slots=[self.runner.neutral_slot if r.slot is None else r.slot for r in reqs],
+            ban_steps=[max(0, p.min_tokens - n) for p, n in zip(ps, generated)],
+            repetition_penalty=[p.repetition_penalty for p in ps],
+            presence_penalty=[p.presence_penalty for p in ps], frequency_penalty=[p.frequency_penalty for p in ps],
+            logprobs=[p.logprobs or 0 for p in ps])
 
     def _complete(self, chunks, pending) -> list[Sequence]:
         """Waits for the step's tokens, applies the stop conditions and frees finished requests (before the next
         step is scheduled). -> the sequences that gained tokens."""
-        sampled = {seq_id: out.get()[:, row].tolist() for seq_id, (out, row) in pending.items()}
-        accepted = {c.seq.seq_id: self._accept(c.seq, sampled[c.seq.seq_id]) for c in chunks if c.sample}
+        accepted = {}
+        for c in chunks:
+            if c.sample and c.seq.status is not SequenceStatus.FINISHED:
+                out, row = pending[c.seq.seq_id]
+                accepted[c.seq.seq_id] = self._accept(c.seq, out, row)
         self.scheduler.update(chunks, accepted)
-        seqs = [c.seq for c in chunks if c.sample]
+        seqs = [c.seq for c in chunks if c.seq.seq_id in accepted]
         for seq in seqs:
-            self._apply_stop_strings(seq)
             req: _Request = seq.params
+            for sibling in req.siblings:  # n > 1: the prompt's pages are committed now, the other choices hit them
+                if sibling.status is not SequenceStatus.FINISHED:
+                    self.scheduler.add(sibling)
+            req.siblings = []
+            self._update_text(seq)
             if req.output.finish_reason is not None:
                 if req.pin:
-                    req.pin_handle = self.block_manager.pin_blocks(seq, len(req.output.prompt_token_ids))
-                self.scheduler.finish(seq)
+                    req.pin_handle = self.page_manager.pin_pages(seq, len(req.output.prompt_token_ids))
+                self._finish(seq)
         return seqs
 
-    def _events(self, seqs: list[Sequence], stream_text: bool) -> list[RequestOutput]:
-        return [e for e in (self._event(seq, stream_text) for seq in seqs) if e is not None]
-
-    def _sampling_arrays(self, chunks) -> tuple[dict[str, np.ndarray], SamplingMode]:
-        reqs: list[_Request] = [c.seq.params for c in chunks]
-        params = [r.params for r in reqs]
-        generated = [len(r.output.token_ids) for r in reqs]
-        banned = [sorted(r.stop_ids) if p.min_tokens > n else [] for r, p, n in zip(reqs, params, generated)]
-        bias = [sorted((p.logit_bias or {}).items()) for p in params]
-        seen = [sorted(r.seen_counts().items()) if p.penalized else [] for r, p in zip(reqs, params)]
-        mode = SamplingMode(random=any(p.temperature > 0 for p in params),
-                            filtered=any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params),
-                            adjusted=any(bias) or any(p.penalized for p in params))
-        arrays = {
-            "temperature": np.array([p.temperature for p in params], np.float32),
-            "top_k": np.array([p.top_k for p in params], np.int32),
-            "top_p": np.array([p.top_p for p in params], np.float32),
-            "min_p": np.array([p.min_p for p in params], np.float32),
-            "seeds": np.array([p.seed for p in params], np.uint32),
-            "counters": np.array(generated, np.int32),
-            "banned_ids": _ragged([[(i, 0) for i in b] for b in banned])[0],
-            "ban_steps": np.array([max(0, p.min_tokens - n) for p, n in zip(params, generated)], np.int32),
-            "repetition_penalty": np.array([p.repetition_penalty for p in params], np.float32),
-            "presence_penalty": np.array([p.presence_penalty for p in params], np.float32),
-            "frequency_penalty": np.array([p.frequency_penalty for p in params], np.float32),
-        }
-        arrays["bias_ids"], arrays["bias_values"] = _ragged(bias, np.float32)
-        arrays["seen_ids"], arrays["seen_counts"] = _ragged(seen, np.int32)
-        return arrays, mode
-
-    def _accept(self, seq: Sequence, new_tokens: list[int]) -> list[int]:
-        """The prefix of new_tokens the request keeps; marks it finished when a stop condition is met."""
+    def _accept(self, seq: Sequence, pending, row: int) -> list[int]:
+        """The prefix of the row's new tokens the request keeps; marks it finished when a stop condition is met."""
         req: _Request = seq.params
         out = req.output
         kept = []
-        for tok in new_tokens:
+        for tok in pending.tokens()[:, row].tolist():
             kept.append(tok)
             out.token_ids.append(tok)
             if out.time_to_first_token is None:
@@ -322,42 +420,95 @@ class LLM:
                 out.finish_reason = "length"
             if out.finish_reason:
                 break
+        if req.params.logprobs is not None:
+            logprobs, top_ids, top_logprobs = pending.logprobs()
+            n = req.params.logprobs
+            for step, tok in enumerate(kept):
+                top = {int(i): float(v) for i, v in zip(top_ids[step, row, :n], top_logprobs[step, row, :n])}
+                out.logprobs.append((float(logprobs[step, row]), top))
         return kept
 
-    def _apply_stop_strings(self, seq: Sequence) -> None:
+    def _update_text(self, seq: Sequence) -> None:
+        """Brings the request's text up to its tokens, and ends it at a stop string."""
         req: _Request = seq.params
         out, stop = req.output, req.params.stop
-        if not stop:  # (stop strings come with a tokenizer: `_add` checks)
+        if req.detok is None:
             return
-        out.text = self._text(out.token_ids)
-        if _find_stop(out.text, stop) >= 0:
+        before = len(out.text)
+        out.text = req.detok.update(out.token_ids)
+        i = find_stop(out.text, stop, max(0, before - max(map(len, stop), default=0)))
+        if i >= 0:
             # A multi-step decode samples past the token that completed the stop string: drop what follows it,
             # so the output is the same whatever decode_steps is.
-            while len(out.token_ids) > 1 and _find_stop(self._text(out.token_ids[:-1]), stop) >= 0:
+            while len(out.token_ids) > 1 and find_stop(self._text(out.token_ids[:-1]), stop) >= 0:
                 out.token_ids.pop()
-            out.text = self._text(out.token_ids)
-            out.text, out.finish_reason = out.text[:_find_stop(out.text, stop)], "stop"
+                if out.logprobs:
+                    out.logprobs.pop()
+            text = self._text(out.token_ids)
+            out.text, out.finish_reason, req.cut = text[:find_stop(text, stop)], "stop", True
 
-    def _event(self, seq: Sequence, stream_text: bool) -> RequestOutput | None:
+    def _emit(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            event = self._event(seq)
+            if event is not None:
+                seq.params.stream.put(event)
+
+    def _event(self, seq: Sequence) -> RequestOutput | None:
         """The request's event for the tokens it gained in its last step (None if its visible text did not
-        change); run before the request's next step is accepted."""
+        change); built before the request's next step is accepted."""
         req: _Request = seq.params
         out, stop = req.output, req.params.stop
-        if self.tokenizer is not None and not stop and (stream_text or out.finish_reason):
-            out.text = self._text(out.token_ids)  # (with stop strings, _apply_stop_strings set it)
+        if out.finish_reason and self.tokenizer is not None and not req.cut:
+            out.text = self._text(out.token_ids)  # the whole text decoded once, as a fresh decode gives it
         out.num_cached_tokens = seq.num_cached_tokens
         stable = out.text if out.finish_reason else out.text.rstrip("\ufffd")
         if stop and not out.finish_reason:  # hold back what may be the start of a stop string
             stable = stable[:max(0, len(stable) - max(map(len, stop)) + 1)]
         out.delta, req.emitted_text = stable[len(req.emitted_text):], stable
-        if not out.delta and out.finish_reason is None:
+        if not out.delta and out.finish_reason is None and req.params.logprobs is None:
             return None
-        return dataclasses.replace(out, token_ids=list(out.token_ids), text=stable)
+        return dataclasses.replace(out, token_ids=list(out.token_ids), text=stable,
+                                   logprobs=None if out.logprobs is None else list(out.logprobs))
 
     def _text(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
+    # ----- ending requests -----
+    def _finish(self, seq: Sequence) -> None:
+        """Frees a sequence's pages and slot (a sibling never admitted has none)."""
+        if seq.status is SequenceStatus.RUNNING or seq in self.scheduler.waiting:
+            self.scheduler.finish(seq)
+        seq.status = SequenceStatus.FINISHED
+        self._release_slot(seq.params)
+        choices = self._requests.get(seq.params.output.request_id, [])
+        if seq in choices:
+            choices.remove(seq)
+            if not choices:
+                del self._requests[seq.params.output.request_id]
 
-def _find_stop(text: str, stop: tuple[str, ...]) -> int:
-    """Where the first stop string found in text starts, or -1."""
-    return min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
+    def _end(self, seq: Sequence, reason: str, error: BaseException | None = None) -> None:
+        """Ends a request's choice that did not finish by itself (aborted, or failed with `error`)."""
+        if seq.status is SequenceStatus.FINISHED:
+            return
+        self._finish(seq)
+        out = seq.params.output
+        out.finish_reason = reason
+        seq.params.stream.put(dataclasses.replace(out, token_ids=list(out.token_ids), delta=""), error=error)
+
+    def _fail(self, seqs: list[Sequence], error: BaseException) -> None:
+        for seq in seqs:
+            for s in list(self._requests.get(seq.params.output.request_id, [seq])):
+                self._end(s, "error", error)
+
+    def _step_failed(self, error: BaseException) -> None:
+        """Ends the requests of a step that raised; if the step lost the device state, the engine is dead."""
+        self._fail([*self.scheduler.running, *self.scheduler.waiting], error)
+        if any(x.is_deleted() for x in jax.tree.leaves((self.runner.cache, self.runner.tables))):
+            self.dead = error
+
+
+def _positive(name: str, value: int | None, default: int) -> int:
+    value = default if value is None else value
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value

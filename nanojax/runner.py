@@ -1,52 +1,75 @@
 """The compiled steps: embed -> layers -> final norm -> LM head -> sampling in one jit, the KV cache donated.
 
-Shapes are padded to buckets (batch rows, tokens per row) so steady state never recompiles; the page table
-always has `pages_per_seq` columns.
+Two programs, each compiled once per row bucket, serve every request mix (sampling parameters are data, see
+nanojax.sampling):
+- decode: [B, 1] tokens, `num_steps` steps per dispatch (1, or the engine's decode_steps), B a power of two up to
+  max_num_seqs;
+- prefill: the step's prompt chunks packed as rows of PREFILL_ROW tokens ([R, PREFILL_ROW], R a power of two). A
+  chunk of n tokens takes ceil(n / PREFILL_ROW) consecutive rows with the same page table, each row attending to
+  the cache up to its own last token, so many short prompts cost one dispatch and a long one the same as unpacked.
+`compile_all` lowers every bucket and compiles them on a thread pool (XLA compiles outside the GIL).
 """
+import concurrent.futures
+import dataclasses
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm import tqdm
 
 from nanojax.config import ModelConfig
 from nanojax.kv_cache import Batch, KVCache
 from nanojax.model import forward, lm_logits
-from nanojax.sampling import PAD_ID, SamplingBatch, SamplingMode, sample
+from nanojax.sampling import MAX_LOGPROBS, Sampled, SamplingBatch, TokenTables, sample
 
-_STATIC = ("config", "ops", "vocab_limit", "mode")
+# Query rows of a packed prefill: the prefill attention kernel's query tile holds 128 rows = 64 tokens x 2 query
+# heads per KV head, so a chunk re-reads its KV no more often packed than unpacked (docs/perf_notes.md, "Prefill").
+PREFILL_ROW = 64
+_STATIC = ("config", "ops", "vocab_limit")
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnums=(1,))
-def step(params, cache, tokens, batch: Batch, sampling: SamplingBatch, *, config, ops, vocab_limit, mode):
-    """tokens: [B, T] -> (next token of every row [1, B], cache). Rows still mid-prompt discard theirs."""
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnums=(1, 2))
+def prefill_step(params, cache, tables, tokens, batch: Batch, sampling: SamplingBatch, *, config, ops, vocab_limit):
+    """tokens: [R, T] -> (Sampled with a leading [1] step axis, one token per row, cache, tables). Rows that end
+    mid-prompt sample too; the host discards theirs (their slots are the neutral one, so nothing is counted)."""
     hidden, cache = forward(params, tokens, cache, batch, config=config, ops=ops)
     last = jnp.take_along_axis(hidden, jnp.maximum(batch.q_lens - 1, 0)[:, None, None], axis=1)[:, 0]
-    logits = lm_logits(params, last, config)
-    return sample(logits, sampling, 0, vocab_limit=vocab_limit, mode=mode)[None], cache
+    out = sample(lm_logits(params, last, config), sampling, tables, 0, vocab_limit=vocab_limit)
+    return jax.tree.map(lambda x: x[None], out), cache, tables.count(sampling.slots, out.tokens)
 
 
-@functools.partial(jax.jit, static_argnames=(*_STATIC, "num_steps"), donate_argnums=(1,))
-def multi_decode(params, cache, tokens, batch: Batch, sampling: SamplingBatch, *, config, ops, vocab_limit, mode,
-                 num_steps):
+@functools.partial(jax.jit, static_argnames=(*_STATIC, "num_steps"), donate_argnums=(1, 2))
+def decode_step(params, cache, tables, tokens, batch: Batch, sampling: SamplingBatch, *, config, ops, vocab_limit,
+                num_steps):
     """num_steps decode steps in one dispatch (fixed trip count: no host sync between them).
 
     tokens: [B] last token of each row; batch describes the first step (q_lens 1, 0 on padding rows).
-    Returns ([num_steps, B] sampled tokens, cache). Rows that finish early keep decoding into pages the
-    scheduler reserved; the host drops what follows their end.
+    Returns (Sampled with a leading [num_steps] axis, cache, tables). Rows that finish early keep decoding into
+    pages the scheduler reserved; the host drops what follows their end.
     """
     active = batch.q_lens
 
     def body(i, carry):
-        tokens, cache, seq_lens, out = carry
-        hidden, cache = forward(params, tokens[:, None], cache, batch.replace(seq_lens=seq_lens),
-                                config=config, ops=ops)
-        nxt = sample(lm_logits(params, hidden[:, 0], config), sampling, i, vocab_limit=vocab_limit, mode=mode)
-        return nxt, cache, seq_lens + active, out.at[i].set(nxt)
+        tokens, cache, tables, seq_lens, out = carry
+        hidden, cache = forward(params, tokens[:, None], cache, batch.replace(seq_lens=seq_lens), config=config,
+                                ops=ops)
+        new = sample(lm_logits(params, hidden[:, 0], config), sampling, tables, i, vocab_limit=vocab_limit)
+        out = jax.tree.map(lambda o, n: o.at[i].set(n), out, new)
+        return new.tokens, cache, tables.count(sampling.slots, new.tokens), seq_lens + active, out
 
-    out = jnp.zeros((num_steps, tokens.shape[0]), jnp.int32)
-    _, cache, _, out = jax.lax.fori_loop(0, num_steps, body, (tokens, cache, batch.seq_lens, out))
-    return out, cache
+    b = tokens.shape[0]
+    out = Sampled(jnp.zeros((num_steps, b), jnp.int32), jnp.zeros((num_steps, b)),
+                  jnp.zeros((num_steps, b, MAX_LOGPROBS), jnp.int32), jnp.zeros((num_steps, b, MAX_LOGPROBS)))
+    _, cache, tables, _, out = jax.lax.fori_loop(0, num_steps, body, (tokens, cache, tables, batch.seq_lens, out))
+    return out, cache, tables
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _set_slot(tables: TokenTables, slot, counts, flags, bias) -> TokenTables:
+    return TokenTables(tables.counts.at[slot].set(counts), tables.flags.at[slot].set(flags),
+                       tables.bias.at[slot].set(bias))
 
 
 def bucket(n: int, buckets: tuple[int, ...]) -> int:
@@ -64,104 +87,186 @@ def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
     return tuple(out) + (hi,)
 
 
-class ModelRunner:
-    """Holds params and the KV cache on device and runs padded steps.
+# Per-row sampling fields and the value a row without a request takes (greedy, no adjustments).
+_SAMPLING_FILL = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seeds=0, counters=0, ban_steps=0,
+                      repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, logprobs=0)
+_SAMPLING_DTYPES = dict(top_k=np.int32, seeds=np.uint32, counters=np.int32, ban_steps=np.int32, logprobs=np.int32,
+                        slots=np.int32)
 
-    Compiled shapes: decode [B, 1] for B in `batch_buckets` (one step, and `decode_steps` steps per dispatch),
-    and prefill [1, T] for T in `token_buckets`: a prefill chunk runs as its own row, so the shapes stay a short
-    list that `warmup` compiles up front. ops: the kernel switch (nanojax.ops).
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """One compiled shape: `rows` rows of decode (num_steps steps) or of packed prefill (num_steps 0)."""
+    rows: int
+    num_steps: int
+
+    @property
+    def tokens_per_row(self) -> int:
+        return 1 if self.num_steps else PREFILL_ROW
+
+
+class ModelRunner:
+    """Holds params, the KV cache and the token tables on device, and runs padded steps.
+
+    ops: the kernel switch (nanojax.ops). max_prefill_tokens: the scheduler's token budget (packed prefill rows are
+    sized for it). decode_steps: the decode steps per dispatch besides 1.
     """
 
     def __init__(self, config: ModelConfig, params, *, num_pages: int, page_size: int, pages_per_seq: int,
-                 dtype, ops, vocab_limit: int, max_num_seqs: int, max_tokens_per_row: int):
+                 dtype, ops, vocab_limit: int, max_num_seqs: int, max_prefill_tokens: int, decode_steps: int):
         self.config, self.ops, self.vocab_limit = config, ops, vocab_limit
         self.params = jax.device_put(params)
         self.cache = KVCache.create(config, num_pages, page_size, dtype)
+        self.tables = TokenTables.create(max_num_seqs, config.vocab_size)
         self.pages_per_seq = pages_per_seq
-        self.batch_buckets = pow2_buckets(1, max_num_seqs)
-        self.token_buckets = pow2_buckets(16, max_tokens_per_row) if max_tokens_per_row > 16 else (
-            max_tokens_per_row,)
+        self.decode_rows = pow2_buckets(1, max_num_seqs)
+        self.prefill_rows = pow2_buckets(1, -(-max_prefill_tokens // PREFILL_ROW))
+        self.decode_steps = decode_steps
+        self._compiled: dict[Program, object] = {}
         self.compiles = 0
 
-    def decode(self, last_tokens: list[int], page_tables: list[list[int]], seq_lens: list[int],
-               sampling: dict[str, np.ndarray], mode: SamplingMode, num_steps: int = 1) -> "Pending":
-        """Dispatches num_steps decode steps for each row (seq_lens counts the last token); [num_steps, rows]."""
-        rows = len(last_tokens)
-        b = bucket(rows, self.batch_buckets)
-        tokens = np.zeros((b, 1), np.int32)
-        tokens[:rows, 0] = last_tokens
-        q_lens = (np.arange(b) < rows).astype(np.int32)
-        return Pending(self._call(tokens, page_tables, seq_lens, q_lens, sampling, mode, num_steps), rows)
+    # ----- programs -----
+    def programs(self) -> list:
+        """Every program the engine runs: the decode and prefill buckets and the token-table writer."""
+        steps = sorted({1, self.decode_steps})
+        return [Program(b, k) for b in self.decode_rows for k in steps] + [
+            Program(r, 0) for r in self.prefill_rows] + ["set_slot"]
 
-    def prefill(self, tokens: list[int], page_table: list[int], seq_len: int, sampling: dict[str, np.ndarray],
-                mode: SamplingMode) -> "Pending":
-        """Dispatches a chunk of one sequence ending at seq_len; [1, 1]: the token sampled after it."""
-        padded = np.zeros((1, bucket(len(tokens), self.token_buckets)), np.int32)
-        padded[0, :len(tokens)] = tokens
-        return Pending(self._call(padded, [page_table], [seq_len], np.array([len(tokens)], np.int32), sampling,
-                                  mode, 1), 1)
+    def compile_all(self, progress: bool = True, threads: int | None = None) -> None:
+        """Compiles every program now: traced and lowered one by one, compiled on a thread pool (the persistent
+        compilation cache, when set, answers from disk)."""
+        todo = [p for p in self.programs() if p not in self._compiled]
+        threads = threads or min(len(todo), os.cpu_count() or 1) or 1
+        with tqdm(total=len(todo), desc=f"compiling {len(todo)} programs", disable=not progress) as bar, \
+                concurrent.futures.ThreadPoolExecutor(threads) as pool:
+            futures = {}
+            for p in todo:
+                futures[pool.submit(self._lower(p).compile)] = p
+            for f in concurrent.futures.as_completed(futures):
+                self._compiled[futures[f]] = f.result()
+                self.compiles += 1
+                bar.update(1)
 
-    def warmup(self, decode_steps: int, modes: list[SamplingMode]) -> None:
-        """Compiles every bucket for each sampling mode, on padding rows that write nothing to the cache."""
-        for mode in modes:
-            for b in self.batch_buckets:
-                for steps in sorted({1, decode_steps}):
-                    self._call(np.zeros((b, 1), np.int32), [], [], np.zeros(b, np.int32),
-                               greedy_sampling(b)[0], mode, steps)
-            for t in self.token_buckets:
-                self._call(np.zeros((1, t), np.int32), [], [], np.zeros(1, np.int32), greedy_sampling(1)[0], mode, 1)
+    def _lower(self, p):
+        if p == "set_slot":
+            row = lambda dtype: jax.ShapeDtypeStruct((self.config.vocab_size,), dtype)  # noqa: E731
+            return _set_slot.trace(self.tables, np.int32(0), row(jnp.int32), row(jnp.int8), row(jnp.float32)).lower()
+        b, t = p.rows, p.tokens_per_row
+        tokens = jax.ShapeDtypeStruct((b,) if p.num_steps else (b, t), jnp.int32)
+        args = (self.params, self.cache, self.tables, tokens, *self._inputs(p, [], [], [], {}))
+        kw = dict(config=self.config, ops=self.ops, vocab_limit=self.vocab_limit)
+        if p.num_steps:
+            return decode_step.trace(*args, **kw, num_steps=p.num_steps).lower()
+        return prefill_step.trace(*args, **kw).lower()
 
-    def _call(self, tokens: np.ndarray, page_tables, seq_lens, q_lens: np.ndarray, sampling, mode, num_steps):
-        """Dispatches one compiled step; returns its sampled tokens [num_steps, rows] on device, not waited for."""
-        rows = tokens.shape[0]
+    def _program(self, p):
+        if p not in self._compiled:  # lazily, when compile_all was not called (CPU tests)
+            self._compiled[p] = self._lower(p).compile()
+            self.compiles += 1
+        return self._compiled[p]
+
+    def _run(self, p: Program, tokens: np.ndarray, page_tables, seq_lens, q_lens, sampling: dict) -> Sampled:
+        # One transfer for all of the step's host arrays: a jnp.asarray per array costs ~0.3 ms each on the H100
+        # machine, which made the host, not the GPU, the bottleneck of a dispatch (docs/perf_notes.md).
+        args = jax.device_put((tokens, *self._inputs(p, page_tables, seq_lens, q_lens, sampling)))
+        out, self.cache, self.tables = self._program(p)(self.params, self.cache, self.tables, *args)
+        return out
+
+    def _inputs(self, p: Program, page_tables, seq_lens, q_lens, sampling: dict) -> tuple[Batch, SamplingBatch]:
+        """Host arrays of a step, padded to the program's rows (padding rows: q_len 0, greedy, neutral slot)."""
+        rows = p.rows
         table = np.zeros((rows, self.pages_per_seq), np.int32)
         for i, pages in enumerate(page_tables):
             table[i, :len(pages)] = pages
-        lens = np.zeros(rows, np.int32)
-        lens[:len(seq_lens)] = seq_lens
-        batch = Batch(page_table=table, seq_lens=lens, q_lens=q_lens)
-        samp = SamplingBatch(**{k: _pad_rows(v, rows, PAD_ID if k.endswith("_ids") else 0)
-                                for k, v in sampling.items()})
-        # One transfer for all of the step's host arrays: a jnp.asarray per array costs ~0.3 ms each on the
-        # H100 machine, which made the host, not the GPU, the bottleneck of a dispatch (docs/perf_notes.md).
-        tokens, batch, samp = jax.device_put((tokens if num_steps == 1 else tokens[:, 0], batch, samp))
-        fn = step if num_steps == 1 else functools.partial(multi_decode, num_steps=num_steps)
-        before = _cache_size(fn)
-        out, self.cache = fn(self.params, self.cache, tokens, batch, samp, config=self.config, ops=self.ops,
-                             vocab_limit=self.vocab_limit, mode=mode)
-        self.compiles += _cache_size(fn) - before
-        return out
+        lens, qs = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
+        lens[:len(seq_lens)], qs[:len(q_lens)] = seq_lens, q_lens
+        return Batch(page_table=table, seq_lens=lens, q_lens=qs), sampling_batch(sampling, rows, self.neutral_slot)
+
+    @property
+    def neutral_slot(self) -> int:
+        return self.tables.counts.shape[0] - 1
+
+    # ----- steps -----
+    def decode(self, last_tokens: list[int], page_tables: list[list[int]], seq_lens: list[int],
+               sampling: dict[str, list], num_steps: int = 1) -> "Pending":
+        """Dispatches num_steps decode steps for each row (seq_lens counts the last token); [num_steps, rows]."""
+        p = Program(bucket(len(last_tokens), self.decode_rows), num_steps)
+        tokens = np.zeros(p.rows, np.int32)
+        tokens[:len(last_tokens)] = last_tokens
+        return Pending(self._run(p, tokens, page_tables, seq_lens, [1] * len(last_tokens), sampling))
+
+    def prefill(self, chunks: list[tuple[list[int], list[int], int, dict | None]]) -> list[tuple["Pending", int]]:
+        """Dispatches prompt chunks (tokens, page_table, seq_len after the chunk, sampling fields of the chunk's
+        request or None when it samples nothing), packed into as few dispatches as the largest bucket allows.
+        Returns each chunk's (Pending, row): its sampled token is Pending.tokens()[0, row]."""
+        results, batch = [], []
+        rows_in = lambda cs: sum(-(-len(c[0]) // PREFILL_ROW) for c in cs)  # noqa: E731
+        for chunk in chunks:
+            if batch and rows_in(batch + [chunk]) > self.prefill_rows[-1]:
+                results += self._prefill_packed(batch)
+                batch = []
+            batch.append(chunk)
+        return results + self._prefill_packed(batch)
+
+    def _prefill_packed(self, chunks) -> list[tuple["Pending", int]]:
+        tokens, tables, lens, q_lens, last_rows = [], [], [], [], []
+        sampling = {name: [] for name in [*_SAMPLING_FILL, "slots"]}
+        for ids, table, seq_len, fields in chunks:
+            start = seq_len - len(ids)
+            for r in range(0, len(ids), PREFILL_ROW):
+                row = ids[r:r + PREFILL_ROW]
+                tokens.append(row + [0] * (PREFILL_ROW - len(row)))
+                tables.append(table)
+                lens.append(start + r + len(row))
+                q_lens.append(len(row))
+                last = r + PREFILL_ROW >= len(ids)
+                for name, fill in {**_SAMPLING_FILL, "slots": self.neutral_slot}.items():
+                    sampling[name].append(fields[name] if last and fields else fill)
+            last_rows.append(len(tokens) - 1)
+        p = Program(bucket(len(tokens), self.prefill_rows), 0)
+        padded = np.zeros((p.rows, PREFILL_ROW), np.int32)
+        padded[:len(tokens)] = tokens
+        pending = Pending(self._run(p, padded, tables, lens, q_lens, sampling))
+        return [(pending, row) for row in last_rows]
+
+    def set_slot(self, slot: int, counts: np.ndarray, flags: np.ndarray, bias: np.ndarray) -> None:
+        """Writes one request's token tables ([V] each) into `slot`, queued before the next step."""
+        self.tables = self._program("set_slot")(self.tables, np.int32(slot), counts, flags, bias)
 
 
 class Pending:
-    """A dispatched step's sampled tokens, still on device: the host goes on (schedules, dispatches more, streams
-    text) while the GPU computes, and waits only in `get`."""
+    """A dispatched step's results, still on device: the host goes on (schedules, dispatches more, streams text)
+    while the GPU computes, and waits only when it reads them."""
 
-    def __init__(self, tokens: jax.Array, rows: int):
-        self._tokens, self._rows, self._host = tokens, rows, None
+    def __init__(self, out: Sampled):
+        self._out, self._tokens, self._logprobs = out, None, None
 
-    def get(self) -> np.ndarray:
-        """-> [num_steps, rows] int32 (waits for the step; copied to the host once, however many rows read it)."""
-        if self._host is None:
-            self._host = np.asarray(self._tokens)[:, :self._rows]
-        return self._host
+    def tokens(self) -> np.ndarray:
+        """-> [num_steps, rows] int32 (waits for the step; copied to the host once)."""
+        if self._tokens is None:
+            self._tokens = np.asarray(self._out.tokens)
+        return self._tokens
 
-
-def _pad_rows(v: np.ndarray, rows: int, fill) -> np.ndarray:
-    return np.pad(v, [(0, rows - v.shape[0])] + [(0, 0)] * (v.ndim - 1), constant_values=fill)
-
-
-def greedy_sampling(rows: int) -> tuple[dict[str, np.ndarray], SamplingMode]:
-    """Sampling arrays for `rows` greedy rows with no adjustments (benchmarks drive the runner with these)."""
-    zeros_f, zeros_i, none = np.zeros(rows, np.float32), np.zeros(rows, np.int32), np.full((rows, 1), PAD_ID)
-    arrays = dict(temperature=zeros_f, top_k=zeros_i, top_p=zeros_f + 1, min_p=zeros_f,
-                  seeds=zeros_i.astype(np.uint32), counters=zeros_i, banned_ids=none, ban_steps=zeros_i,
-                  bias_ids=none, bias_values=np.zeros((rows, 1), np.float32), seen_ids=none,
-                  seen_counts=np.zeros((rows, 1), np.int32), repetition_penalty=zeros_f + 1,
-                  presence_penalty=zeros_f, frequency_penalty=zeros_f)
-    return arrays, SamplingMode(random=False, filtered=False, adjusted=False)
+    def logprobs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """-> (logprobs [num_steps, rows], top_ids and top_logprobs [num_steps, rows, MAX_LOGPROBS]), fetched only
+        for steps whose requests asked for logprobs."""
+        if self._logprobs is None:
+            self._logprobs = jax.device_get((self._out.logprobs, self._out.top_ids, self._out.top_logprobs))
+        return self._logprobs
 
 
-def _cache_size(fn) -> int:
-    fn = getattr(fn, "func", fn)
-    return fn._cache_size()
+def sampling_batch(fields: dict[str, list], rows: int, neutral_slot: int) -> SamplingBatch:
+    """Per-row sampling fields (a prefix of the rows; absent fields and the rows after take the fill values) ->
+    numpy SamplingBatch of `rows` rows."""
+    out = {}
+    for name, fill in {**_SAMPLING_FILL, "slots": neutral_slot}.items():
+        col = np.full(rows, fill, _SAMPLING_DTYPES.get(name, np.float32))
+        values = fields.get(name, ())
+        col[:len(values)] = values
+        out[name] = col
+    return SamplingBatch(**out)
+
+
+def greedy_sampling(rows: int) -> dict[str, list]:
+    """Sampling fields for `rows` greedy rows with no adjustments (benchmarks drive the runner with these)."""
+    return {name: [fill] * rows for name, fill in _SAMPLING_FILL.items()}

@@ -1,20 +1,30 @@
-"""Token sampling on device, inside the compiled step: per-row parameters, reproducible per-request seeds."""
-import dataclasses
+"""Token sampling on device, inside the compiled step: one program for any mix of sampling parameters.
 
+Every row carries its own parameters as data, so greedy, random, filtered, biased and penalized rows share one
+compiled program. What each costs on the H100 decided the shape (docs/perf_notes.md, "Sampling"):
+- Random rows add Gumbel noise from a counter-based hash of (seed, counter, token id), computed inside the argmax
+  fusion: no [B, V] noise array, and a seeded row draws the same numbers whatever else shares its batch.
+- logit_bias, the penalties and the min_tokens ban read per-request token tables (`TokenTables`, one row per slot,
+  kept on the device and updated in the step); rows that use none of them read the shared all-zero row, which stays
+  in L2.
+- Top-k / top-p / min-p and top-N logprobs need a full-vocabulary sort (1.8 ms at batch 64): it runs under the step's
+  only `lax.cond`, taken when some row asks for it. A conditional syncs the host once per step (~15-19 us measured).
+"""
 import flax.struct
 import jax
 import jax.numpy as jnp
 
-
-PAD_ID = 2**31 - 1  # out of range, so scatters drop it (a negative index would wrap around to the last token)
+from nanojax.sampling_params import MAX_LOGPROBS
+PROMPT, BANNED = 1, 2  # TokenTables.flags bits: the token is in the prompt; it may not be drawn before min_tokens
 
 
 @flax.struct.dataclass
 class SamplingBatch:
-    """Per-row sampling state; [B] unless noted. Sparse per-row token lists are padded with PAD_ID.
+    """Per-row sampling parameters, each [B]. temperature 0 is greedy; top_k 0, top_p 1, min_p 0 disable filters.
 
-    temperature 0 means greedy. seeds and counters give each row its own key: fold_in(key(seed), counter), so a
-    seeded request draws the same numbers whatever else shares its batch.
+    seeds and counters key each row's noise (the counter advances by one per sampled token); slots index the row's
+    `TokenTables` row (the shared zero row, `TokenTables.neutral`, for rows with no bias, penalty or ban);
+    ban_steps: the BANNED tokens stay banned for this row's next ban_steps steps; logprobs: top logprobs wanted.
     """
 
     temperature: jax.Array
@@ -23,75 +33,128 @@ class SamplingBatch:
     min_p: jax.Array
     seeds: jax.Array
     counters: jax.Array
-    banned_ids: jax.Array  # [B, N] ids that may not be drawn (EOS/stop ids before min_tokens) ...
-    ban_steps: jax.Array  # ... during the next ban_steps steps of this row
-    bias_ids: jax.Array  # [B, L] logit_bias token ids ...
-    bias_values: jax.Array  # [B, L] ... and the values added to their logits
-    seen_ids: jax.Array  # [B, U] distinct tokens of prompt + output (repetition penalty) ...
-    seen_counts: jax.Array  # [B, U] ... and how often each occurs in the output (presence/frequency)
+    slots: jax.Array
+    ban_steps: jax.Array
     repetition_penalty: jax.Array
     presence_penalty: jax.Array
     frequency_penalty: jax.Array
+    logprobs: jax.Array
 
 
-@dataclasses.dataclass(frozen=True)
-class SamplingMode:
-    """Static: which parts of sampling a batch needs, so a greedy batch compiles to a bare argmax."""
+@flax.struct.dataclass
+class TokenTables:
+    """Per-request token state on the device, one row per slot plus the all-zero last row ([S + 1, V] each).
 
-    random: bool  # some row has temperature > 0
-    filtered: bool  # some row uses top-k / top-p / min-p (needs a full-vocabulary sort)
-    adjusted: bool  # some row uses logit_bias or penalties
-
-
-def sample(logits, s: SamplingBatch, step, *, vocab_limit: int, mode: SamplingMode):
-    """logits: [B, V] f32 -> tokens [B] int32, for the `step`-th step of a multi-step dispatch (0 for one step).
-
-    Rows past `vocab_limit` (embedding padding the tokenizer never produces) are never drawn.
+    counts: int32, occurrences of each token in the request's output (presence / frequency penalties);
+    flags: int8, PROMPT | BANNED bits; bias: float32, logit_bias.
     """
-    batch, vocab = logits.shape
-    rows = jnp.arange(batch)[:, None]
-    if mode.adjusted:
-        logits = _adjust(logits, s, rows)
-    banned = jnp.zeros((batch, vocab), bool).at[rows, s.banned_ids].set((step < s.ban_steps)[:, None], mode="drop")
-    logits = jnp.where(banned | (jnp.arange(vocab) >= vocab_limit)[None, :], -jnp.inf, logits)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    if not mode.random:
-        return greedy
-    scaled = logits / jnp.maximum(s.temperature, 1e-6)[:, None]
-    keys = jax.vmap(lambda seed, c: jax.random.fold_in(jax.random.key(seed), c))(s.seeds, s.counters + step)
-    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (vocab,), jnp.float32))(keys)
-    drawn = _sample_filtered(scaled, gumbel, s) if mode.filtered else jnp.argmax(scaled + gumbel, axis=-1)
-    return jnp.where(s.temperature > 0, drawn, greedy).astype(jnp.int32)
+
+    counts: jax.Array
+    flags: jax.Array
+    bias: jax.Array
+
+    @classmethod
+    def create(cls, num_slots: int, vocab: int) -> "TokenTables":
+        shape = (num_slots + 1, vocab)
+        return cls(jnp.zeros(shape, jnp.int32), jnp.zeros(shape, jnp.int8), jnp.zeros(shape, jnp.float32))
+
+    @property
+    def neutral(self) -> int:
+        return self.counts.shape[0] - 1
+
+    def count(self, slots, tokens):
+        """Adds one occurrence of tokens [B] in slots [B]; the neutral row is never written."""
+        slots = jnp.where(slots == self.neutral, self.counts.shape[0], slots)  # out of range: dropped
+        return self.replace(counts=self.counts.at[slots, tokens].add(1, mode="drop"))
 
 
-def _adjust(logits, s: SamplingBatch, rows):
-    """logit_bias, then the repetition penalty (HF's: over prompt and output) and the presence/frequency
-    penalties (OpenAI's: over the output only)."""
-    logits = logits.at[rows, s.bias_ids].add(s.bias_values, mode="drop")
-    seen = jnp.take_along_axis(logits, jnp.minimum(s.seen_ids, logits.shape[1] - 1), axis=1)
+@flax.struct.dataclass
+class Sampled:
+    """What a step returns per row: tokens [B] int32, their logprobs [B] f32, and the top MAX_LOGPROBS tokens and
+    logprobs [B, MAX_LOGPROBS] (zeros unless a row of the batch asked for logprobs)."""
+
+    tokens: jax.Array
+    logprobs: jax.Array
+    top_ids: jax.Array
+    top_logprobs: jax.Array
+
+
+def sample(logits, s: SamplingBatch, tables: TokenTables, step, *, vocab_limit: int) -> Sampled:
+    """logits: [B, V] f32 -> Sampled, for the `step`-th step of a multi-step dispatch (0 for one step).
+
+    Logprobs are those of the model's distribution after bias and penalties, before temperature and filters.
+    Tokens past `vocab_limit` (embedding padding the tokenizer never produces) are never drawn.
+    """
+    logits = _adjust(logits, s, tables, step, vocab_limit)
+    log_norm = jax.nn.logsumexp(logits, axis=-1)
+    noisy = _scaled(logits, s) + _gumbel(s.seeds, s.counters + step, logits.shape[1])
+    plain = jnp.argmax(jnp.where(s.temperature[:, None] > 0, noisy, logits), axis=-1).astype(jnp.int32)
+    needs_sort = jnp.any((s.top_k > 0) | (s.top_p < 1) | (s.min_p > 0) | (s.logprobs > 0))
+    # The branches recompute the noise rather than take it as an operand, which would write it out as a [B, V] array.
+    tokens, top_ids, top_logprobs = jax.lax.cond(needs_sort, _sorted_path, _plain_path, logits, log_norm, plain, s,
+                                                 step)
+    chosen = jnp.take_along_axis(logits, tokens[:, None], axis=1)[:, 0] - log_norm
+    return Sampled(tokens, chosen, top_ids, top_logprobs)
+
+
+def _adjust(logits, s: SamplingBatch, tables: TokenTables, step, vocab_limit):
+    """logit_bias, then the repetition penalty (HF's: over prompt and output), the presence/frequency penalties
+    (OpenAI's: over the output only), the min_tokens ban and the vocabulary limit."""
+    counts, flags = tables.counts[s.slots], tables.flags[s.slots]
+    logits = logits + tables.bias[s.slots]
+    seen = ((flags & PROMPT) != 0) | (counts > 0)
     rep = s.repetition_penalty[:, None]
-    penalized = jnp.where(seen > 0, seen / rep, seen * rep)
-    counts = s.seen_counts.astype(jnp.float32)
-    penalized -= s.frequency_penalty[:, None] * counts + s.presence_penalty[:, None] * (counts > 0)
-    return logits.at[rows, s.seen_ids].set(penalized, mode="drop")
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    logits -= s.frequency_penalty[:, None] * counts + s.presence_penalty[:, None] * (counts > 0)
+    banned = ((flags & BANNED) != 0) & (step < s.ban_steps)[:, None]
+    return jnp.where(banned | (jnp.arange(logits.shape[1]) >= vocab_limit)[None, :], -jnp.inf, logits)
 
 
-def _sample_filtered(scaled, gumbel, s: SamplingBatch):
-    """Top-k, then top-p over what is left, then min-p (relative to the top token), then a Gumbel-max draw.
+def _gumbel(seeds, counters, vocab):
+    """[B, V] standard Gumbel noise, a pure function of (seed, counter, token id): murmur3's finalizer chained over
+    the three, its top 24 bits as a uniform in (0, 1)."""
+    def mix(h):
+        h ^= h >> 16
+        h *= jnp.uint32(0x85EBCA6B)
+        h ^= h >> 13
+        h *= jnp.uint32(0xC2B2AE35)
+        return h ^ (h >> 16)
 
-    The noise is indexed by token id, as in the unfiltered draw, so a seeded row draws the same numbers whether or
-    not a filtered row shares its batch (and its filters are off).
-    """
-    order = jnp.argsort(-scaled, axis=-1)
-    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
-    rank = jnp.arange(scaled.shape[-1])[None, :]
+    token = jnp.arange(vocab, dtype=jnp.uint32)[None, :]
+    row = mix(seeds.astype(jnp.uint32) ^ mix(counters.astype(jnp.uint32) + jnp.uint32(0x9E3779B9)))
+    bits = mix(row[:, None] ^ (token * jnp.uint32(0x9E3779B9) + jnp.uint32(0x7F4A7C15)))
+    u = ((bits >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))
+    return -jnp.log(-jnp.log(u))
+
+
+def _scaled(logits, s: SamplingBatch):
+    return logits / jnp.maximum(s.temperature, 1e-6)[:, None]
+
+
+def _plain_path(logits, log_norm, plain, s, step):
+    zeros = jnp.zeros((logits.shape[0], MAX_LOGPROBS))
+    return plain, zeros.astype(jnp.int32), zeros
+
+
+def _sorted_path(logits, log_norm, plain, s, step):
+    """Top-k, then top-p over what is left, then min-p (relative to the top token), then a Gumbel-max draw over the
+    kept tokens; and the top MAX_LOGPROBS logprobs. The noise is indexed by token id, as in the plain draw, so a row
+    without filters draws the same token on either path."""
+    order = jnp.argsort(-logits, axis=-1)  # temperature does not change the order
+    sorted_scaled = jnp.take_along_axis(_scaled(logits, s), order, axis=-1)
+    probs = jax.nn.softmax(sorted_scaled, axis=-1)
+    rank = jnp.arange(logits.shape[-1])[None, :]
     keep = (s.top_k[:, None] <= 0) | (rank < s.top_k[:, None])
     kept_probs = jnp.where(keep, probs, 0.0)
     kept_probs = kept_probs / jnp.sum(kept_probs, axis=-1, keepdims=True)
-    mass_before = jnp.cumsum(kept_probs, axis=-1) - kept_probs
-    keep &= mass_before < s.top_p[:, None]
+    keep &= jnp.cumsum(kept_probs, axis=-1) - kept_probs < s.top_p[:, None]
     keep &= probs >= s.min_p[:, None] * probs[:, :1]
     keep = keep.at[:, 0].set(True)
-    choice = jnp.argmax(jnp.where(keep, sorted_logits + jnp.take_along_axis(gumbel, order, axis=-1), -jnp.inf), -1)
-    return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
+    noisy = sorted_scaled + jnp.take_along_axis(_gumbel(s.seeds, s.counters + step, logits.shape[1]), order, axis=-1)
+    choice = jnp.argmax(jnp.where(keep, noisy, -jnp.inf), -1)
+    drawn = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    tokens = jnp.where(s.temperature > 0, drawn, plain)
+    top_ids = order[:, :MAX_LOGPROBS].astype(jnp.int32)
+    top_logprobs = jnp.take_along_axis(logits, top_ids, axis=-1) - log_norm[:, None]
+    pad = [(0, 0), (0, MAX_LOGPROBS - top_ids.shape[1])]  # vocabularies smaller than MAX_LOGPROBS (tests)
+    return tokens, jnp.pad(top_ids, pad), jnp.pad(top_logprobs, pad, constant_values=-jnp.inf)

@@ -1,6 +1,8 @@
 """Per-request sampling parameters (plain Python, validated on construction)."""
 import dataclasses
 
+MAX_LOGPROBS = 20  # OpenAI's limit on top logprobs; the compiled step computes this many
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -9,6 +11,9 @@ class SamplingParams:
     seed: makes this request's samples reproducible whatever else is in the batch.
     stop_token_ids: end generation (like EOS); stop: strings that end generation, cut from the text.
     min_tokens: EOS and stop_token_ids cannot end generation before this many tokens.
+    n: independent choices for the prompt (they share its KV pages).
+    logprobs: None, or the number (0..20) of most likely tokens whose logprobs come with each generated token, beside
+    the generated token's own (RequestOutput.logprobs).
     """
 
     temperature: float = 1.0
@@ -25,6 +30,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # HF's: divides positive / multiplies negative logits of seen tokens
     presence_penalty: float = 0.0  # OpenAI's: subtracted once from every token already in the output
     frequency_penalty: float = 0.0  # OpenAI's: subtracted per occurrence in the output
+    n: int = 1
+    logprobs: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
@@ -45,6 +52,9 @@ class SamplingParams:
             (-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
             (-2 <= self.frequency_penalty <= 2,
              f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
+            (isinstance(self.n, int) and self.n >= 1, f"n must be an int >= 1, got {self.n}"),
+            (self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
+             f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs}"),
             (all(isinstance(t, int) and t >= 0 for t in (self.logit_bias or {})),
              f"logit_bias keys must be non-negative token ids, got {list(self.logit_bias or {})[:4]}"),
         ]

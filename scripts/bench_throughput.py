@@ -55,7 +55,7 @@ def run_nanojax(hf_model, prompts, max_tokens, args) -> dict:
     seconds = time.perf_counter() - t0
     assert [len(o.token_ids) for o in outs] == max_tokens, "a request did not produce its max_tokens"
     return {"tok_s": sum(max_tokens) / seconds, "seconds": seconds, "startup_compile_s": compile_s,
-            "recompiles_during_run": llm.runner.compiles - compiles, "num_pages": llm.block_manager.num_blocks}
+            "recompiles_during_run": llm.runner.compiles - compiles, "num_pages": llm.page_manager.num_pages}
 
 
 def main():

@@ -2,6 +2,7 @@
 multi-step decode, and equal to HF; bad requests get clear errors; steady state does not recompile."""
 import pytest
 from conftest import hf_greedy, random_prompts
+from test_page_manager import check_invariants
 
 from nanojax import LLM, SamplingParams
 
@@ -32,8 +33,8 @@ def test_greedy_equal_to_hf_under_every_engine_path(qwen3, engine_args):
     assert [o.token_ids for o in outs] == expected
     if "num_pages" in engine_args:
         assert llm.scheduler.num_preemptions > 0
-    llm.block_manager.check_invariants()
-    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+    check_invariants(llm.page_manager)
+    assert llm.page_manager.num_free_pages == llm.page_manager.num_pages
 
 
 def test_prefix_cache_hits_give_the_same_tokens(qwen3):
@@ -55,14 +56,24 @@ def test_shared_prefix_is_computed_once(qwen3):
     assert [first.token_ids, second.token_ids] == expected[-2:]
 
 
-def test_no_recompiles_in_steady_state(qwen3):
+def test_no_compiles_after_warmup_for_any_request_mix(qwen3):
+    """After warmup() no mix of sampling parameters, prompt lengths up to max_model_len or batch sizes up to
+    max_num_seqs compiles anything."""
     folder, prompts, _ = qwen3
-    llm = LLM(folder, dtype="float32", page_size=4, max_model_len=96, max_num_seqs=8)
-    llm.warmup(sampled=False)
+    llm = LLM(folder, dtype="float32", page_size=4, max_model_len=96, max_num_seqs=8, max_num_batched_tokens=64)
+    llm.warmup(progress=False)
     compiled = llm.runner.compiles
-    assert compiled == 2 * 4 + 4  # batch buckets 1..8 x (1 step, 8 steps) + prefill buckets 16..96
-    llm.generate(prompts, GREEDY, use_tqdm=False)
-    llm.generate(prompts[::-1][:5], GREEDY, use_tqdm=False)
+    assert compiled == len(llm.runner.programs()) == 4 * 2 + 1 + 1  # decode 1..8 x (1, 8 steps), prefill 1 row, tables
+    mix = [GREEDY, SamplingParams(temperature=0.7, top_p=0.9, max_tokens=9, seed=1),
+           SamplingParams(temperature=1.0, top_k=5, max_tokens=5), SamplingParams(temperature=0.5, min_p=0.1),
+           SamplingParams(temperature=0, presence_penalty=0.5, frequency_penalty=0.3, max_tokens=12),
+           SamplingParams(temperature=0.9, repetition_penalty=1.3, logit_bias={3: 2.0, 7: -5.0}, max_tokens=6),
+           SamplingParams(temperature=0, min_tokens=4, max_tokens=8, logprobs=5),
+           SamplingParams(temperature=0.8, n=3, max_tokens=4, logprobs=0)]
+    long_prompts = random_prompts(97, [1, 2, 63, 64, 65, 90], seed=9)
+    for batch in (1, 3, 8, len(prompts) + len(long_prompts)):
+        chosen = (prompts + long_prompts)[:batch]
+        llm.generate(chosen, [mix[i % len(mix)] for i in range(batch)], use_tqdm=False)
     assert llm.runner.compiles == compiled
 
 

@@ -2,6 +2,7 @@
 early. Greedy tokens are checked against HF (conftest.hf_greedy) wherever cached pages are reused."""
 import pytest
 from conftest import hf_greedy, random_prompts
+from test_page_manager import check_invariants
 from test_sampling import byte_tokenizer  # the tiny in-memory tokenizer, for text and stop strings
 
 from nanojax import LLM, SamplingParams
@@ -25,30 +26,30 @@ def pressure(llm: LLM, seed: int) -> None:
 def test_pinned_prefix_survives_pressure_until_unpinned(qwen3):
     folder, model = qwen3
     llm = LLM(folder, dtype="float32", page_size=4, max_model_len=96, num_pages=20, max_num_seqs=2)
-    bm = llm.block_manager
+    bm = llm.page_manager
     system = random_prompts(97, [26], seed=30)[0]  # 6 full pages + 2 tokens
     user = [system + q for q in random_prompts(97, [5, 3], seed=31)] + [system]
     expected = [hf_greedy(model, p, GREEDY.max_tokens) for p in user]
 
     handle = llm.pin_prefix(system)
-    assert bm.num_pinned_blocks == 6 and bm.num_free_blocks == 20 - 6
+    assert bm.num_pinned_pages == 6 and bm.num_free_pages == 20 - 6
     for round_, prompt in enumerate(user):
         pressure(llm, seed=40 + round_)
         out = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
         assert out.num_cached_tokens == 24 and out.token_ids == expected[round_]
     both = llm.generate(user[:2], GREEDY, use_tqdm=False)  # two requests share the pinned pages at once
     assert [o.num_cached_tokens for o in both] == [24, 24] and [o.token_ids for o in both] == expected[:2]
-    bm.check_invariants()
+    check_invariants(bm)
 
     llm.unpin(handle)
-    assert bm.num_pinned_blocks == 0 and bm.num_free_blocks == bm.num_blocks
+    assert bm.num_pinned_pages == 0 and bm.num_free_pages == bm.num_pages
     out = llm.generate([system + [7, 7, 7]], GREEDY, use_tqdm=False)[0]  # unpinning does not clear the pages
     assert out.num_cached_tokens == 24
     pressure(llm, seed=50)  # now the pressure evicts them like any other page
     out = llm.generate([user[1]], GREEDY, use_tqdm=False)[0]
     assert out.num_cached_tokens == 0 and out.token_ids == expected[1]
-    bm.check_invariants()
-    assert bm.num_free_blocks == bm.num_blocks
+    check_invariants(bm)
+    assert bm.num_free_pages == bm.num_pages
 
 
 def test_pins_are_independent_and_bad_calls_are_rejected(qwen3):
@@ -56,15 +57,15 @@ def test_pins_are_independent_and_bad_calls_are_rejected(qwen3):
     llm = LLM(folder, dtype="float32", page_size=4, max_model_len=32)
     system = random_prompts(97, [10], seed=32)[0]  # 2 full pages; the 2 tokens after them are not pinned
     a, b = llm.pin_prefix(system), llm.pin_prefix(system + [1, 2, 3, 4, 5])  # the second adds a third page
-    assert a != b and llm.block_manager.num_pinned_blocks == 3
+    assert a != b and llm.page_manager.num_pinned_pages == 3
     llm.unpin(b)
-    assert llm.block_manager.num_pinned_blocks == 2  # the shared pages stay pinned by `a`
+    assert llm.page_manager.num_pinned_pages == 2  # the shared pages stay pinned by `a`
     with pytest.raises(ValueError, match="unknown pin handle"):
         llm.unpin(b)  # twice
     with pytest.raises(ValueError, match="unknown pin handle"):
         llm.unpin(12345)
     llm.unpin(a)
-    assert llm.block_manager.num_pinned_blocks == 0
+    assert llm.page_manager.num_pinned_pages == 0
     with pytest.raises(ValueError, match="less than one KV page"):
         llm.pin_prefix([1, 2, 3])
     with pytest.raises(ValueError, match="max_model_len=32"):
@@ -75,7 +76,7 @@ def test_pins_are_independent_and_bad_calls_are_rejected(qwen3):
         llm.pin_prefix([5] * 8 + [97])
     with pytest.raises(ValueError, match="stop strings need a tokenizer"):
         llm.generate([system], SamplingParams(stop="x"), use_tqdm=False)
-    assert not llm.scheduler.has_unfinished() and llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+    assert not llm.scheduler.has_unfinished() and llm.page_manager.num_free_pages == llm.page_manager.num_pages
 
 
 def test_decode_steps_default_per_platform_and_rejected_below_one(qwen3):
@@ -193,6 +194,6 @@ def test_closing_a_stream_early_aborts_its_requests(qwen3):
         llm.generate(prompts[:1], GREEDY, use_tqdm=False)
     stream.close()
     assert not llm.scheduler.has_unfinished()
-    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+    assert llm.page_manager.num_free_pages == llm.page_manager.num_pages
     outs = llm.generate(prompts[::-1], GREEDY, use_tqdm=False)  # the aborted requests do not come back
     assert [o.token_ids for o in outs] == [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts[::-1]]

@@ -18,8 +18,8 @@ from scipy import stats
 
 from nanojax import LLM, SamplingParams
 from nanojax.loader import load_model
-from nanojax.runner import greedy_sampling
-from nanojax.sampling import PAD_ID, SamplingBatch, SamplingMode, _adjust, sample
+from nanojax.runner import sampling_batch
+from nanojax.sampling import BANNED, PROMPT, TokenTables, _adjust, sample
 
 V = 8
 N = 20000  # draws per distribution test
@@ -27,32 +27,48 @@ N = 20000  # draws per distribution test
 # the id order (the filter must map ranks back to token ids).
 PROBS = np.array([0.09, 0.30, 0.02, 0.16, 0.06, 0.22, 0.03, 0.12])
 LOGITS = np.log(PROBS).astype(np.float32) + 1.5  # logits are only defined up to a constant
-GREEDY, RANDOM = SamplingMode(False, False, False), SamplingMode(True, False, False)
-FILTERED, ADJUSTED = SamplingMode(True, True, False), SamplingMode(True, True, True)
 
 
-@functools.partial(jax.jit, static_argnames=("vocab_limit", "mode"))
-def _sample(logits, batch, step, *, vocab_limit, mode):
-    return sample(logits, batch, step, vocab_limit=vocab_limit, mode=mode)
+@functools.partial(jax.jit, static_argnames=("vocab_limit",))
+def _sample(logits, batch, tables, step, *, vocab_limit):
+    return sample(logits, batch, tables, step, vocab_limit=vocab_limit).tokens
 
 
-def draw(logits, mode=FILTERED, step=0, vocab_limit=V, **rows) -> np.ndarray:
-    """sample() on a batch built like nanojax.runner.greedy_sampling, with the given per-row fields (a scalar is
-    broadcast to every row; 2-d id lists are ragged, padded with PAD_ID). logits: [V] (broadcast) or [B, V]."""
+def batch_and_tables(b, bias=None, seen=None, banned=None, **rows):
+    """A SamplingBatch of b rows with the given per-row fields (a scalar is broadcast to every row), and token
+    tables with one slot per row: bias {token: value}, seen {token: count in the output; 0 = prompt only} and
+    banned [token ids] per row (a single dict or list is broadcast)."""
+    fields = {k: np.broadcast_to(np.asarray(v), (b,)).tolist() for k, v in rows.items()}
+    counts, flags, biases = (np.zeros((b + 1, V), dt) for dt in (np.int32, np.int8, np.float32))
+    for name, per_row in (("bias", bias), ("seen", seen), ("banned", banned)):
+        if per_row is None or isinstance(per_row, dict) or (per_row and isinstance(per_row[0], int)):
+            per_row = [per_row] * b
+        for i, entry in enumerate(per_row):
+            for t in entry or ():
+                if name == "bias":
+                    biases[i, t] = entry[t]
+                elif name == "seen":
+                    counts[i, t] = entry[t]
+                    flags[i, t] |= PROMPT if entry[t] == 0 else 0
+                else:
+                    flags[i, t] |= BANNED
+    tables = TokenTables(jnp.asarray(counts), jnp.asarray(flags), jnp.asarray(biases))
+    batch = sampling_batch({**fields, "slots": list(range(b))}, b, tables.neutral)
+    return jax.tree.map(jnp.asarray, batch), tables
+
+
+def draw(logits, step=0, vocab_limit=V, **rows) -> np.ndarray:
+    """sample() on a batch built by batch_and_tables(**rows). logits: [V] (broadcast) or [B, V]."""
     logits = np.asarray(logits, np.float32)
     b = len(rows["counters"]) if "counters" in rows else (logits.shape[0] if logits.ndim == 2 else 1)
-    arrays, _ = greedy_sampling(b)
-    for k, v in rows.items():
-        v = np.asarray(v, arrays[k].dtype)
-        arrays[k] = np.broadcast_to(v, (b, *v.shape[1:]) if v.ndim else arrays[k].shape).copy()
-    batch = SamplingBatch(**{k: jnp.asarray(v) for k, v in arrays.items()})
+    batch, tables = batch_and_tables(b, **rows)
     logits = np.broadcast_to(logits, (b, logits.shape[-1]))
-    return np.asarray(_sample(jnp.asarray(logits), batch, step, vocab_limit=vocab_limit, mode=mode))
+    return np.asarray(_sample(jnp.asarray(logits), batch, tables, step, vocab_limit=vocab_limit))
 
 
-def draws(mode=FILTERED, logits=LOGITS, seed=1234, step=0, vocab_limit=V, **params) -> np.ndarray:
+def draws(logits=LOGITS, seed=1234, step=0, vocab_limit=V, **params) -> np.ndarray:
     """N draws from one row's parameters: same seed, counters 0..N-1, as one batched call."""
-    return draw(logits, mode, step, vocab_limit, seeds=seed, counters=np.arange(N), **params)
+    return draw(logits, step, vocab_limit, seeds=seed, counters=np.arange(N), **params)
 
 
 def reference(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) -> np.ndarray:
@@ -107,22 +123,23 @@ def test_same_seed_and_counter_give_the_same_token_in_any_batch():
     # A bigger batch with extra greedy and penalised rows (the `adjusted` mode) around the same rows.
     extra = np.concatenate([logits, rng.normal(0, 1.5, (3, V))]).astype(np.float32)
     big = {k: list(v) + [0.0 if k == "temperature" else (1 if k == "top_p" else 0)] * 3 for k, v in rows.items()}
-    big["seen_ids"] = [[PAD_ID, PAD_ID]] * 6 + [[1, 2], [3, PAD_ID], [0, 7]]
-    big["seen_counts"] = [[0, 0]] * 6 + [[1, 2], [3, 0], [0, 1]]
+    big["seen"] = [{}] * 6 + [{1: 1, 2: 2}, {3: 3}, {0: 0, 7: 1}]
     big["repetition_penalty"] = [1.0] * 6 + [1.5, 2.0, 1.2]
-    assert draw(extra, ADJUSTED, **big)[:6].tolist() == alone
+    assert draw(extra, **big)[:6].tolist() == alone
     # Step j of a multi-step dispatch draws what a single step at counter + j draws.
     multi = draw(logits, step=3, **rows)
     assert multi.tolist() == draw(logits, **{**rows, "counters": np.asarray(rows["counters"]) + 3}).tolist()
     # ... and the draws do depend on the seed and the counter.
-    assert len(set(draws(RANDOM, seed=1, temperature=1.0)[:64].tolist())) > 3
-    assert (draws(RANDOM, seed=1, temperature=1.0)[:256] != draws(RANDOM, seed=2, temperature=1.0)[:256]).mean() > 0.3
+    assert len(set(draws(seed=1, temperature=1.0)[:64].tolist())) > 3
+    assert (draws(seed=1, temperature=1.0)[:256] != draws(seed=2, temperature=1.0)[:256]).mean() > 0.3
 
 
 def test_unfiltered_row_draws_the_same_in_a_filtered_batch():
-    plain = draws(RANDOM, temperature=1.0)[:512]
-    mixed = draws(FILTERED, temperature=1.0)[:512]  # the same row, in a batch where another row filters
+    plain = draws(temperature=1.0)[:512]
+    # the same rows, in a batch where another row filters (the sorted path)
+    mixed = draws(temperature=1.0, top_p=np.where(np.arange(N) == N - 1, 0.5, 1.0))[:512]
     assert plain.tolist() == mixed.tolist()
+    assert draws(temperature=1.0, logprobs=3)[:512].tolist() == plain.tolist()  # logprobs take the sorted path too
 
 
 # ---------------------------------------------------------------- (b) distributions
@@ -145,20 +162,19 @@ def test_filtered_distribution_matches_numpy(params, wrong):
     params, wrong = dict(dict(temperature=1.0), **params), dict(dict(temperature=1.0), **wrong)
     expected, alternative = reference(LOGITS, **params), reference(LOGITS, **wrong)
     assert not np.allclose(expected, alternative)
-    mode = FILTERED if len(params) > 1 else RANDOM
-    assert_matches(draws(mode, **params), expected, alternative)
-    if mode is RANDOM:  # the sorted (filtered) path with filters off draws from the same distribution
-        assert_matches(draws(FILTERED, **params), expected, alternative)
+    assert_matches(draws(**params), expected, alternative)
+    if len(params) == 1:  # the sorted path (taken for logprobs) with filters off draws from the same distribution
+        assert_matches(draws(**params, logprobs=1), expected, alternative)
 
 
 def test_greedy_rows_and_temperature_zero():
     rng = np.random.default_rng(1)
     logits = rng.normal(0, 2, (32, V)).astype(np.float32)
     want = logits.argmax(-1)
-    assert draw(logits, GREEDY).tolist() == want.tolist()
+    assert draw(logits).tolist() == want.tolist()
     # temperature-0 rows are greedy in a random, filtered batch too, whatever their seed and counter
     temperature = np.where(np.arange(32) % 2, 0.0, 1.0)
-    got = draw(logits, FILTERED, temperature=temperature, top_p=0.9, seeds=np.arange(32), counters=np.arange(32))
+    got = draw(logits, temperature=temperature, top_p=0.9, seeds=np.arange(32), counters=np.arange(32))
     assert got[1::2].tolist() == want[1::2].tolist()
 
 
@@ -178,14 +194,6 @@ def adjust_reference(logits, bias, seen, repetition=1.0, presence=0.0, frequency
     return out
 
 
-def ragged(rows: list[dict]) -> tuple[np.ndarray, np.ndarray]:
-    width = max(1, max(len(r) for r in rows))
-    ids, values = np.full((len(rows), width), PAD_ID, np.int64), np.zeros((len(rows), width))
-    for i, r in enumerate(rows):
-        ids[i, :len(r)], values[i, :len(r)] = list(r), list(r.values())
-    return ids, values
-
-
 ADJUST_ROWS = [  # (logit_bias, seen {token: count in the output; 0 = prompt only}, rep, presence, frequency)
     ({}, {}, 1.0, 0.0, 0.0),
     ({3: 5.0, 0: -100.0}, {}, 1.0, 0.0, 0.0),
@@ -196,12 +204,9 @@ ADJUST_ROWS = [  # (logit_bias, seen {token: count in the output; 0 = prompt onl
 ]
 
 
-def adjust_batch(logits, rows_):
-    bias_ids, bias_values = ragged([r[0] for r in rows_])
-    seen_ids, seen_counts = ragged([r[1] for r in rows_])
-    return dict(bias_ids=bias_ids, bias_values=bias_values, seen_ids=seen_ids, seen_counts=seen_counts,
-                repetition_penalty=[r[2] for r in rows_], presence_penalty=[r[3] for r in rows_],
-                frequency_penalty=[r[4] for r in rows_])
+def adjust_rows(rows_) -> dict:
+    return dict(bias=[r[0] for r in rows_], seen=[r[1] for r in rows_], repetition_penalty=[r[2] for r in rows_],
+                presence_penalty=[r[3] for r in rows_], frequency_penalty=[r[4] for r in rows_])
 
 
 def test_logit_bias_and_penalties_match_numpy():
@@ -209,21 +214,18 @@ def test_logit_bias_and_penalties_match_numpy():
     logits = rng.normal(0, 2, (len(ADJUST_ROWS), V)).astype(np.float32)
     logits[:, 1], logits[:, 2] = 2.5, -1.5  # a seen token with a positive and one with a negative logit
     want = np.stack([adjust_reference(x, *r) for x, r in zip(logits, ADJUST_ROWS)])
-    arrays, _ = greedy_sampling(len(ADJUST_ROWS))
-    for k, v in adjust_batch(logits, ADJUST_ROWS).items():
-        arrays[k] = np.asarray(v, arrays[k].dtype)
-    s = SamplingBatch(**{k: jnp.asarray(v) for k, v in arrays.items()})
-    got = np.asarray(_adjust(jnp.asarray(logits), s, jnp.arange(len(ADJUST_ROWS))[:, None]))
+    s, tables = batch_and_tables(len(ADJUST_ROWS), **adjust_rows(ADJUST_ROWS))
+    got = np.asarray(_adjust(jnp.asarray(logits), s, tables, 0, V))
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
     assert not np.allclose(got[1:], logits[1:])  # every row but the first is really adjusted
     # Through sample(): greedy picks the adjusted argmax ...
-    greedy = draw(logits, SamplingMode(False, False, True), **adjust_batch(logits, ADJUST_ROWS))
+    greedy = draw(logits, **adjust_rows(ADJUST_ROWS))
     assert greedy.tolist() == want.argmax(-1).tolist()
     assert (want.argmax(-1) != logits.argmax(-1)).sum() >= 3
     # ... and temperature sampling draws from softmax(adjusted / T).
     bias, seen, rep, pres, freq = ADJUST_ROWS[-1]
-    row = adjust_batch(LOGITS[None], [ADJUST_ROWS[-1]])
-    tokens = draws(ADJUSTED, temperature=0.9, top_k=0, **row)
+    tokens = draws(temperature=0.9, bias=bias, seen=seen, repetition_penalty=rep, presence_penalty=pres,
+                   frequency_penalty=freq)
     expected = reference(adjust_reference(LOGITS, bias, seen, rep, pres, freq), temperature=0.9)
     assert_matches(tokens, expected, reference(adjust_reference(LOGITS, bias, seen, rep, 0.0, 0.0), 0.9))
 
@@ -231,39 +233,39 @@ def test_logit_bias_and_penalties_match_numpy():
 # ---------------------------------------------------------------- (d) vocab_limit, (e) banned ids
 
 
-@pytest.mark.parametrize("mode, params", [
-    (GREEDY, dict()),
-    (RANDOM, dict(temperature=1.0)),
-    (FILTERED, dict(temperature=1.0, top_k=7, top_p=0.99)),
-    (ADJUSTED, dict(temperature=1.0, bias_ids=[[6, 7]], bias_values=[[50.0, 50.0]])),
+@pytest.mark.parametrize("params", [
+    dict(),
+    dict(temperature=1.0),
+    dict(temperature=1.0, top_k=7, top_p=0.99),
+    dict(temperature=1.0, bias={6: 50.0, 7: 50.0}),
 ], ids=["greedy", "random", "filtered", "biased"])
-def test_tokens_past_vocab_limit_are_never_drawn(mode, params):
+def test_tokens_past_vocab_limit_are_never_drawn(params):
     logits = LOGITS.copy()
     logits[6:] = 20.0  # embedding padding with the largest logits
-    tokens = draws(mode, logits=logits, vocab_limit=6, **params)
+    tokens = draws(logits=logits, vocab_limit=6, **params)
     assert tokens.max() < 6
-    if mode is GREEDY:
+    if not params:
         assert set(tokens.tolist()) == {int(np.argmax(logits[:6]))}
     else:
         assert_matches(tokens, reference(np.where(np.arange(V) < 6, logits, -np.inf)),
                        reference(np.where(np.arange(V) < 5, logits, -np.inf)))
 
 
-@pytest.mark.parametrize("mode", [GREEDY, RANDOM, FILTERED], ids=["greedy", "random", "filtered"])
+@pytest.mark.parametrize("mode", ["greedy", "random", "filtered"])
 def test_banned_ids_are_not_drawn_while_ban_steps_last(mode):
     logits = LOGITS.copy()
     logits[2], logits[6] = 6.0, 6.5  # the banned ids are by far the likeliest
-    rows = dict(temperature=1.0, top_p=0.999 if mode is FILTERED else 1.0,
-                banned_ids=np.where(np.arange(N)[:, None] % 2, [[2, 6]], [[6, PAD_ID]]), ban_steps=3)
+    rows = dict(temperature=0.0 if mode == "greedy" else 1.0, top_p=0.999 if mode == "filtered" else 1.0,
+                banned=[[2, 6] if i % 2 else [6] for i in range(N)], ban_steps=3)
     for step in range(3):  # steps of a multi-step dispatch: the ban holds for ban_steps of them
-        tokens = draws(mode, logits=logits, step=step, **rows)
+        tokens = draws(logits=logits, step=step, **rows)
         assert 6 not in tokens.tolist() and 2 not in tokens[1::2].tolist()
         assert 2 in tokens[0::2].tolist()  # a row that bans only 6 still draws 2
-        if mode is not GREEDY:
+        if mode != "greedy":
             assert_matches(tokens[1::2], reference(np.where(np.isin(np.arange(V), [2, 6]), -np.inf, logits)),
                            reference(np.where(np.arange(V) == 6, -np.inf, logits)))
-    released = draws(mode, logits=logits, step=3, **rows)
-    assert 6 in released.tolist() and (mode is GREEDY or 2 in released.tolist())  # the ban is over
+    released = draws(logits=logits, step=3, **rows)
+    assert 6 in released.tolist() and (mode == "greedy" or 2 in released.tolist())  # the ban is over
 
 
 # ---------------------------------------------------------------- end to end through LLM
@@ -281,7 +283,7 @@ def test_seeded_request_is_the_same_alone_and_batched(qwen3_llm):
     filtered = SamplingParams(temperature=1.2, top_p=0.9, top_k=20, max_tokens=20, ignore_eos=True, seed=7)
     neighbours = [SamplingParams(temperature=1.0, max_tokens=9, ignore_eos=True),  # unseeded, finishes early
                   SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True, seed=42),  # same seed, other prompt
-                  # penalised: the batch decodes one step per dispatch and its sampling gains the adjustments
+                  # penalised and biased: its token tables are on the device, updated inside the multi-step loop
                   SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True, repetition_penalty=1.3,
                                  frequency_penalty=0.5, logit_bias={3: 2.0})]
     for params in (plain, filtered):

@@ -1,0 +1,19 @@
+"""Where nanojax keeps files between runs: `NANOJAX_CACHE` (default ~/.cache/nanojax) holds the converted default
+model and the persistent compilation cache (`xla/`)."""
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("NANOJAX_CACHE", "~/.cache/nanojax")).expanduser()
+
+
+def use_compilation_cache() -> None:
+    """Keeps compiled programs on disk, so that a second start loads them instead of compiling: XLA executables
+    with their Triton kernels and autotuning results. A user's own JAX_COMPILATION_CACHE_DIR wins."""
+    import jax
+
+    if jax.config.jax_compilation_cache_dir is None:
+        jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # the few programs there are, all kept
+        jax.config.update("jax_persistent_cache_enable_xla_caches", "all")
