@@ -1,0 +1,498 @@
+"""python -m nanojax.serve [--model M] [--host 127.0.0.1] [--port 8000] — an OpenAI-compatible HTTP server.
+
+FastAPI + uvicorn over one `LLM`: /v1/completions, /v1/chat/completions (both streamable as server-sent events),
+/v1/models, /health, /metrics (Prometheus), /tokenize, /detokenize. The model is loaded and compiled before the
+port opens, so /health answers only once requests can be served. `build_app(llm, name)` serves an LLM that already
+exists (tests, the serving benchmark).
+"""
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import re
+import secrets
+import time
+import uuid
+from pathlib import Path
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from nanojax.engine_io import RequestOutput, RequestStream
+from nanojax.sampling_params import SamplingParams
+from nanojax.scheduler import CapacityError
+from nanojax.serve_metrics import ServeMetrics
+from nanojax.serve_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                                    error_body)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerLimits:
+    """What one request may ask for (past them: 413 for the body, 400 for the rest). max_tokens None: the model's
+    max_model_len."""
+
+    max_body_bytes: int = 8 << 20
+    max_n: int = 16
+    max_tokens: int | None = None
+    max_prompts: int = 64
+
+
+class RequestError(Exception):
+    """A request the server refuses, answered in OpenAI's error shape."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.body = status, error_body(message, kind, param, code)
+
+
+# ----- requests to engine inputs -----
+_PROMPT_ERRORS = ("prompt", "empty prompt", "token ids", "this checkpoint has no tokenizer", "this model's tokenizer")
+_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+def _param_of(message: str, prompt_field: str, renames: dict[str, str]) -> str | None:
+    """The request field a ValueError of SamplingParams or the engine is about (their messages start with it)."""
+    if message.startswith("stop strings"):
+        return "stop"
+    if message.startswith(_PROMPT_ERRORS):
+        return prompt_field
+    word = re.match(r"[a-z_]+", message)
+    word = word.group() if word else ""
+    return renames.get(word, word) if word in _SAMPLING_FIELDS else None
+
+
+def _sampling_params(body, max_tokens: int, logprobs: int | None, limits: ServerLimits,
+                     max_model_len: int) -> SamplingParams:
+    """SamplingParams from the request's fields; past the server's limits (or a malformed logit_bias): 400."""
+    token_limit = limits.max_tokens or max_model_len
+    if max_tokens > token_limit:
+        raise RequestError(400, f"max_tokens={max_tokens} is more than this server allows ({token_limit})",
+                           "max_tokens")
+    if body.n > limits.max_n:
+        raise RequestError(400, f"n={body.n} is more than this server allows ({limits.max_n})", "n")
+    try:
+        bias = {int(t): b for t, b in (body.logit_bias or {}).items()}
+    except ValueError:
+        raise RequestError(400, "logit_bias keys must be token ids (integers as strings)", "logit_bias") from None
+    if any(not -100 <= b <= 100 for b in bias.values()):
+        raise RequestError(400, "logit_bias values must be in [-100, 100]", "logit_bias")
+    return SamplingParams(
+        temperature=body.temperature, top_p=body.top_p, top_k=0 if body.top_k == -1 else body.top_k,
+        min_p=body.min_p, max_tokens=max_tokens, min_tokens=body.min_tokens, ignore_eos=body.ignore_eos,
+        seed=body.seed, stop_token_ids=tuple(body.stop_token_ids or ()), stop=body.stop or (), logit_bias=bias or None,
+        repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty, n=body.n, logprobs=logprobs)
+
+
+def _completion_prompts(llm, prompt, limits: ServerLimits) -> tuple[list[list[int]], list[str | None]]:
+    """-> (token ids, the text as given or None) per prompt."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        prompt = [prompt]
+    if not prompt:
+        raise RequestError(400, "prompt is empty", "prompt")
+    if len(prompt) > limits.max_prompts:
+        raise RequestError(400, f"{len(prompt)} prompts in one request; this server allows {limits.max_prompts}",
+                           "prompt")
+    return [llm.encode(p) for p in prompt], [p if isinstance(p, str) else None for p in prompt]
+
+
+# ----- engine outputs to response fields -----
+def _token_text(llm, token_id: int) -> str:
+    # Without a tokenizer, vLLM's spelling of a bare token id.
+    return llm.tokenizer.decode([token_id]) if llm.tokenizer else f"token_id:{token_id}"
+
+
+def _entries(event: RequestOutput, start: int) -> list[tuple[int, float | None, dict | None]]:
+    """(token id, its logprob, {id: logprob} of the top N) of the event's tokens from `start` on."""
+    return [(t, lp, top) for t, (lp, top) in zip(event.token_ids[start:], event.logprobs[start:])]
+
+
+def _completion_logprobs(llm, entries, offset: int) -> dict:
+    tokens, offsets = [], []
+    for token_id, _, _ in entries:
+        tokens.append(_token_text(llm, token_id))
+        offsets.append(offset)
+        offset += len(tokens[-1])
+    return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
+            "top_logprobs": [None if top is None else {_token_text(llm, t): v for t, v in top.items()}
+                             for _, _, top in entries],
+            "text_offset": offsets}
+
+
+def _chat_logprobs(llm, entries) -> dict:
+    def item(token_id, logprob):
+        text = _token_text(llm, token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {"content": [{**item(t, lp), "top_logprobs": [item(i, v) for i, v in top.items()]}
+                        for t, lp, top in entries]}
+
+
+class _Response:
+    """Builds one HTTP request's choices (completions or chat) from the engine's events, whole or as chunks."""
+
+    def __init__(self, llm, chat: bool, body, model: str, prompts: list[list[int]], echo: list[str | None]):
+        self.llm, self.chat, self.body, self.prompts, self.echo = llm, chat, body, prompts, echo
+        self.logprobs = bool(body.logprobs) if chat else body.logprobs is not None
+        kind = "chatcmpl" if chat else "cmpl"
+        self.head = {"id": f"{kind}-{uuid.uuid4().hex}", "created": int(time.time()), "model": model}
+        self.sent: dict[int, int] = {}  # choice -> its tokens already streamed
+        self.text_len: dict[int, int] = {}  # choice -> the length of its text already streamed
+        self.finals: dict[int, RequestOutput] = {}
+
+    def choice_index(self, event: RequestOutput) -> int:
+        return event.index * self.body.n + event.choice
+
+    def choice(self, event: RequestOutput, streamed: bool) -> dict:
+        """The choice's fields for the event's new tokens and text (streamed) or for all of them."""
+        i = self.choice_index(event)
+        first = i not in self.sent
+        start = self.sent.get(i, 0) if streamed else 0
+        self.sent[i] = max(start, len(event.token_ids))
+        text = event.delta if streamed else event.text
+        entries = _entries(event, start) if self.logprobs else []
+        fields = {"index": i, "finish_reason": event.finish_reason, "logprobs": None}
+        if self.body.return_token_ids:
+            fields["token_ids"] = event.token_ids[start:]
+            if first:
+                fields["prompt_token_ids"] = self.prompts[event.index]
+        if self.chat:
+            message = {"role": "assistant", "content": text} if first or not streamed else {"content": text}
+            fields["delta" if streamed else "message"] = message
+            if self.logprobs:
+                fields["logprobs"] = _chat_logprobs(self.llm, entries)
+            return fields
+        echo = self.echo[event.index] if first and self.body.echo else ""
+        if self.logprobs:
+            if echo:  # the engine gives no prompt logprobs: the prompt's tokens come with null ones
+                entries = [(t, None, None) for t in self.prompts[event.index]] + entries
+            fields["logprobs"] = _completion_logprobs(self.llm, entries, self.text_len.get(i, 0) if streamed else 0)
+        fields["text"] = echo + text
+        self.text_len[i] = self.text_len.get(i, 0) + len(fields["text"])
+        return fields
+
+    def usage(self) -> dict:
+        by_prompt = {e.index: e for e in self.finals.values()}
+        prompt = sum(len(self.prompts[i]) for i in by_prompt)
+        completion = sum(len(e.token_ids) for e in self.finals.values())
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(e.num_cached_tokens for e in by_prompt.values())}}
+
+    def whole(self) -> dict:
+        choices = [self.choice(self.finals[i], streamed=False) for i in sorted(self.finals)]
+        return {**self.head, "object": "chat.completion" if self.chat else "text_completion", "choices": choices,
+                "usage": self.usage()}
+
+    def chunk(self, choices: list[dict], usage: dict | None = None) -> str:
+        body = {**self.head, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "choices": choices}
+        if self.body.stream_options and self.body.stream_options.include_usage:
+            body["usage"] = usage
+        return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+
+class _AbortOnClose(StreamingResponse):
+    """A streamed response that aborts its requests however it ends (the client gone mid-stream included)."""
+
+    def __init__(self, body, on_close):
+        super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+# ----- the app -----
+class _Guard:
+    """ASGI middleware, before a body is read: 401 on /v1 routes without the API key (if one is set); 413 for a
+    body over max_bytes (declared, or found so while it streams in)."""
+
+    def __init__(self, app, max_bytes: int, api_key: str | None):
+        self.app, self.max_bytes = app, max_bytes
+        self.expected = None if api_key is None else f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self.expected and scope["path"].startswith("/v1") and not secrets.compare_digest(
+                headers.get(b"authorization", b""), self.expected):
+            refusal = error_body("missing or wrong API key (Authorization: Bearer KEY)", code="invalid_api_key")
+            return await JSONResponse(refusal, status_code=401)(scope, receive, send)
+        declared = headers.get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            too_large = error_body(f"request body is over {self.max_bytes} bytes")
+            return await JSONResponse(too_large, status_code=413)(scope, receive, send)
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                raise HTTPException(413, f"request body is over {self.max_bytes} bytes")
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+def build_app(llm, model_name: str, *, api_key: str | None = None, limits: ServerLimits = ServerLimits()) -> FastAPI:
+    """The FastAPI app serving `llm` under `model_name`; with api_key, /v1 routes need `Authorization: Bearer`."""
+    app = FastAPI(title="nanojax", docs_url=None, redoc_url=None)
+    app.add_middleware(_Guard, max_bytes=limits.max_body_bytes, api_key=api_key)
+    metrics = ServeMetrics(llm)
+    started = int(time.time())
+
+    @app.exception_handler(RequestError)
+    async def _refused(_, e: RequestError):
+        return JSONResponse(e.body, status_code=e.status)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(_, e: HTTPException):
+        return JSONResponse(error_body(str(e.detail)), status_code=e.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_, e: RequestValidationError):
+        err = e.errors()[0]
+        where = [str(x) for x in err["loc"][1:]]  # past "body"
+        if err["type"] == "json_invalid":
+            return JSONResponse(error_body(f"the body is not valid JSON: {err['ctx']['error']}"), status_code=400)
+        if err["type"] == "extra_forbidden":
+            message = f"unknown field {'.'.join(where)!r}: this server does not support it"
+        else:
+            message = f"{'.'.join(where) or 'body'}: {err['msg']}"
+        return JSONResponse(error_body(message, param=where[0] if where else None), status_code=400)
+
+    def check_model(model: str | None) -> None:
+        if model is not None and model != model_name:
+            raise RequestError(404, f"the model {model!r} does not exist; this server serves {model_name!r}",
+                               "model", "NotFoundError", "model_not_found")
+
+    def engine_call(fn, prompt_field: str, renames: dict[str, str]):
+        """fn() with the engine's and SamplingParams' ValueErrors as 400s naming the field."""
+        try:
+            return fn()
+        except ValueError as e:
+            raise RequestError(400, str(e), _param_of(str(e), prompt_field, renames)) from None
+        except RuntimeError as e:  # the engine has died
+            raise RequestError(503, str(e), kind="server_error") from None
+
+    async def respond(request: Request, response: _Response, params: SamplingParams, prompt_field: str,
+                      renames: dict[str, str]):
+        body, streamed = response.body, response.body.stream
+        # Streaming a model without a tokenizer: its text never changes, so ask the engine for (cheap) sampled-token
+        # logprobs, which make it emit an event per step.
+        if streamed and llm.tokenizer is None and params.logprobs is None:
+            params = dataclasses.replace(params, logprobs=0)
+        stream = RequestStream(loop=asyncio.get_running_loop())
+        request_ids = []
+
+        def close():
+            if not stream.finished:
+                metrics.aborted.inc()
+            for request_id in request_ids:
+                llm.abort(request_id)  # no-op for a finished request
+
+        def add_all():
+            for i, ids in enumerate(response.prompts):
+                request_ids.append(f"{response.head['id']}-{i}")
+                llm.add_request(ids, params, request_id=request_ids[-1], index=i, stream=stream, stream_text=streamed)
+
+        try:
+            engine_call(add_all, prompt_field, renames)
+        except RequestError:
+            close()
+            raise
+        events = _events(stream, response, metrics)
+        if streamed:
+            return _AbortOnClose(_sse(events, response), close)
+        watcher = asyncio.create_task(_abort_on_disconnect(request, close))
+        try:
+            async for _ in events:
+                pass
+        except CapacityError as e:
+            raise RequestError(400, str(e), "max_tokens") from None
+        except Exception as e:  # noqa: BLE001 -- a failed step: this request's error, the server goes on
+            raise RequestError(500, f"the engine failed this request: {e!r}", kind="server_error") from None
+        finally:
+            watcher.cancel()
+            close()
+        return response.whole()
+
+    v1 = APIRouter(prefix="/v1")
+
+    @v1.post("/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        check_model(body.model)
+        prompts, texts = engine_call(lambda: _completion_prompts(llm, body.prompt, limits), "prompt", {})
+        if body.echo and llm.tokenizer is None:
+            raise RequestError(400, "echo needs a tokenizer, and this model has none", "echo")
+        echo = [t if t is not None else llm.tokenizer.decode(ids) for ids, t in zip(prompts, texts)] \
+            if body.echo else texts
+        params = engine_call(lambda: _sampling_params(body, 16 if body.max_tokens is None else body.max_tokens,
+                                                      body.logprobs, limits, llm.max_model_len), "prompt", {})
+        return await respond(request, _Response(llm, False, body, model_name, prompts, echo), params, "prompt", {})
+
+    @v1.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        check_model(body.model)
+        ids = engine_call(lambda: llm.apply_chat_template([m.as_template_input() for m in body.messages]),
+                          "messages", {})
+        max_tokens = next((m for m in (body.max_completion_tokens, body.max_tokens) if m is not None),
+                          min(max(1, llm.max_model_len - len(ids)), limits.max_tokens or llm.max_model_len))
+        renames = {"logprobs": "top_logprobs", "max_tokens": "max_completion_tokens"
+                   if body.max_completion_tokens is not None else "max_tokens"}
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        params = engine_call(lambda: _sampling_params(body, max_tokens, logprobs, limits, llm.max_model_len),
+                             "messages", renames)
+        return await respond(request, _Response(llm, True, body, model_name, [ids], [None]), params, "messages",
+                             renames)
+
+    def model_card() -> dict:
+        return {"id": model_name, "object": "model", "created": started, "owned_by": "nanojax",
+                "max_model_len": llm.max_model_len}
+
+    @v1.get("/models")
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @v1.get("/models/{model:path}")
+    async def model(model: str):
+        check_model(model)
+        return model_card()
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health():
+        if llm.dead is not None:
+            return JSONResponse(error_body(f"the engine has stopped: {llm.dead!r}", "server_error"), status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        check_model(body.model)
+        if body.messages is not None:
+            ids = engine_call(lambda: llm.apply_chat_template([m.as_template_input() for m in body.messages]),
+                              "messages", {})
+        elif llm.tokenizer is None:
+            raise RequestError(400, "this model has no tokenizer", "prompt")
+        else:
+            ids = llm.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": llm.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        check_model(body.model)
+        if llm.tokenizer is None:
+            raise RequestError(400, "this model has no tokenizer", "tokens")
+        if any(not 0 <= t < llm.config.vocab_size for t in body.tokens):
+            raise RequestError(400, f"token ids must be in [0, {llm.config.vocab_size})", "tokens")
+        return {"prompt": llm.tokenizer.decode(body.tokens)}
+
+    return app
+
+
+async def _events(stream: RequestStream, response: _Response, metrics: ServeMetrics):
+    """The stream's events; records finished choices in the response and the metrics."""
+    last: dict[int, float] = {}  # choice -> when its previous event came
+    async for event in stream:
+        i = response.choice_index(event)
+        now = time.perf_counter()
+        if i in last:
+            metrics.itl.observe(now - last[i])
+        last[i] = now
+        if event.finish_reason is not None:
+            response.finals[i] = event
+            metrics.choice_done(event)
+            if event.choice == 0:
+                metrics.prompt_done(len(event.prompt_token_ids), event.num_cached_tokens)
+        yield event
+
+
+async def _sse(events, response: _Response):
+    """Server-sent events: a chunk per event, the usage chunk if asked, then [DONE]; an engine error mid-stream is
+    sent as an error event (the status line has gone out already)."""
+    try:
+        async for event in events:
+            if event.delta or event.finish_reason or len(event.token_ids) != response.sent.get(
+                    response.choice_index(event)):
+                yield response.chunk([response.choice(event, streamed=True)])
+        if response.body.stream_options and response.body.stream_options.include_usage:
+            yield response.chunk([], response.usage())
+    except Exception as e:  # noqa: BLE001
+        kind = "invalid_request_error" if isinstance(e, CapacityError) else "server_error"
+        yield f"data: {json.dumps(error_body(f'the engine failed this request: {e}', kind))}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+async def _abort_on_disconnect(request: Request, close) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(0.5)
+    close()
+
+
+# ----- command line -----
+def served_name(model: str | None) -> str:
+    """The name clients use: the default model's, a folder's or file's name, or the hub id."""
+    if model is None:
+        from nanojax.default_model import MODEL_NAME
+
+        return MODEL_NAME
+    path = Path(model)
+    return path.stem if path.suffix == ".gguf" else path.name if path.exists() else model
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m nanojax.serve", description=__doc__.split("—")[1].strip())
+    p.add_argument("--model", default=None, help="checkpoint, HF folder, 'org/name' or .gguf (default: the embedded "
+                   "SmolLM2-135M-Instruct)")
+    p.add_argument("--served-model-name", default=None, help="the name clients pass as `model`")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes the server)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("NANOJAX_API_KEY"),
+                   help="require `Authorization: Bearer KEY` on /v1 routes (default: $NANOJAX_API_KEY)")
+    p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--num-pages", type=int, default=None)
+    p.add_argument("--decode-steps", type=int, default=None, help="decode steps per dispatch (tokens stream in "
+                   "bursts of this many)")
+    p.add_argument("--kernels", default="auto", choices=["auto", "pallas", "reference", "interpret"])
+    limits = ServerLimits()
+    p.add_argument("--max-body-bytes", type=int, default=limits.max_body_bytes)
+    p.add_argument("--max-n", type=int, default=limits.max_n)
+    p.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens (default: max_model_len)")
+    p.add_argument("--max-prompts", type=int, default=limits.max_prompts, help="prompts per completions request")
+    p.add_argument("--log-level", default="info")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    import uvicorn
+
+    from nanojax.llm import LLM
+
+    args = parse_args(argv)
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, num_pages=args.num_pages,
+              decode_steps=args.decode_steps, kernels=args.kernels)
+    limits = ServerLimits(args.max_body_bytes, args.max_n, args.max_tokens_limit, args.max_prompts)
+    app = build_app(llm, args.served_model_name or served_name(args.model), api_key=args.api_key, limits=limits)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""The server's Prometheus metrics, in a registry of its own (several servers may live in one process, as in tests).
+
+Engine state (running / waiting requests, KV pages) is read when /metrics is scraped; token counts, the prefix-cache
+hit rate and latencies are accumulated from the events the server hands to its clients.
+"""
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5, 5, 10, 20, 40)
+
+
+class ServeMetrics:
+    def __init__(self, llm):
+        self.registry = r = CollectorRegistry()
+        self._queried = self._hits = 0  # prompt tokens, and those of them found in the prefix cache
+        pages = llm.page_manager
+        Gauge("nanojax_requests_running", "Sequences being computed", registry=r).set_function(
+            lambda: len(llm.scheduler.running))
+        Gauge("nanojax_requests_waiting", "Sequences waiting for KV pages or a batch slot", registry=r).set_function(
+            lambda: len(llm.scheduler.waiting))
+        Gauge("nanojax_kv_pages_total", "KV pages in the pool", registry=r).set(pages.num_pages)
+        Gauge("nanojax_kv_pages_used", "KV pages held by running sequences", registry=r).set_function(
+            lambda: pages.num_pages - pages.num_free_pages)
+        self.prompt_tokens = Counter("nanojax_prompt_tokens", "Prompt tokens admitted", registry=r)
+        self.cached_tokens = Counter("nanojax_prefix_cache_hit_tokens",
+                                     "Prompt tokens whose KV came from the prefix cache", registry=r)
+        Gauge("nanojax_prefix_cache_hit_rate", "prefix_cache_hit_tokens / prompt_tokens since start",
+              registry=r).set_function(self._hit_rate)
+        self.generation_tokens = Counter("nanojax_generation_tokens", "Tokens generated", registry=r)
+        self.finished = Counter("nanojax_requests_finished", "Choices finished, by reason", ["finish_reason"],
+                                registry=r)
+        self.aborted = Counter("nanojax_requests_aborted", "Requests aborted before they finished (the client went "
+                               "away, or its response failed)", registry=r)
+        self.ttft = Histogram("nanojax_time_to_first_token_seconds", "From a request's arrival to its first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("nanojax_inter_token_latency_seconds",
+                             "Between successive streamed events of a choice (a multi-step dispatch delivers several "
+                             "tokens in one event)", buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("nanojax_request_latency_seconds", "From a request's arrival to its last choice's end",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+
+    def _hit_rate(self) -> float:
+        return self._hits / self._queried if self._queried else 0.0
+
+    def prompt_done(self, num_prompt_tokens: int, num_cached_tokens: int) -> None:
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.cached_tokens.inc(num_cached_tokens)
+        self._queried += num_prompt_tokens
+        self._hits += num_cached_tokens
+
+    def choice_done(self, event) -> None:
+        self.generation_tokens.inc(len(event.token_ids))
+        self.finished.labels(event.finish_reason).inc()
+        if event.time_to_first_token is not None:
+            self.ttft.observe(event.time_to_first_token)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,345 @@
+"""The OpenAI-compatible server (nanojax.serve) through the official `openai` client, on a free 127.0.0.1 port.
+
+The tiny random qwen3 with the in-memory byte tokenizer (and a one-line chat template) stands in for a real model:
+outputs are checked against the same engine's offline `LLM.generate`, prompts are token ids. The embedded default
+model answering a real question is the `slow` test at the end.
+"""
+import asyncio
+import dataclasses
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from conftest import random_prompts
+from test_sampling import byte_tokenizer
+
+from nanojax import LLM, SamplingParams
+from nanojax.loader import load_model
+from nanojax.serve import ServerLimits, build_app
+
+KEY = "test-key"
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+LIMITS = ServerLimits(max_body_bytes=32 << 10, max_n=4, max_tokens=200, max_prompts=8)
+
+
+class Server:
+    """uvicorn serving `app` in a thread of this process."""
+
+    def __init__(self, app):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            assert self.thread.is_alive(), "the server did not start"
+            time.sleep(0.02)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def llm(hf_model_dir):
+    folder, _ = hf_model_dir("qwen3")
+    tokenizer = byte_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    model = dataclasses.replace(load_model(str(folder), "float32"), tokenizer=tokenizer)
+    return LLM(model, dtype="float32", page_size=4, max_model_len=256, max_num_seqs=32)
+
+
+@pytest.fixture(scope="module")
+def server(llm):
+    server = Server(build_app(llm, "tiny", api_key=KEY, limits=LIMITS))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def greedy(**kw) -> SamplingParams:
+    return SamplingParams(temperature=0, ignore_eos=True, **kw)
+
+
+def offline(llm, prompts, params):
+    return llm.generate(prompts, params, use_tqdm=False)
+
+
+def test_completions_whole_and_streamed_equal_offline_generate(llm, client):
+    prompts = random_prompts(97, [5, 13], seed=1)
+    want = offline(llm, prompts, greedy(max_tokens=20))
+    got = client.completions.create(model="tiny", prompt=prompts, max_tokens=20, temperature=0,
+                                    extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert got.object == "text_completion" and got.model == "tiny" and len(got.choices) == 2
+    for choice, out in zip(got.choices, want):
+        assert choice.text == out.text and choice.finish_reason == "length"
+        assert choice.token_ids == out.token_ids
+    assert (got.usage.prompt_tokens, got.usage.completion_tokens, got.usage.total_tokens) == (18, 40, 58)
+    # generate ran the same prompts: their full pages (4 of 5 tokens, 12 of 13) come from the prefix cache
+    assert got.usage.prompt_tokens_details.cached_tokens == 16
+
+    chunks = list(client.completions.create(model="tiny", prompt=prompts[1], max_tokens=20, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want[1].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
+    assert chunks[-1].usage.prompt_tokens == 13 and chunks[-1].usage.prompt_tokens_details.cached_tokens == 12
+
+
+def test_chat_whole_and_streamed(llm, client):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text",
+                                                                                          "text": "hi"}]}]
+    ids = llm.apply_chat_template([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
+    want = offline(llm, [ids], greedy(max_tokens=12))[0]
+    got = client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=12, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    assert got.object == "chat.completion"
+    assert got.choices[0].message.role == "assistant" and got.choices[0].message.content == want.text
+    assert got.usage.prompt_tokens == len(ids) and got.usage.completion_tokens == 12
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0,
+                                                 stream=True, extra_body={"ignore_eos": True}))
+    assert chunks[0].object == "chat.completion.chunk" and chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_32_concurrent_clients_equal_offline_generate(llm, server):
+    prompts = random_prompts(97, [3 + (7 * i) % 40 for i in range(32)], seed=2)
+    max_tokens = [8 + (5 * i) % 25 for i in range(32)]
+    want = offline(llm, prompts, [greedy(max_tokens=m) for m in max_tokens])
+
+    async def one(client, prompt, m, stream):
+        kw = dict(model="tiny", prompt=prompt, max_tokens=m, temperature=0, extra_body={"ignore_eos": True})
+        if not stream:
+            return (await client.completions.create(**kw)).choices[0].text
+        return "".join([c.choices[0].text async for c in await client.completions.create(stream=True, **kw)])
+
+    async def all_clients():
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120) as c:
+            return await asyncio.gather(*(one(c, p, m, i % 2) for i, (p, m) in enumerate(zip(prompts, max_tokens))))
+
+    assert asyncio.run(all_clients()) == [out.text for out in want]
+
+
+def metric(server, name: str) -> float:
+    line = next((x for x in httpx.get(f"{server.url}/metrics").text.splitlines() if x.startswith(name + " ")), None)
+    return float(line.split()[-1]) if line else 0.0
+
+
+def test_client_that_disconnects_mid_stream_gets_its_request_aborted(llm, server, client, monkeypatch):
+    decode = llm.runner.decode
+
+    def slow_decode(*args, **kw):  # the tiny model would finish 200 tokens before the server sees the client go
+        time.sleep(0.02)
+        return decode(*args, **kw)
+
+    monkeypatch.setattr(llm.runner, "decode", slow_decode)
+    aborted = metric(server, "nanojax_requests_aborted_total")
+    stream = client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=200, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    next(iter(stream))
+    stream.close()
+    deadline = time.time() + 30
+    while llm.scheduler.running or llm.page_manager.num_free_pages != llm.page_manager.num_pages:
+        assert time.time() < deadline, "the disconnected client's request still holds KV pages"
+        time.sleep(0.02)
+    assert metric(server, "nanojax_requests_aborted_total") == aborted + 1
+
+
+BAD = [  # (body of a completions request, status, the field named)
+    ({"prompt": 3}, 400, "prompt"),
+    ({"prompt": [[1, 2], "x"]}, 400, "prompt"),
+    ({"prompt": []}, 400, "prompt"),
+    ({"prompt": [1, 500]}, 400, "prompt"),
+    ({"prompt": [-1]}, 400, "prompt"),
+    ({"prompt": [1] * 256}, 400, "prompt"),  # no room left under max_model_len
+    ({"prompt": [1], "temperature": -1}, 400, "temperature"),
+    ({"prompt": [1], "temperature": "hot"}, 400, "temperature"),
+    ({"prompt": [1], "top_p": 0}, 400, "top_p"),
+    ({"prompt": [1], "top_k": -2}, 400, "top_k"),
+    ({"prompt": [1], "min_p": 2}, 400, "min_p"),
+    ({"prompt": [1], "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": [1], "max_tokens": 201}, 400, "max_tokens"),  # over the server's limit
+    ({"prompt": [1], "min_tokens": 50, "max_tokens": 10}, 400, "min_tokens"),
+    ({"prompt": [1], "n": 0}, 400, "n"),
+    ({"prompt": [1], "n": 5}, 400, "n"),  # over the server's limit
+    ({"prompt": [[1]] * 9}, 400, "prompt"),  # more prompts than the server allows
+    ({"prompt": [1], "seed": -1}, 400, "seed"),
+    ({"prompt": [1], "stop": [""]}, 400, "stop"),
+    ({"prompt": [1], "stop_token_ids": [-3]}, 400, "stop_token_ids"),
+    ({"prompt": [1], "presence_penalty": 3}, 400, "presence_penalty"),
+    ({"prompt": [1], "frequency_penalty": -3}, 400, "frequency_penalty"),
+    ({"prompt": [1], "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ({"prompt": [1], "logprobs": 21}, 400, "logprobs"),
+    ({"prompt": [1], "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ({"prompt": [1], "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ({"prompt": [1], "logit_bias": {"97": 1}}, 400, "logit_bias"),  # past the vocabulary
+    ({"prompt": [1], "stream_options": {"include_usage": "maybe"}}, 400, "stream_options"),
+    ({"prompt": [1], "suffix": "x"}, 400, "suffix"),  # not supported: said so, not ignored
+    ({"prompt": [1], "model": "gpt-4"}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize("body,status,param", BAD)
+def test_bad_completions_request_names_the_field_and_the_server_goes_on(server, body, status, param):
+    r = httpx.post(f"{server.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["message"] and error["type"]
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_bad_chat_requests_and_bodies(server, client):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    cases = [({"messages": []}, "messages"), ({"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
+             ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages"),
+             ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, None),  # without logprobs
+             ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+              "top_logprobs"),
+             ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
+              "max_completion_tokens"),
+             ({"messages": [{"role": "user", "content": "x"}], "tools": []}, "tools")]
+    for body, param in cases:
+        r = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=auth)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+    r = httpx.post(f"{server.url}/v1/completions", content=b'{"prompt": [1', headers={
+        **auth, "Content-Type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": [1] * 20000}, headers=auth)
+    assert r.status_code == 413 and "bytes" in r.json()["error"]["message"]
+
+    def chunked():  # no content-length: the limit is found while the body streams in
+        yield b'{"prompt": [1'
+        for _ in range(20000):
+            yield b", 1"
+        yield b"]}"
+
+    r = httpx.post(f"{server.url}/v1/completions", content=chunked(), headers={**auth,
+                                                                                "Content-Type": "application/json"})
+    assert r.status_code == 413
+    assert httpx.get(f"{server.url}/nowhere").json()["error"]["message"]
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+    assert client.completions.create(model="tiny", prompt=[1], max_tokens=2).choices[0].finish_reason
+
+
+def test_api_key_refused_when_missing_or_wrong(server):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        r = httpx.post(f"{server.url}/v1/completions", json={"prompt": [1]}, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(f"{server.url}/v1/models", headers=headers).status_code == 401
+    wrong = openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+    assert httpx.get(f"{server.url}/health").status_code == 200  # outside /v1: no key needed
+
+
+def test_logprobs_and_echo(llm, client):
+    prompt = random_prompts(97, [7], seed=3)[0]
+    want = offline(llm, [prompt], greedy(max_tokens=6, logprobs=3))[0]
+    got = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0, logprobs=3, echo=True,
+                                    extra_body={"ignore_eos": True})
+    choice = got.choices[0]
+    prompt_text = llm.tokenizer.decode(prompt)
+    assert choice.text == prompt_text + want.text
+    lp = choice.logprobs
+    # the prompt's tokens come with null logprobs (the engine computes none for prompts)
+    assert lp.token_logprobs[:7] == [None] * 7 and lp.top_logprobs[:7] == [None] * 7
+    assert lp.token_logprobs[7:] == pytest.approx([x for x, _ in want.logprobs], abs=1e-5)
+    for top, (x, want_top) in zip(lp.top_logprobs[7:], want.logprobs):
+        assert len(top) <= 3 and max(top.values()) == pytest.approx(x, abs=1e-5)  # greedy: the top one
+        assert sorted(top.values()) == pytest.approx(sorted(want_top.values()), abs=1e-5)
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    streamed = [c.choices[0] for c in client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=6, temperature=0, logprobs=3, stream=True,
+        extra_body={"ignore_eos": True})]
+    assert sum((c.logprobs.token_logprobs for c in streamed), []) == pytest.approx(
+        [x for x, _ in want.logprobs], abs=1e-5)
+
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "q"}], max_tokens=5,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    for item in content:
+        assert len(item.top_logprobs) == 2 and item.top_logprobs[0].logprob == pytest.approx(item.logprob)
+        assert bytes(item.bytes).decode() == item.token
+
+
+def test_n_choices_and_seeds(client):
+    kw = dict(model="tiny", prompt=[[3, 4, 5], [9, 8]], max_tokens=10, n=2, extra_body={"ignore_eos": True})
+    a = client.completions.create(temperature=1.0, seed=7, **kw)
+    b = client.completions.create(temperature=1.0, seed=7, **kw)
+    assert [c.index for c in a.choices] == [0, 1, 2, 3]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]  # a seed makes it reproducible
+    assert a.choices[0].text != a.choices[1].text  # the choices differ (seed + choice)
+    assert a.usage.prompt_tokens == 5 and a.usage.completion_tokens == 40
+    greedy_n = client.completions.create(temperature=0, **kw)
+    assert greedy_n.choices[0].text == greedy_n.choices[1].text
+    streamed = client.completions.create(temperature=1.0, seed=7, stream=True, **kw)
+    texts = ["", "", "", ""]
+    for chunk in streamed:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == [c.text for c in a.choices]
+
+
+def test_stop_strings_and_stop_token_ids(llm, client):
+    prompt = random_prompts(97, [6], seed=4)[0]
+    full = offline(llm, [prompt], greedy(max_tokens=30))[0]
+    stop = next(full.text[k:k + 2] for k in range(6, len(full.text)) if "\ufffd" not in full.text[k:k + 2])
+    cut = full.text.find(stop)
+    for stream in (False, True):
+        got = client.completions.create(model="tiny", prompt=prompt, max_tokens=30, temperature=0, stop=stop,
+                                        stream=stream, extra_body={"ignore_eos": True})
+        choices = [c.choices[0] for c in got] if stream else got.choices
+        assert "".join(c.text for c in choices) == full.text[:cut]
+        assert choices[-1].finish_reason == "stop"
+    got = client.completions.create(model="tiny", prompt=prompt, max_tokens=30, temperature=0,
+                                    extra_body={"stop_token_ids": [full.token_ids[4]], "return_token_ids": True})
+    assert got.choices[0].finish_reason == "stop"
+    assert got.choices[0].token_ids == full.token_ids[:full.token_ids.index(full.token_ids[4]) + 1]
+
+
+def test_models_health_metrics_tokenize(llm, server, client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert client.models.retrieve("tiny").id == "tiny"
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    ids = [5, 6, 7, 60]
+    text = httpx.post(f"{server.url}/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert text == llm.tokenizer.decode(ids)
+    r = httpx.post(f"{server.url}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert r["tokens"] == llm.apply_chat_template([{"role": "user", "content": "hi"}]) and r["count"] == len(
+        r["tokens"])
+    assert httpx.post(f"{server.url}/detokenize", json={"tokens": [97]}).status_code == 400
+    assert httpx.post(f"{server.url}/tokenize", json={}).status_code == 400
+    metrics = httpx.get(f"{server.url}/metrics").text
+    for name in ("nanojax_requests_running", "nanojax_requests_waiting", "nanojax_kv_pages_used",
+                 "nanojax_prefix_cache_hit_rate", "nanojax_prompt_tokens_total", "nanojax_generation_tokens_total",
+                 "nanojax_time_to_first_token_seconds_bucket", "nanojax_inter_token_latency_seconds_bucket"):
+        assert f"\n{name}" in metrics, name
+
+
+@pytest.mark.slow
+def test_default_model_answers_through_chat_completions():
+    from nanojax.default_model import MODEL_NAME
+
+    llm = LLM(None, dtype="float32", max_model_len=256, max_num_seqs=2)
+    server = Server(build_app(llm, MODEL_NAME))
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=300)
+        reply = client.chat.completions.create(model=MODEL_NAME, temperature=0, max_tokens=24, messages=[
+            {"role": "user", "content": "What is the capital of France?"}])
+        assert "Paris" in reply.choices[0].message.content
+    finally:
+        server.stop()
