@@ -286,7 +286,7 @@ def build_app(llm, model_name: str, *, api_key: str | None = None, limits: Serve
 
     async def respond(request: Request, response: _Response, params: SamplingParams, prompt_field: str,
                       renames: dict[str, str]):
-        body, streamed = response.body, response.body.stream
+        streamed = response.body.stream
         # Streaming a model without a tokenizer: its text never changes, so ask the engine for (cheap) sampled-token
         # logprobs, which make it emit an event per step.
         if streamed and llm.tokenizer is None and params.logprobs is None:
@@ -441,6 +441,32 @@ async def _abort_on_disconnect(request: Request, close) -> None:
     while not await request.is_disconnected():
         await asyncio.sleep(0.5)
     close()
+
+
+class BackgroundServer:
+    """uvicorn serving `app` from a thread of this process on a free port of 127.0.0.1 (tests, benchmarks)."""
+
+    def __init__(self, app):
+        import socket
+        import threading
+
+        import uvicorn
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, name="nanojax-serve", daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            if not self.thread.is_alive():
+                raise RuntimeError("the server did not start")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
 
 
 # ----- command line -----

@@ -6,44 +6,23 @@ model answering a real question is the `slow` test at the end.
 """
 import asyncio
 import dataclasses
-import socket
-import threading
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
-import uvicorn
 from conftest import random_prompts
 from test_sampling import byte_tokenizer
 
 from nanojax import LLM, SamplingParams
 from nanojax.loader import load_model
-from nanojax.serve import ServerLimits, build_app
+from nanojax.serve import BackgroundServer, ServerLimits, build_app
 
 KEY = "test-key"
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
 LIMITS = ServerLimits(max_body_bytes=32 << 10, max_n=4, max_tokens=200, max_prompts=8)
-
-
-class Server:
-    """uvicorn serving `app` in a thread of this process."""
-
-    def __init__(self, app):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            assert self.thread.is_alive(), "the server did not start"
-            time.sleep(0.02)
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +36,7 @@ def llm(hf_model_dir):
 
 @pytest.fixture(scope="module")
 def server(llm):
-    server = Server(build_app(llm, "tiny", api_key=KEY, limits=LIMITS))
+    server = BackgroundServer(build_app(llm, "tiny", api_key=KEY, limits=LIMITS))
     yield server
     server.stop()
 
@@ -155,6 +134,14 @@ def test_client_that_disconnects_mid_stream_gets_its_request_aborted(llm, server
         assert time.time() < deadline, "the disconnected client's request still holds KV pages"
         time.sleep(0.02)
     assert metric(server, "nanojax_requests_aborted_total") == aborted + 1
+    # the same without streaming: a client that times out
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{server.url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=0.3,
+                   json={"prompt": [5, 6, 7], "max_tokens": 200, "temperature": 0, "ignore_eos": True})
+    while llm.scheduler.running or llm.page_manager.num_free_pages != llm.page_manager.num_pages:
+        assert time.time() < deadline, "the timed-out client's request still holds KV pages"
+        time.sleep(0.02)
+    assert metric(server, "nanojax_requests_aborted_total") == aborted + 2
 
 
 BAD = [  # (body of a completions request, status, the field named)
@@ -315,6 +302,13 @@ def test_models_health_metrics_tokenize(llm, server, client):
     assert [m.id for m in client.models.list().data] == ["tiny"]
     assert client.models.retrieve("tiny").id == "tiny"
     assert httpx.get(f"{server.url}/health").status_code == 200
+    llm.dead = RuntimeError("the device state is lost")  # what the engine sets when a step lost it
+    try:
+        assert httpx.get(f"{server.url}/health").status_code == 503
+        with pytest.raises(openai.InternalServerError):
+            client.completions.create(model="tiny", prompt=[1], max_tokens=2)
+    finally:
+        llm.dead = None
     ids = [5, 6, 7, 60]
     text = httpx.post(f"{server.url}/detokenize", json={"tokens": ids}).json()["prompt"]
     assert text == llm.tokenizer.decode(ids)
@@ -330,12 +324,49 @@ def test_models_health_metrics_tokenize(llm, server, client):
         assert f"\n{name}" in metrics, name
 
 
+def test_model_without_tokenizer_streams_token_ids(hf_model_dir):
+    folder, _ = hf_model_dir("qwen3")
+    llm = LLM(str(folder), dtype="float32", page_size=4, max_model_len=256, max_num_seqs=32)
+    server = BackgroundServer(build_app(llm, "bare"))
+    try:
+        prompt = random_prompts(97, [11], seed=6)[0]
+        want = offline(llm, [prompt], greedy(max_tokens=20))[0]
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
+        chunks = [c.choices[0] for c in client.completions.create(
+            model="bare", prompt=prompt, max_tokens=20, temperature=0, stream=True,
+            extra_body={"ignore_eos": True, "return_token_ids": True})]
+        assert sum((c.token_ids for c in chunks), []) == want.token_ids
+        assert sum(bool(c.token_ids) for c in chunks) >= 20 // llm.decode_steps  # an event per dispatch
+        assert all(c.text == "" and c.logprobs is None for c in chunks)
+        for body, param in [({"prompt": "text"}, "prompt"), ({"prompt": [1], "echo": True}, "echo"),
+                            ({"prompt": [1], "stop": "x"}, "stop")]:
+            r = httpx.post(f"{server.url}/v1/completions", json=body)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        r = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    finally:
+        server.stop()
+
+
+def test_serving_benchmark_client_against_the_server(server):
+    sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
+    from bench_serving import arrival_offsets, random_prompts as bench_prompts, run_requests, summarize
+
+    prompts = bench_prompts(6, 9, 97, seed=5)
+    offsets = arrival_offsets(6, 50.0, 0.5, seed=5)
+    assert offsets[0] == 0 and (offsets[1:] >= offsets[:-1]).all()
+    results, seconds = asyncio.run(run_requests(server.url, "tiny", prompts, 7, offsets, 3, KEY))
+    m = summarize(results, seconds, 9)
+    assert (m["completed"], m["failed"], m["total_output_tokens"]) == (6, 0, 42), m["errors"]
+    assert 0 < m["median_ttft_ms"] <= m["median_e2el_ms"] and m["p99_itl_ms"] is not None
+
+
 @pytest.mark.slow
 def test_default_model_answers_through_chat_completions():
     from nanojax.default_model import MODEL_NAME
 
     llm = LLM(None, dtype="float32", max_model_len=256, max_num_seqs=2)
-    server = Server(build_app(llm, MODEL_NAME))
+    server = BackgroundServer(build_app(llm, MODEL_NAME))
     try:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=300)
         reply = client.chat.completions.create(model=MODEL_NAME, temperature=0, max_tokens=24, messages=[
