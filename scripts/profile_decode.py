@@ -65,18 +65,19 @@ def main():
     pps = -(-(max(args.context, args.prefill) + args.steps) // PAGE)
     runner = ModelRunner(c, params, num_pages=args.batch * pps, page_size=PAGE, pages_per_seq=pps,
                          dtype=jnp.bfloat16, ops=get_ops(args.kernels, c), vocab_limit=c.vocab_size,
-                         max_num_seqs=args.batch, max_tokens_per_row=max(16, args.prefill))
+                         max_num_seqs=args.batch, max_prefill_tokens=max(16, args.prefill), decode_steps=args.steps)
     random_cache(runner, jax.random.key(0))
     tables = [list(range(b * pps, (b + 1) * pps)) for b in range(args.batch)]
     tokens = np.random.default_rng(0).integers(0, 1000, args.batch).tolist()
-    samp, mode = greedy_sampling(args.batch)
+    samp = greedy_sampling(args.batch)
     if args.prefill:  # one call is one "step": TTFT
         prompt = np.random.default_rng(1).integers(0, 1000, args.prefill).tolist()
         args.steps = 1
-        run = lambda: runner.prefill(prompt, tables[0], args.prefill, samp, mode).get()  # noqa: E731
+        fields = {k: v[0] for k, v in samp.items()}
+        run = lambda: runner.prefill([(prompt, tables[0], args.prefill, fields)])[0][0].tokens()  # noqa: E731
     else:
-        run = lambda: runner.decode(tokens, tables, [args.context] * args.batch, samp, mode,  # noqa: E731
-                                    num_steps=args.steps).get()
+        run = lambda: runner.decode(tokens, tables, [args.context] * args.batch, samp,  # noqa: E731
+                                    num_steps=args.steps).tokens()
     run()
     run()
     t0 = time.perf_counter()

@@ -3,6 +3,8 @@ own GGUF loading of the same file, and the CLI answers the README's question."""
 import subprocess
 
 import pytest
+
+import nanojax.cache
 import torch
 
 from nanojax import LLM, SamplingParams, default_model
@@ -62,24 +64,28 @@ def test_stale_cached_checkpoint_is_converted_again(gguf_path, tmp_path, monkeyp
 
 
 def test_cli_streams_the_answer(gguf_path, capsys, monkeypatch):
-    monkeypatch.setattr(generate_cli, "use_compilation_cache", lambda: None)  # global jax state: its own test
+    monkeypatch.setattr(nanojax.cache, "use_compilation_cache", lambda: None)  # global jax state: its own test
     assert generate_cli.main(["--prompt", "What is the capital of France?", "--max-tokens", "24"]) == 0
     captured = capsys.readouterr()
     assert "Paris" in captured.out
     assert "time to first token" in captured.err and "tok/s" in captured.err
 
 
-def test_cli_keeps_compiled_steps_beside_the_model(tmp_path, monkeypatch):
+def test_llm_keeps_compiled_programs_beside_the_model(tmp_path, monkeypatch):
     import jax
 
     monkeypatch.setenv("NANOJAX_CACHE", str(tmp_path))
-    saved = jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_persistent_cache_enable_xla_caches")
+    saved = [getattr(jax.config, name) for name in names]
     try:  # nothing compiles in between, so putting the settings back leaves no cache behind
-        generate_cli.use_compilation_cache()
+        jax.config.update("jax_compilation_cache_dir", None)
+        nanojax.cache.use_compilation_cache()
         assert jax.config.jax_compilation_cache_dir == str(tmp_path / "xla")
+        assert jax.config.jax_persistent_cache_enable_xla_caches == "all"  # Triton kernels and autotuning too
         jax.config.update("jax_compilation_cache_dir", "/elsewhere")
-        generate_cli.use_compilation_cache()  # a directory the user chose is kept
+        nanojax.cache.use_compilation_cache()  # a directory the user chose is kept
         assert jax.config.jax_compilation_cache_dir == "/elsewhere"
     finally:
-        jax.config.update("jax_compilation_cache_dir", saved[0])
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", saved[1])
+        for name, value in zip(names, saved):
+            jax.config.update(name, value)

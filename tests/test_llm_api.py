@@ -179,7 +179,7 @@ def test_stream_deltas_add_up_to_the_final_output(llm_with_text):
         check_stream(evs, out)
 
 
-def test_closing_a_stream_early_aborts_its_requests(qwen3):
+def test_closing_a_stream_early_aborts_its_requests_and_others_run_meanwhile(qwen3):
     folder, model = qwen3
     # 4 steps per dispatch: request 0 (3 tokens) finishes while the others still run.
     llm = LLM(folder, dtype="float32", page_size=4, max_model_len=96, decode_steps=4)
@@ -188,10 +188,8 @@ def test_closing_a_stream_early_aborts_its_requests(qwen3):
     stream = llm.stream(prompts, lengths)
     first = next(stream)  # no tokenizer: an event only when a request finishes
     assert (first.index, first.finish_reason) == (0, "length")
-    with pytest.raises(RuntimeError, match="another stream"):
-        llm.pin_prefix(prompts[1])
-    with pytest.raises(RuntimeError, match="another stream"):
-        llm.generate(prompts[:1], GREEDY, use_tqdm=False)
+    # The engine takes other callers' requests meanwhile.
+    assert llm.generate(prompts[:1], GREEDY, use_tqdm=False)[0].token_ids == hf_greedy(model, prompts[0], 8)
     stream.close()
     assert not llm.scheduler.has_unfinished()
     assert llm.page_manager.num_free_pages == llm.page_manager.num_pages

@@ -1,0 +1,130 @@
+"""What a user meets with no tuning: start-up in fresh processes (empty and filled compilation cache) and the first
+calls of `LLM(folder)` with its defaults.
+
+    PYTHONPATH=$PWD python3 scripts/bench_startup.py --model qwen3-0.6b --out $OUT/startup.json
+
+A random-weight model of the real architecture (scripts/configs) is saved as an HF folder, as a user's download
+would be. Each start runs in a fresh Python process with its own NANOJAX_CACHE: the first finds the compilation cache
+empty, the second finds it filled by the first. The second process also runs, through the public API with default
+knobs: nano-vllm's throughput workload twice (first and second `generate`), batch-64 greedy decode with and without
+one penalized request, and 256 prompts of 100 tokens prefilled (`max_tokens=1`) against one prompt of 4,000; it
+counts the programs compiled after `LLM()` returned. The figures of the build before this benchmark existed (issue
+19's table, same machine type) are printed beside.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+BEFORE = {"start_empty_s": 109.6, "start_filled_s": 22.9, "first_generate_tok_s": 2481, "second_generate_tok_s": 9683,
+          "compiles_after_start": "14-16", "penalized_vs_plain": 0.48, "prefill_256x100_ms": 891,
+          "prefill_1x4000_ms": 12}
+
+
+def child(args) -> dict:
+    """One fresh process: LLM(folder) from start to compiled, then (with --workload) the first calls."""
+    t0 = time.perf_counter()
+    from nanojax import LLM, SamplingParams
+
+    llm = LLM(args.folder, max_num_seqs=args.max_num_seqs)
+    result = {"start_s": time.perf_counter() - t0, "programs": llm.runner.compiles}
+    if not args.workload:
+        return result
+    from bench_throughput import nano_vllm_workload
+
+    compiled = llm.runner.compiles
+    prompts, max_tokens = nano_vllm_workload(args.num_seqs, args.max_input_len, args.max_output_len)
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
+    for key in ("first_generate_tok_s", "second_generate_tok_s"):
+        t = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        result[key] = sum(max_tokens) / (time.perf_counter() - t)
+    short = [p[:32] for p in (prompts * 64)[:64]]
+    greedy = SamplingParams(temperature=0, ignore_eos=True, max_tokens=128)
+    penalized = [greedy] * 63 + [SamplingParams(temperature=0, ignore_eos=True, max_tokens=128, presence_penalty=0.5)]
+    for key, ps in (("plain_b64_tok_s", greedy), ("penalized_b64_tok_s", penalized), ("plain_b64_tok_s", greedy)):
+        t = time.perf_counter()
+        llm.generate(short, ps, use_tqdm=False)
+        result[key] = 64 * 128 / (time.perf_counter() - t)  # the second plain run counts (the first warms up)
+    result["penalized_vs_plain"] = result["penalized_b64_tok_s"] / result["plain_b64_tok_s"]
+    once = SamplingParams(temperature=0, ignore_eos=True, max_tokens=1)
+    for key, batch in (("prefill_256x100_ms", [p[:100] for p in prompts[:256]]),
+                       ("prefill_1x4000_ms", [(prompts[0] * 8)[:4000]])):
+        times = []
+        for i in range(3):  # fresh prompts each time: no prefix-cache hits
+            fresh = [[(t + 17 * (i + 1)) % 10000 for t in p] for p in batch]
+            t = time.perf_counter()
+            llm.generate(fresh, once, use_tqdm=False)
+            times.append(time.perf_counter() - t)
+        result[key] = 1e3 * sorted(times)[1]
+    result["compiles_after_start"] = llm.runner.compiles - compiled
+    return result
+
+
+def run_child(args, folder: Path, cache: Path, workload: bool) -> dict:
+    env = dict(os.environ, NANOJAX_CACHE=str(cache))
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    cmd = [sys.executable, __file__, "--child", "--folder", str(folder), "--num-seqs", str(args.num_seqs), "--max-input-len", str(args.max_input_len),
+           "--max-output-len", str(args.max_output_len)] + (["--workload"] if workload else []) + (
+        ["--max-num-seqs", str(args.max_num_seqs)] if args.max_num_seqs else [])
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if out.returncode:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen3-0.6b")
+    ap.add_argument("--max-num-seqs", type=int, default=None, help="LLM's max_num_seqs (default: LLM's)")
+    ap.add_argument("--num-seqs", type=int, default=256)
+    ap.add_argument("--max-input-len", type=int, default=1024)
+    ap.add_argument("--max-output-len", type=int, default=1024)
+    ap.add_argument("--out", default="startup.json")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--workload", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--folder", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(child(args)))
+        return
+    from random_model import random_hf_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder, cache = Path(tmp) / args.model, Path(tmp) / "cache"
+        random_hf_model(args.model, "bfloat16").save_pretrained(folder)
+        empty = run_child(args, folder, cache, workload=False)
+        filled = run_child(args, folder, cache, workload=True)
+    import jax
+
+    results = {"model": args.model, "device": str(jax.devices()[0]), "empty_cache": empty, "filled_cache": filled,
+               "before": BEFORE}
+    Path(args.out).write_text(json.dumps(results, indent=2))
+    rows = [("start-up to compiled, empty cache (s)", empty["start_s"], BEFORE["start_empty_s"]),
+            ("start-up with a filled cache (s)", filled["start_s"], BEFORE["start_filled_s"]),
+            ("programs compiled at start-up", filled["programs"], 46),
+            ("nano-vllm workload, first generate (tok/s)", filled["first_generate_tok_s"],
+             BEFORE["first_generate_tok_s"]),
+            ("nano-vllm workload, second generate (tok/s)", filled["second_generate_tok_s"],
+             BEFORE["second_generate_tok_s"]),
+            ("first / second", filled["first_generate_tok_s"] / filled["second_generate_tok_s"], 0.26),
+            ("compiles after LLM() returned", filled["compiles_after_start"], BEFORE["compiles_after_start"]),
+            ("batch 64, one penalized request vs none", filled["penalized_vs_plain"], BEFORE["penalized_vs_plain"]),
+            ("256 prompts x 100 tokens, max_tokens=1 (ms)", filled["prefill_256x100_ms"],
+             BEFORE["prefill_256x100_ms"]),
+            ("1 prompt x 4000 tokens, max_tokens=1 (ms)", filled["prefill_1x4000_ms"], BEFORE["prefill_1x4000_ms"])]
+    print(f"\n{args.model} on {results['device']}")
+    print(f"{'measure':<48} {'now':>10} {'before':>10}")
+    for name, now, before in rows:
+        print(f"{name:<48} {now:>10.3g} {before!s:>10}" if isinstance(now, float) else
+              f"{name:<48} {now!s:>10} {before!s:>10}")
+
+
+if __name__ == "__main__":
+    main()
