@@ -55,7 +55,8 @@ def decode_step(params, cache, tables, tokens, batch: Batch, sampling: SamplingB
         tokens, cache, tables, seq_lens, out = carry
         hidden, cache = forward(params, tokens[:, None], cache, batch.replace(seq_lens=seq_lens), config=config,
                                 ops=ops)
-        new = sample(ops.full_vocab(lm_logits(params, hidden[:, 0], config)), sampling, tables, i, vocab_limit=vocab_limit)
+        logits = ops.full_vocab(lm_logits(params, hidden[:, 0], config))
+        new = sample(logits, sampling, tables, i, vocab_limit=vocab_limit)
         out = jax.tree.map(lambda o, n: o.at[i].set(n), out, new)
         return new.tokens, cache, tables.count(sampling.slots, new.tokens), seq_lens + active, out
 

@@ -139,7 +139,8 @@ def main():
     ap.add_argument("--out", default="decode.json")
     args = ap.parse_args()
 
-    results = {"device": str(jax.devices()[0]), "model": args.model, "tensor_parallel_size": args.tensor_parallel_size, "steps_per_dispatch": args.steps,
+    results = {"device": str(jax.devices()[0]), "model": args.model, "tensor_parallel_size": args.tensor_parallel_size,
+               "steps_per_dispatch": args.steps,
                "parity": {}, "points": [], "ttft_ms": {}, "peers": []}
     save = lambda: Path(args.out).write_text(json.dumps(results, indent=2))  # noqa: E731 -- after every point
     if not args.skip_parity:

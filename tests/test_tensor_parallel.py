@@ -40,7 +40,8 @@ def test_on_8_host_devices():
                           __file__], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
     # everything ran there but this launcher
-    assert re.fullmatch(r"\d+ passed, 1 skipped(, \d+ warnings?)? in .*", run.stdout.splitlines()[-1]), run.stdout[-2000:]
+    summary = run.stdout.splitlines()[-1]
+    assert re.fullmatch(r"\d+ passed, 1 skipped(, \d+ warnings?)? in .*", summary), run.stdout[-2000:]
 
 
 @pytest.fixture(scope="module")
