@@ -21,6 +21,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"])
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--tensor-parallel-size", type=int, default=None,
+                   help="split the model over this many local devices (default: one device)")
     args = p.parse_args(argv)
     if not args.chat and args.prompt is None:
         p.error("--prompt is required unless --chat is given")
@@ -47,7 +49,8 @@ def main(argv=None) -> int:
     try:
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                 max_tokens=args.max_tokens, seed=args.seed)
-        llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=1)
+        llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=1,
+                  tensor_parallel_size=args.tensor_parallel_size)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

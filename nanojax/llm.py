@@ -67,6 +67,8 @@ class LLM:
     (the Pallas kernels on a GPU where the model's shapes allow them).
     warmup: compile every program before returning, behind one progress bar (None: on a GPU; on a CPU programs
     compile on first use). Compiled programs are kept in the persistent compilation cache (`nanojax.cache`).
+    tensor_parallel_size: run the model split over this many local devices (nanojax.sharding; 1 runs the sharded
+    code on one device); None: one device, unsharded.
     """
 
     def __init__(self, model: "str | LoadedModel | None" = None, *, dtype: str | None = None,
@@ -74,7 +76,7 @@ class LLM:
                  memory_fraction: float = 0.85, max_num_seqs: int | None = None,
                  max_num_batched_tokens: int | None = None, chunk_size: int | None = None,
                  decode_steps: int | None = None, kernels: str = "auto", seed: int = 0, warmup: bool | None = None,
-                 progress: bool = True):
+                 progress: bool = True, tensor_parallel_size: int | None = None):
         from nanojax.cache import use_compilation_cache
 
         use_compilation_cache()
@@ -90,8 +92,15 @@ class LLM:
         max_num_seqs = _positive("max_num_seqs", max_num_seqs, 256 if on_gpu else 64)
         budget = _positive("max_num_batched_tokens", max_num_batched_tokens, 8192 if on_gpu else 2048)
         pages_per_seq = -(-self.max_model_len // page_size)
+        tp = None
+        if tensor_parallel_size is not None:
+            from nanojax.sharding import TensorParallel
+
+            tp = TensorParallel.create(self.config, tensor_parallel_size)
+            params = tp.place(params, progress)  # before sizing the KV pool: the weights' share is in use
         if num_pages is None:
-            num_pages = self._pages_that_fit(page_size, memory_fraction, max_num_seqs * pages_per_seq)
+            kv_heads = self.config.num_kv_heads if tp is None else tp.local_config.num_kv_heads
+            num_pages = self._pages_that_fit(page_size, memory_fraction, max_num_seqs * pages_per_seq, kv_heads)
         vocab_limit = min(len(self.tokenizer), self.config.vocab_size) if self.tokenizer else self.config.vocab_size
         self.page_manager = PageManager(num_pages, page_size)
         self.scheduler = Scheduler(SchedulerConfig(
@@ -100,7 +109,8 @@ class LLM:
         self.runner = ModelRunner(
             self.config, params, num_pages=num_pages, page_size=page_size, pages_per_seq=pages_per_seq,
             dtype=params["embed"].dtype, ops=get_ops(kernels, self.config), vocab_limit=vocab_limit,
-            max_num_seqs=max_num_seqs, max_prefill_tokens=budget, decode_steps=self.decode_steps)
+            max_num_seqs=max_num_seqs, max_prefill_tokens=budget, decode_steps=self.decode_steps,
+            tensor_parallel=tp)
         self.eos_ids = frozenset(self.config.eos_token_ids)
         self._rng = np.random.default_rng(seed)
         self._free_slots = list(range(max_num_seqs))
@@ -113,10 +123,11 @@ class LLM:
         if warmup if warmup is not None else on_gpu:
             self.warmup(progress)
 
-    def _pages_that_fit(self, page_size: int, fraction: float, wanted: int) -> int:
+    def _pages_that_fit(self, page_size: int, fraction: float, wanted: int, kv_heads: int) -> int:
+        """kv_heads: the KV heads one device holds."""
         c = self.config
         itemsize = np.dtype(self.dtype).itemsize if self.dtype != "bfloat16" else 2
-        page_bytes = 2 * c.num_layers * c.num_kv_heads * page_size * c.head_dim * itemsize
+        page_bytes = 2 * c.num_layers * kv_heads * page_size * c.head_dim * itemsize
         stats = jax.devices()[0].memory_stats() or {}
         if "bytes_limit" in stats:
             budget = stats["bytes_limit"] * fraction - stats.get("bytes_in_use", 0)

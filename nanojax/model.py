@@ -84,10 +84,10 @@ def layer(ops: Ops, lp, x, positions, slots, k_pages, v_pages, batch: Batch, con
     b, t = batch.q_lens.shape[0], x.shape[0] // batch.q_lens.shape[0]
     attn = ops.attention(q.reshape(b, t, config.num_heads, config.head_dim), k_pages, v_pages, batch.page_table,
                          batch.seq_lens, batch.q_lens, scale=config.head_dim**-0.5)
-    x = project(ops, attn.reshape(b * t, config.q_size), lp["o"], residual=x)
+    x = ops.row_project(attn.reshape(b * t, config.q_size), lp["o"], residual=x)
     h, norm_eps = pre_norm(x, lp, "mlp_norm", config)
     h = project(ops, h, lp["up"], norm_eps=norm_eps, activation="silu_mul" if config.mlp == "swiglu" else "gelu_tanh")
-    return project(ops, h, lp["down"], residual=x), k_pages, v_pages
+    return ops.row_project(h, lp["down"], residual=x), k_pages, v_pages
 
 
 def forward(params, tokens, kv_cache: KVCache, batch: Batch, *, config: ModelConfig, ops: Ops):
@@ -101,7 +101,7 @@ def forward(params, tokens, kv_cache: KVCache, batch: Batch, *, config: ModelCon
         x = x + params["pos_embed"][jnp.maximum(positions, 0)]
     new_k, new_v = [], []
     for lp, k_pages, v_pages in zip(params["layers"], kv_cache.k, kv_cache.v):
-        x, k_pages, v_pages = layer(ops, lp, x, positions, slots, k_pages, v_pages, batch, config)
+        x, k_pages, v_pages = ops.run_layer(layer, lp, x, positions, slots, k_pages, v_pages, batch, config)
         new_k.append(k_pages)
         new_v.append(v_pages)
     hidden = norm(x, params["final_norm"], config).reshape(b, t, -1)

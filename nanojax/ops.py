@@ -51,6 +51,19 @@ class Ops:
             return rmsnorm_matmul_reference(x, p["w"], p.get("b"), **kw)
         return rmsnorm_matmul(x, p["w"], p.get("b"), interpret=self.interpret, **kw)
 
+    def row_project(self, x, p, *, residual):
+        """o_proj / down_proj: x @ w [+ b] + residual. A tensor-parallel Ops (nanojax.sharding) holds rows of w on
+        each device and sums their partial products with one all-reduce."""
+        return self.project(x, p, residual=residual)
+
+    def run_layer(self, layer, lp, x, positions, slots, k_pages, v_pages, batch, config):
+        """Runs layer(self, lp, x, ..., config), one decoder layer; a tensor-parallel Ops runs it per shard."""
+        return layer(self, lp, x, positions, slots, k_pages, v_pages, batch, config)
+
+    def full_vocab(self, logits):
+        """lm_logits' output -> the logits over the whole vocabulary (a tensor-parallel Ops gathers its shards)."""
+        return logits
+
     def qkv_rope_cache(self, qkv, positions, slots, k_pages, v_pages, inv_freq, q_norm, k_norm, *, eps):
         """qkv: [N, (Hq + 2 Hkv) D]; positions, slots: [N] -> (q [N, Hq, D], k_pages, v_pages)."""
         if not self.pallas:

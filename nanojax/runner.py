@@ -36,7 +36,7 @@ def prefill_step(params, cache, tables, tokens, batch: Batch, sampling: Sampling
     mid-prompt sample too; the host discards theirs (their slots are the neutral one, so nothing is counted)."""
     hidden, cache = forward(params, tokens, cache, batch, config=config, ops=ops)
     last = jnp.take_along_axis(hidden, jnp.maximum(batch.q_lens - 1, 0)[:, None, None], axis=1)[:, 0]
-    out = sample(lm_logits(params, last, config), sampling, tables, 0, vocab_limit=vocab_limit)
+    out = sample(ops.full_vocab(lm_logits(params, last, config)), sampling, tables, 0, vocab_limit=vocab_limit)
     return jax.tree.map(lambda x: x[None], out), cache, tables.count(sampling.slots, out.tokens)
 
 
@@ -55,7 +55,8 @@ def decode_step(params, cache, tables, tokens, batch: Batch, sampling: SamplingB
         tokens, cache, tables, seq_lens, out = carry
         hidden, cache = forward(params, tokens[:, None], cache, batch.replace(seq_lens=seq_lens), config=config,
                                 ops=ops)
-        new = sample(lm_logits(params, hidden[:, 0], config), sampling, tables, i, vocab_limit=vocab_limit)
+        logits = ops.full_vocab(lm_logits(params, hidden[:, 0], config))
+        new = sample(logits, sampling, tables, i, vocab_limit=vocab_limit)
         out = jax.tree.map(lambda o, n: o.at[i].set(n), out, new)
         return new.tokens, cache, tables.count(sampling.slots, new.tokens), seq_lens + active, out
 
@@ -109,15 +110,21 @@ class ModelRunner:
     """Holds params, the KV cache and the token tables on device, and runs padded steps.
 
     ops: the kernel switch (nanojax.ops). max_prefill_tokens: the scheduler's token budget (packed prefill rows are
-    sized for it). decode_steps: the decode steps per dispatch besides 1.
+    sized for it). decode_steps: the decode steps per dispatch besides 1. tensor_parallel: a
+    nanojax.sharding.TensorParallel to run the model over its mesh (params as numpy, or placed by its `place`).
     """
 
     def __init__(self, config: ModelConfig, params, *, num_pages: int, page_size: int, pages_per_seq: int,
-                 dtype, ops, vocab_limit: int, max_num_seqs: int, max_prefill_tokens: int, decode_steps: int):
-        self.config, self.ops, self.vocab_limit = config, ops, vocab_limit
-        self.params = jax.device_put(params)
-        self.cache = KVCache.create(config, num_pages, page_size, dtype)
-        self.tables = TokenTables.create(max_num_seqs, config.vocab_size)
+                 dtype, ops, vocab_limit: int, max_num_seqs: int, max_prefill_tokens: int, decode_steps: int,
+                 tensor_parallel=None):
+        tp = tensor_parallel
+        self.config, self.vocab_limit = config, vocab_limit
+        self.ops = ops if tp is None else tp.ops(ops)
+        self._inputs_sharding = None if tp is None else tp.replicated  # host inputs: on every device of the mesh
+        self.params = jax.device_put(params) if tp is None else tp.place(params)
+        self.cache = (KVCache.create(config, num_pages, page_size, dtype) if tp is None
+                      else tp.create_cache(num_pages, page_size, dtype))
+        self.tables = jax.device_put(TokenTables.create(max_num_seqs, config.vocab_size), self._inputs_sharding)
         self.pages_per_seq = pages_per_seq
         self.decode_rows = pow2_buckets(1, max_num_seqs)
         self.prefill_rows = pow2_buckets(1, -(-max_prefill_tokens // PREFILL_ROW))
@@ -168,7 +175,8 @@ class ModelRunner:
     def _run(self, p: Program, tokens: np.ndarray, page_tables, seq_lens, q_lens, sampling: dict) -> Sampled:
         # One transfer for all of the step's host arrays: a jnp.asarray per array costs ~0.3 ms each on the H100
         # machine, which made the host, not the GPU, the bottleneck of a dispatch (docs/perf_notes.md).
-        args = jax.device_put((tokens, *self._inputs(p, page_tables, seq_lens, q_lens, sampling)))
+        args = jax.device_put((tokens, *self._inputs(p, page_tables, seq_lens, q_lens, sampling)),
+                              self._inputs_sharding)
         out, self.cache, self.tables = self._program(p)(self.params, self.cache, self.tables, *args)
         return out
 

@@ -27,18 +27,19 @@ from nanojax import LLM, SamplingParams  # noqa: E402
 from nanojax.kv_cache import KVCache  # noqa: E402
 from nanojax.ops import get_ops  # noqa: E402
 from nanojax.runner import ModelRunner, greedy_sampling  # noqa: E402
+from nanojax.sharding import TensorParallel  # noqa: E402
 
 HBM_BYTES_PER_S = 2.83e12
 PAGE = 16
 
 
-def check_parity(name: str, kernels: str, num_tokens: int = 8) -> bool:
+def check_parity(name: str, kernels: str, num_tokens: int = 8, tensor_parallel_size: int | None = None) -> bool:
     """float32 greedy tokens of nanojax vs HF on the same random weights (GPU, both)."""
     import torch
 
     hf = random_hf_model(name, "float32")
     llm = LLM(loaded_model(hf, "float32"), dtype="float32", max_model_len=256, kernels=kernels,
-              max_num_seqs=4, decode_steps=4)
+              max_num_seqs=4, decode_steps=4, tensor_parallel_size=tensor_parallel_size)
     prompts = np.random.default_rng(0).integers(0, 10000, (3, 37)).tolist()
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True),
                         use_tqdm=False)
@@ -85,9 +86,9 @@ def random_cache(runner: ModelRunner, key) -> None:
     del cache
     for i, layer_key in enumerate(jax.random.split(key, len(pools["k"]))):
         for name, kind_key in zip(("k", "v"), jax.random.split(layer_key)):
-            shape, dtype = pools[name][i].shape, pools[name][i].dtype
-            pools[name][i] = None  # frees the zero pool before its replacement is made
-            pools[name][i] = jax.random.normal(kind_key, shape, dtype)
+            shape, dtype, sharding = pools[name][i].shape, pools[name][i].dtype, pools[name][i].sharding
+            pools[name][i] = None  # frees the zero pool before its replacement is made (on the same devices)
+            pools[name][i] = jax.jit(lambda k: jax.random.normal(k, shape, dtype), out_shardings=sharding)(kind_key)
     runner.cache = KVCache(k=tuple(pools["k"]), v=tuple(pools["v"]))
 
 
@@ -134,19 +135,23 @@ def main():
                     help="HF static cache + torch.compile peer points (a compile each), at the first context")
     ap.add_argument("--table-tokens", type=int, default=0,
                     help="page-table width in tokens, as the engine's max_model_len gives (default: context + steps)")
+    ap.add_argument("--tensor-parallel-size", type=int, default=None,
+                    help="split the model over this many GPUs (nanojax.sharding); default: one GPU, unsharded")
     ap.add_argument("--out", default="decode.json")
     args = ap.parse_args()
 
-    results = {"device": str(jax.devices()[0]), "model": args.model, "steps_per_dispatch": args.steps,
+    results = {"device": str(jax.devices()[0]), "model": args.model, "tensor_parallel_size": args.tensor_parallel_size,
+               "steps_per_dispatch": args.steps,
                "parity": {}, "points": [], "ttft_ms": {}, "peers": []}
     save = lambda: Path(args.out).write_text(json.dumps(results, indent=2))  # noqa: E731 -- after every point
     if not args.skip_parity:
         for kern in args.kernels:
-            results["parity"][kern] = check_parity(args.model, kern)
+            results["parity"][kern] = check_parity(args.model, kern, tensor_parallel_size=args.tensor_parallel_size)
         print(f"parity with HF (float32 greedy): {results['parity']}", flush=True)
     hf = random_hf_model(args.model, "bfloat16")
     loaded = loaded_model(hf, "bfloat16")
-    params = jax.tree.map(jnp.asarray, loaded.params)
+    tp = TensorParallel.create(loaded.config, args.tensor_parallel_size) if args.tensor_parallel_size else None
+    params = tp.place(loaded.params, progress=True) if tp else jax.tree.map(jnp.asarray, loaded.params)
     wbytes = weight_bytes(params) - loaded.config.vocab_size * loaded.config.hidden_size * 2 * (
         0 if loaded.config.tie_word_embeddings else 1)  # untied: the input embedding is read only by row
     c = loaded.config
@@ -157,7 +162,7 @@ def main():
             pps = -(-max_ctx // PAGE)
             runner = ModelRunner(c, params, num_pages=pps, page_size=PAGE, pages_per_seq=pps, dtype=jnp.bfloat16,
                                  ops=get_ops(kern, c), vocab_limit=c.vocab_size, max_num_seqs=1,
-                                 max_prefill_tokens=max(args.ttft), decode_steps=1)
+                                 max_prefill_tokens=max(args.ttft), decode_steps=1, tensor_parallel=tp)
             results["ttft_ms"][kern] = {n: ttft(runner, n) * 1e3 for n in args.ttft}
             save()
             print(f"TTFT {kern}: {results['ttft_ms'][kern]}", flush=True)
@@ -169,7 +174,8 @@ def main():
                     continue
                 runner = ModelRunner(c, params, num_pages=batch * pps, page_size=PAGE, pages_per_seq=pps,
                                      dtype=jnp.bfloat16, ops=get_ops(kern, c), vocab_limit=c.vocab_size,
-                                     max_num_seqs=batch, max_prefill_tokens=16, decode_steps=max(args.steps))
+                                     max_num_seqs=batch, max_prefill_tokens=16, decode_steps=max(args.steps),
+                                     tensor_parallel=tp)
                 random_cache(runner, jax.random.key(0))
                 for steps in args.steps:
                     point = bench_point(runner, batch, context, steps)

@@ -42,7 +42,8 @@ def run_nanojax(hf_model, prompts, max_tokens, args) -> dict:
     llm = LLM(loaded_model(hf_model, "bfloat16"), dtype="bfloat16", kernels=args.kernels, warmup=True,
               max_model_len=args.max_input_len + args.max_output_len + args.decode_steps,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              chunk_size=args.chunk_size, decode_steps=args.decode_steps)
+              chunk_size=args.chunk_size, decode_steps=args.decode_steps,
+              tensor_parallel_size=args.tensor_parallel_size)
     compile_s = time.perf_counter() - t0
     llm.generate([prompts[0][:100]], SamplingParams(temperature=0.6, max_tokens=16), use_tqdm=False)  # warm-up
     compiles = llm.runner.compiles
@@ -70,6 +71,8 @@ def main():
     ap.add_argument("--hf-requests", type=int, default=128, help="requests the HF eager peer runs (0: none)")
     ap.add_argument("--hf-batch", type=int, default=128)
     ap.add_argument("--skip-parity", action="store_true")
+    ap.add_argument("--tensor-parallel-size", type=int, default=None,
+                    help="split the model over this many GPUs (nanojax.sharding); default: one GPU, unsharded")
     ap.add_argument("--out", default="throughput.json")
     args = ap.parse_args()
 
@@ -92,7 +95,7 @@ def main():
         print(json.dumps(results["hf_eager"]), flush=True)
         torch.cuda.empty_cache()
     if not args.skip_parity:
-        results["parity"] = check_parity(args.model, args.kernels)
+        results["parity"] = check_parity(args.model, args.kernels, tensor_parallel_size=args.tensor_parallel_size)
     results["nanojax"] = run_nanojax(hf, prompts, max_tokens, args)
     print(json.dumps(results["nanojax"]), flush=True)
     Path(args.out).write_text(json.dumps(results, indent=2))

@@ -1,7 +1,9 @@
 """Shared fixtures: tiny random HF models saved with save_pretrained (float32), and the HF greedy oracle."""
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+# NANOJAX_TEST_DEVICES: host devices for the tensor-parallel tests (test_tensor_parallel.py runs itself with 8).
+os.environ.setdefault("XLA_FLAGS",
+                      f"--xla_force_host_platform_device_count={os.environ.get('NANOJAX_TEST_DEVICES', '1')}")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import numpy as np  # noqa: E402

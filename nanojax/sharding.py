@@ -1,0 +1,215 @@
+"""Tensor parallelism: one model over the N devices of a 1-D mesh (axis "tp"), Megatron's layout on jax.sharding.
+
+Per layer, the column-parallel projections (qkv, gate|up) are split by heads / intermediate columns and the
+row-parallel ones (o, down) by rows, so each device runs the whole layer on its own heads and columns (the Pallas
+kernels or the jnp references alike, under `shard_map`) and two all-reduces, after o and after down, are its only
+collectives. The fused layouts are re-ordered at load so that a contiguous column split gives device i
+[q_i | k_i | v_i] and [gate_i | up_i]. KV heads are split like the q heads; with fewer KV heads than devices each
+KV head is replicated, so that every device holds the KV head its q heads read (the KV pages have max(Hkv, N)
+heads). The embedding and the LM head are split by vocabulary (padded to a multiple of N with zero rows): XLA's
+SPMD partitioner turns the embedding lookup into a local lookup and an all-reduce, and the LM head into local
+logits, gathered before sampling, so the sampler sees the logits a single device computes.
+"""
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from tqdm import tqdm
+
+from nanojax.config import ModelConfig
+from nanojax.kv_cache import KVCache
+from nanojax.ops import Ops
+
+AXIS = "tp"
+_KV_PAGES = P(None, AXIS)  # [num_pages, kv_heads, page_size, head_dim]: split by KV heads
+
+
+def _names(path) -> tuple[str, ...]:
+    return tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
+
+
+def split_axis(names: tuple[str, ...], ndim: int) -> int | None:
+    """The axis along which the param at `names` (its dict keys from the params root or a layer's root) is split
+    over the devices; None: replicated."""
+    if names[0] == "embed":
+        return 0  # [V, H]
+    if names[0] == "lm_head":
+        return ndim - 1  # w [H, V], or an FP8 head's scale [V]
+    group = names[-2] if len(names) > 1 else None
+    if group in ("qkv", "up"):
+        return ndim - 1  # w [H, N'], b and scale [N']: by output columns
+    if group in ("o", "down") and names[-1] == "w":
+        return 0  # [q or I, H]: by rows; their b and scale apply after the all-reduce, on every device
+    return None
+
+
+def param_specs(params):
+    """The PartitionSpec of each leaf of `params` (the whole tree, or one layer's)."""
+    def spec(path, x):
+        axis = split_axis(_names(path), np.ndim(x))
+        return P() if axis is None else P(*([None] * axis), AXIS)
+
+    return jax.tree_util.tree_map_with_path(spec, params)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallel:
+    """The layout of `config` over `mesh` (hashable: the compiled steps take it, inside their Ops, as static)."""
+
+    config: ModelConfig
+    mesh: Mesh
+
+    @classmethod
+    def create(cls, config: ModelConfig, size: int, devices=None) -> "TensorParallel":
+        """Over the first `size` of `devices` (default: jax.devices()); ValueError for a model that does not split
+        evenly over `size` devices."""
+        devices = jax.devices() if devices is None else devices
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive int, got {size!r}")
+        if size > len(devices):
+            raise ValueError(f"tensor_parallel_size={size} but only {len(devices)} devices are available")
+        check_divisible(config, size)
+        return cls(config, Mesh(np.array(devices[:size]), (AXIS,)))
+
+    @property
+    def size(self) -> int:
+        return self.mesh.size
+
+    @property
+    def kv_heads(self) -> int:
+        """KV heads of the sharded model: each device holds kv_heads / size of them (replicas when Hkv < size)."""
+        return max(self.config.num_kv_heads, self.size)
+
+    @property
+    def vocab(self) -> int:
+        """The vocabulary padded to a multiple of the size."""
+        return -(-self.config.vocab_size // self.size) * self.size
+
+    @functools.cached_property
+    def local_config(self) -> ModelConfig:
+        """The model one device runs: its share of the heads and of the intermediate columns."""
+        c, n = self.config, self.size
+        return dataclasses.replace(c, num_heads=c.num_heads // n, num_kv_heads=self.kv_heads // n,
+                                   intermediate_size=c.intermediate_size // n)
+
+    @property
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P())
+
+    def ops(self, base: Ops) -> "TensorParallelOps":
+        """`base`'s kernels, run per shard."""
+        fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
+        return TensorParallelOps(**fields, plan=self)
+
+    # ----- placement -----
+    def place(self, params, progress: bool = False) -> dict:
+        """Numpy params (nanojax.model's layout) -> params on the mesh, each device given only its slices of each
+        tensor (re-ordered and padded as the module docstring says), one tensor group (top, each layer) at a time.
+        Params this method placed already are kept as they are."""
+        top = {k: v for k, v in params.items() if k != "layers"}
+        groups = [("top", top, ()), *((f"layer {i}", lp, ("layers",)) for i, lp in enumerate(params["layers"]))]
+        placed = []
+        for _, group, root in tqdm(groups, desc=f"placing params on {self.size} devices", disable=not progress):
+            placed.append(jax.tree_util.tree_map_with_path(
+                lambda path, x: self._place_leaf(root + _names(path), x), group))
+        return {**placed[0], "layers": tuple(placed[1:])}
+
+    def _place_leaf(self, names: tuple[str, ...], src) -> jax.Array:
+        axis = split_axis(names, src.ndim)
+        if isinstance(src, jax.Array) and getattr(src.sharding, "mesh", None) == self.mesh:
+            return src
+        src = np.asarray(src)
+        index = None if axis is None else self._column_index(names, src.shape[axis])
+        shape = list(src.shape)
+        if index is not None:
+            shape[axis] = len(index)
+        sharding = NamedSharding(self.mesh, P() if axis is None else P(*([None] * axis), AXIS))
+
+        def block(slices):
+            if index is None:
+                return src[slices]
+            sel = index[slices[axis]]
+            out = np.take(src, np.maximum(sel, 0), axis=axis)
+            pad = sel < 0
+            if pad.any():  # vocabulary padding: zero rows / columns
+                out[(slice(None),) * axis + (pad,)] = 0
+            return out[slices[:axis] + (slice(None),) + slices[axis + 1:]]
+
+        return jax.make_array_from_callback(tuple(shape), sharding, block)
+
+    def _column_index(self, names: tuple[str, ...], length: int) -> np.ndarray | None:
+        """For a split axis of `length`: the source index of each position of the placed axis (-1: zero padding),
+        or None where the placed axis is the source axis split in contiguous blocks."""
+        c, n = self.config, self.size
+        if names[0] in ("embed", "lm_head"):
+            return np.where(np.arange(self.vocab) < length, np.arange(self.vocab), -1)
+        if "qkv" in names:
+            return self._qkv_index()
+        if "up" in names and c.mlp == "swiglu":  # gate | up: device i gets [gate_i | up_i]
+            cols = np.arange(c.intermediate_size).reshape(n, -1)
+            return np.concatenate([cols, cols + c.intermediate_size], axis=1).ravel()
+        return None
+
+    def _qkv_index(self) -> np.ndarray:
+        """qkv columns [q | k | v] (heads of head_dim columns) re-ordered to [q_0 k_0 v_0 | q_1 k_1 v_1 | ...],
+        KV heads replicated when there are fewer than devices."""
+        c, n, d = self.config, self.size, self.config.head_dim
+        q_heads = np.arange(c.num_heads).reshape(n, -1)
+        kv_heads = (np.arange(self.kv_heads) * c.num_kv_heads // self.kv_heads).reshape(n, -1)
+
+        def columns(heads, start):
+            return (start + heads[:, :, None] * d + np.arange(d)).reshape(n, -1)
+
+        blocks = [columns(q_heads, 0), columns(kv_heads, c.q_size), columns(kv_heads, c.q_size + c.kv_size)]
+        return np.concatenate(blocks, axis=1).ravel()
+
+    def create_cache(self, num_pages: int, page_size: int, dtype) -> KVCache:
+        """The KV page pools, each device holding its KV heads' pages."""
+        shape = (num_pages, self.kv_heads, page_size, self.config.head_dim)
+        zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=NamedSharding(self.mesh, _KV_PAGES))
+        layers = range(self.config.num_layers)
+        return KVCache(k=tuple(zeros() for _ in layers), v=tuple(zeros() for _ in layers))
+
+
+def check_divisible(config: ModelConfig, n: int) -> None:
+    """ValueError naming the first dimension that does not split evenly over n devices."""
+    if config.num_heads % n:
+        raise ValueError(f"num_heads={config.num_heads} is not divisible by tensor_parallel_size={n}")
+    kv = config.num_kv_heads
+    if (kv >= n and kv % n) or (kv < n and n % kv):
+        raise ValueError(f"num_kv_heads={kv} and tensor_parallel_size={n}: one must divide the other "
+                         "(KV heads are split, or replicated when fewer than the devices)")
+    if config.intermediate_size % n:
+        raise ValueError(f"intermediate_size={config.intermediate_size} is not divisible by "
+                         f"tensor_parallel_size={n}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallelOps(Ops):
+    """Ops whose decoder layers run per shard (`plan.local_config` on each device) under shard_map, with the two
+    all-reduces of the row-parallel projections, and whose logits are gathered over the vocabulary shards."""
+
+    plan: TensorParallel | None = None
+
+    def row_project(self, x, p, *, residual):
+        """x: [N, K / size] -> [N, H]: the partial products of this device's rows of w, summed over the devices;
+        then the bias and the residual (the same on every device)."""
+        out = jax.lax.psum(self.project(x, {k: v for k, v in p.items() if k != "b"}), AXIS)
+        if "b" in p:
+            out = out + p["b"].astype(out.dtype)
+        return out + residual
+
+    def run_layer(self, layer, lp, x, positions, slots, k_pages, v_pages, batch, config):
+        def local(lp, x, positions, slots, k_pages, v_pages, batch):
+            return layer(self, lp, x, positions, slots, k_pages, v_pages, batch, self.plan.local_config)
+
+        return jax.shard_map(local, mesh=self.plan.mesh, out_specs=(P(), _KV_PAGES, _KV_PAGES), check_vma=False,
+                             in_specs=(param_specs(lp), P(), P(), P(), _KV_PAGES, _KV_PAGES, P()))(
+            lp, x, positions, slots, k_pages, v_pages, batch)
+
+    def full_vocab(self, logits):
+        gathered = jax.lax.with_sharding_constraint(logits, self.plan.replicated)
+        return gathered[..., :self.plan.config.vocab_size]

@@ -1,0 +1,152 @@
+"""Tensor parallelism (nanojax.sharding) on 8 host devices: sizes 1, 2, 4 and 8 give HF's float32 greedy tokens for
+every architecture, KV heads fewer than the devices included, through prefix-cache hits, chunked prefill and
+preemption; the Pallas kernels per shard in interpret mode; two all-reduces per layer in the compiled decode.
+
+The host device count is fixed when jax starts, so under the default single device these tests re-run this file in
+a subprocess with NANOJAX_TEST_DEVICES=8 (tests/conftest.py)."""
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from conftest import TINY, build_hf_model, hf_greedy, random_prompts
+
+from nanojax import LLM, SamplingParams
+from nanojax.sharding import TensorParallel
+
+DEVICES = 8
+on_host_devices = pytest.mark.skipif(jax.device_count() < DEVICES, reason="runs in test_on_8_host_devices")
+# Each architecture with 8 query heads (so that every size splits them) and its KV heads: 8 (split), 4, 2 and 1
+# (replicated where fewer than the devices). Vocabularies stay odd: the vocabulary shards are padded.
+TP_TINY = {
+    "llama": dict(TINY["llama"], num_attention_heads=8, num_key_value_heads=2),
+    "llama3": TINY["llama3"],
+    "qwen2": dict(TINY["qwen2"], hidden_size=64, num_attention_heads=8),
+    "qwen3": dict(TINY["qwen3"], num_attention_heads=8),
+    "ernie4_5": dict(TINY["ernie4_5"], num_attention_heads=8),
+    "gpt2": dict(TINY["gpt2"], n_head=8),
+}
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+@pytest.mark.skipif(jax.device_count() >= DEVICES, reason="already on 8 host devices")
+def test_on_8_host_devices():
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES}",
+           "NANOJAX_TEST_DEVICES": str(DEVICES)}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "no:xdist",
+                          __file__], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
+    # everything ran there but this launcher
+    summary = run.stdout.splitlines()[-1]
+    assert re.fullmatch(r"\d+ passed, 1 skipped(, \d+ warnings?)? in .*", summary), run.stdout[-2000:]
+
+
+@pytest.fixture(scope="module")
+def tp_model(tmp_path_factory):
+    made = {}
+
+    def make(name):
+        if name not in made:
+            model = build_hf_model(TP_TINY[name])
+            folder = tmp_path_factory.mktemp(f"tp-{name}")
+            model.save_pretrained(folder)
+            made[name] = (str(folder), model)
+        return made[name]
+
+    return make
+
+
+def scenario(config_vocab: int):
+    """Prompts that share a 9-token prefix (prefix-cache hits once the first has run), one longer than the chunk
+    size (chunked prefill), more KV than the pool holds (preemption)."""
+    prefix = random_prompts(config_vocab, [9], seed=5)[0]
+    rest = random_prompts(config_vocab, [6, 3, 23, 1], seed=6)
+    return [prefix + rest[0], prefix + rest[1], rest[2], prefix + rest[3]]
+
+
+@on_host_devices
+@pytest.mark.parametrize("name", sorted(TP_TINY))
+def test_greedy_tokens_match_hf_at_every_size(tp_model, name):
+    folder, model = tp_model(name)
+    prompts = scenario(model.config.vocab_size)
+    expected = [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts]
+    for size in (1, 2, 4, 8):
+        llm = LLM(folder, dtype="float32", page_size=4, max_model_len=64, num_pages=16, max_num_seqs=4,
+                  max_num_batched_tokens=16, decode_steps=4, tensor_parallel_size=size, progress=False)
+        first = llm.generate([prompts[0]], GREEDY, use_tqdm=False)[0]
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert [first.token_ids] + [o.token_ids for o in outs] == expected[:1] + expected, (name, size)
+        assert outs[0].num_cached_tokens > 0 and llm.scheduler.num_preemptions > 0, (name, size)
+        heads = llm.runner.cache.k[0].sharding.shard_shape(llm.runner.cache.k[0].shape)[1]
+        assert heads == max(llm.config.num_kv_heads, size) // size  # KV heads per device
+
+
+@on_host_devices
+def test_pallas_kernels_per_shard(tp_model):
+    folder, model = tp_model("qwen3")
+    prompts = random_prompts(model.config.vocab_size, [7, 2], seed=3)
+    llm = LLM(folder, dtype="float32", page_size=8, max_model_len=32, max_num_seqs=2, decode_steps=2,
+              kernels="interpret", tensor_parallel_size=2, progress=False)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert [o.token_ids for o in outs] == [hf_greedy(model, p, 3) for p in prompts]
+
+
+@on_host_devices
+def test_decode_collectives(tp_model):
+    """The compiled multi-step decode keeps its collectives inside: per step the embedding's all-reduce, two per
+    layer, the logits' all-gather."""
+    folder, model = tp_model("llama")
+    llm = LLM(folder, dtype="float32", page_size=4, max_model_len=32, max_num_seqs=2, decode_steps=4,
+              tensor_parallel_size=4, progress=False)
+    from nanojax.runner import Program
+
+    hlo = llm.runner._lower(Program(2, 4)).compile().as_text()
+    assert "while" in hlo
+    layers = model.config.num_hidden_layers
+    assert len(re.findall(r"= \S+ all-reduce\(", hlo)) == 2 * layers + 1
+    assert len(re.findall(r"= \S+ all-gather\(", hlo)) == 1
+
+
+@on_host_devices
+def test_uneven_shapes_are_refused():
+    import dataclasses
+
+    from transformers import AutoConfig
+
+    from nanojax.config import ModelConfig
+
+    spec = dict(TINY["qwen2"])
+    qwen2 = ModelConfig.from_hf_config(AutoConfig.for_model(spec.pop("model_type"), **spec).to_dict())
+    with pytest.raises(ValueError, match="num_heads=7 is not divisible by tensor_parallel_size=2"):
+        TensorParallel.create(qwen2, 2)
+    with pytest.raises(ValueError, match="num_kv_heads=3 and tensor_parallel_size=2"):
+        TensorParallel.create(dataclasses.replace(qwen2, num_heads=6, num_kv_heads=3), 2)
+    with pytest.raises(ValueError, match="intermediate_size=84 is not divisible by tensor_parallel_size=8"):
+        TensorParallel.create(dataclasses.replace(qwen2, num_heads=8, intermediate_size=84), 8)
+    with pytest.raises(ValueError, match="tensor_parallel_size=16 but only 8 devices"):
+        TensorParallel.create(qwen2, 16)
+
+
+@on_host_devices
+def test_each_device_holds_only_its_slices(tp_model):
+    """qkv re-ordered to [q_i | k_i | v_i] per device, KV heads replicated, vocabulary padded with zeros."""
+    folder, model = tp_model("llama")  # 8 q heads, 2 KV heads, head_dim 8, vocabulary 101
+    from nanojax.loader import load_model
+
+    params = load_model(folder, "float32").params
+    tp = TensorParallel.create(load_model(folder, "float32").config, 4)
+    placed = tp.place(params)
+    qkv = params["layers"][0]["qkv"]["w"]  # [64, (8 + 2 + 2) * 8]
+    shards = sorted(placed["layers"][0]["qkv"]["w"].addressable_shards, key=lambda s: s.device.id)
+    for i, shard in enumerate(shards):
+        q = qkv[:, 16 * i:16 * (i + 1)]
+        k = qkv[:, 64 + 8 * (i // 2):64 + 8 * (i // 2 + 1)]
+        v = qkv[:, 80 + 8 * (i // 2):80 + 8 * (i // 2 + 1)]
+        np.testing.assert_array_equal(np.asarray(shard.data), np.concatenate([q, k, v], axis=1))
+    embed = placed["embed"]
+    assert embed.shape == (104, 64)
+    np.testing.assert_array_equal(np.asarray(embed)[:101], params["embed"])
+    assert not np.asarray(embed)[101:].any()
