@@ -115,8 +115,8 @@ class LLM:
         self._rng = np.random.default_rng(seed)
         self._free_slots = list(range(max_num_seqs))
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("add", _Request, [Sequence]) | ("abort", id) | ...
-        self._wake = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # orders the loop's decision to stop against a new request's start
+        self._running = False
         self._requests: dict[str, list[Sequence]] = {}  # request id -> its unfinished choices
         self._ids = itertools.count()
         self.dead: BaseException | None = None  # set when a step failed in a way that lost the device state
@@ -186,7 +186,7 @@ class LLM:
     def abort(self, request_id: str) -> None:
         """Ends a request (all its choices) with finish_reason "abort"; its KV pages are freed in the next step."""
         self._inbox.put(("abort", request_id))
-        self._wake.set()
+        self._start()
 
     def _check(self, index: int, ids: list[int], params: SamplingParams) -> None:
         if len(ids) >= self.max_model_len:
@@ -292,36 +292,49 @@ class LLM:
 
     # ----- the engine loop (its own thread; the only code that touches scheduler, pages and runner) -----
     def _start(self) -> None:
-        self._wake.set()
-        if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._loop, name="nanojax-engine", daemon=True)
-            self._thread.start()
+        """Runs the loop if it is not running. It stops when nothing is left to do, so an idle LLM holds no thread
+        and is freed (with its KV pool) like any object."""
+        with self._lock:
+            if not self._running:
+                self._running = True
+                threading.Thread(target=self._loop, name="nanojax-engine", daemon=True).start()
 
     def _loop(self) -> None:
         sampled: list[Sequence] = []  # the sequences that gained tokens in the previous step; no events built yet
-        while True:
-            self._take_inbox()
-            if not self.scheduler.has_unfinished():
-                self._emit(sampled)
-                sampled = []
-                self._wake.wait(timeout=1.0)
-                self._wake.clear()
-                continue
-            try:
-                pending = self._dispatch()
-            except CapacityError as e:  # this request can never fit: it ends, the others go on
-                self._fail([e.seq], e)
-                continue
-            except Exception as e:  # noqa: BLE001 -- a failed step ends its requests, not the engine
-                self._step_failed(e)
-                sampled = []
-                continue
-            self._emit(sampled)  # while the GPU computes this step, the host streams the previous one
-            try:
-                sampled = self._complete(*pending)
-            except Exception as e:  # noqa: BLE001
-                self._step_failed(e)
-                sampled = []
+        try:
+            while True:
+                self._take_inbox()
+                if not self.scheduler.has_unfinished():
+                    self._emit(sampled)
+                    sampled = []
+                    with self._lock:
+                        if self._inbox.empty():  # (a request queued after this starts the loop again)
+                            self._running = False
+                            return
+                    continue
+                sampled = self._step(sampled)
+        except BaseException:
+            with self._lock:
+                self._running = False
+            raise
+
+    def _step(self, sampled: list[Sequence]) -> list[Sequence]:
+        """Dispatches a step, streams the previous step's events while the GPU computes, completes the step.
+        -> the sequences that gained tokens."""
+        try:
+            pending = self._dispatch()
+        except CapacityError as e:  # this request can never fit: it ends, the others go on
+            self._fail([e.seq], e)
+            return sampled
+        except Exception as e:  # noqa: BLE001 -- a failed step ends its requests, not the engine
+            self._step_failed(e)
+            return []
+        self._emit(sampled)
+        try:
+            return self._complete(*pending)
+        except Exception as e:  # noqa: BLE001
+            self._step_failed(e)
+            return []
 
     def _take_inbox(self) -> None:
         while True:
