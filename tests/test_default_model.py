@@ -82,7 +82,6 @@ def test_llm_keeps_compiled_programs_beside_the_model(tmp_path, monkeypatch):
         jax.config.update("jax_compilation_cache_dir", None)
         nanojax.cache.use_compilation_cache()
         assert jax.config.jax_compilation_cache_dir == str(tmp_path / "xla")
-        assert jax.config.jax_persistent_cache_enable_xla_caches == "all"  # Triton kernels and autotuning too
         jax.config.update("jax_compilation_cache_dir", "/elsewhere")
         nanojax.cache.use_compilation_cache()  # a directory the user chose is kept
         assert jax.config.jax_compilation_cache_dir == "/elsewhere"
