@@ -42,6 +42,7 @@ class _Request:
     pin: bool = False  # pin the prompt's full pages when the request finishes (`LLM.pin_prefix`) ...
     pin_handle: int | None = None  # ... under this page-manager handle
     cut: bool = False  # a stop string ended it: its text is cut there
+    stream_tokens: bool = False  # streamed without a tokenizer: an event for every step's new tokens
     slot: int | None = None  # its row of the runner's token tables, while it runs (bias, penalties, min_tokens)
     siblings: list["Sequence"] = dataclasses.field(default_factory=list)  # n > 1: admitted once the prompt is cached
 
@@ -212,7 +213,9 @@ class LLM:
         detok = Detokenizer(self.tokenizer) if self.tokenizer and (stream_text or params.stop) else None
         out = RequestOutput(index, list(ids), [], "", None, request_id=request_id, choice=choice,
                             logprobs=[] if params.logprobs is not None else None)
-        return Sequence(ids, params=_Request(out, params, stop_ids, stream, time.perf_counter(), detok))
+        req = _Request(out, params, stop_ids, stream, time.perf_counter(), detok,
+                       stream_tokens=stream_text and self.tokenizer is None)
+        return Sequence(ids, params=req)
 
     # ----- pinned prefixes -----
     def pin_prefix(self, prompt: str | list[int]) -> int:
@@ -496,7 +499,7 @@ class LLM:
         if stop and not out.finish_reason:  # hold back what may be the start of a stop string
             stable = stable[:max(0, len(stable) - max(map(len, stop)) + 1)]
         out.delta, req.emitted_text = stable[len(req.emitted_text):], stable
-        if not out.delta and out.finish_reason is None and req.params.logprobs is None:
+        if not out.delta and out.finish_reason is None and req.params.logprobs is None and not req.stream_tokens:
             return None
         return dataclasses.replace(out, token_ids=list(out.token_ids), text=stable,
                                    logprobs=None if out.logprobs is None else list(out.logprobs))

@@ -287,10 +287,6 @@ def build_app(llm, model_name: str, *, api_key: str | None = None, limits: Serve
     async def respond(request: Request, response: _Response, params: SamplingParams, prompt_field: str,
                       renames: dict[str, str]):
         streamed = response.body.stream
-        # Streaming a model without a tokenizer: its text never changes, so ask the engine for (cheap) sampled-token
-        # logprobs, which make it emit an event per step.
-        if streamed and llm.tokenizer is None and params.logprobs is None:
-            params = dataclasses.replace(params, logprobs=0)
         stream = RequestStream(loop=asyncio.get_running_loop())
         request_ids = []
 
