@@ -13,6 +13,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import os
+import time
 
 import jax
 import jax.numpy as jnp
@@ -131,6 +132,7 @@ class ModelRunner:
         self.decode_steps = decode_steps
         self._compiled: dict[Program, object] = {}
         self.compiles = 0
+        self.compile_seconds: dict[str, float] = {}
 
     # ----- programs -----
     def programs(self) -> list:
@@ -141,18 +143,23 @@ class ModelRunner:
 
     def compile_all(self, progress: bool = True, threads: int | None = None) -> None:
         """Compiles every program now: traced and lowered one by one, compiled on a thread pool (the persistent
-        compilation cache, when set, answers from disk)."""
+        compilation cache, when set, answers from disk). Seconds spent lowering and in all go to `compile_seconds`."""
         todo = [p for p in self.programs() if p not in self._compiled]
         threads = threads or min(len(todo), os.cpu_count() or 1) or 1
+        start, lowering = time.perf_counter(), 0.0
         with tqdm(total=len(todo), desc=f"compiling {len(todo)} programs", disable=not progress) as bar, \
                 concurrent.futures.ThreadPoolExecutor(threads) as pool:
             futures = {}
             for p in todo:
-                futures[pool.submit(self._lower(p).compile)] = p
+                t = time.perf_counter()
+                lowered = self._lower(p)
+                lowering += time.perf_counter() - t
+                futures[pool.submit(lowered.compile)] = p
             for f in concurrent.futures.as_completed(futures):
                 self._compiled[futures[f]] = f.result()
                 self.compiles += 1
                 bar.update(1)
+        self.compile_seconds = {"lowering": lowering, "total": time.perf_counter() - start}
 
     def _lower(self, p):
         if p == "set_slot":
