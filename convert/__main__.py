@@ -1,4 +1,4 @@
-"""python -m convert SRC DST [--dtype bfloat16|float32] [--overwrite]"""
+"""python -m convert SRC DST [--dtype bfloat16|float32] [--quantize fp8] [--overwrite]"""
 import argparse
 import sys
 
@@ -11,10 +11,12 @@ def main(argv=None) -> int:
                                     "HF_HUB_OFFLINE=1: the cache only), or a .gguf file")
     parser.add_argument("dst", help="output folder (written atomically)")
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    parser.add_argument("--quantize", default=None, choices=["fp8"],
+                        help="projection weights in FP8 (E4M3, per-output-channel scales); the LM head stays in dtype")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing destination")
     args = parser.parse_args(argv)
     try:
-        out = convert(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite)
+        out = convert(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite, quantization=args.quantize)
     except ValueError as e:  # CheckpointError, ConfigError, GGUFError: each names what is wrong
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -25,6 +25,9 @@ PARAMS = "params"
 # "params_format" in the manifest) kept them apart, and this model code would run it without those scales.
 PARAMS_FORMAT = 3
 DTYPES = {"float32": np.float32, "bfloat16": jax.numpy.bfloat16, "float16": np.float16}
+# Weight formats a checkpoint may record besides its dtype: "fp8", every projection in FP8 (E4M3) with
+# per-output-channel scales (nanojax/quantize.py); embeddings, norms and the LM head stay in dtype.
+QUANTIZATIONS = (None, "fp8")
 
 
 def params_from_source(source: Source, dtype: str, progress: bool = False) -> tuple[ModelConfig, dict]:
@@ -36,10 +39,13 @@ def _parts(source: Source, config: ModelConfig, dtype: str, progress: bool):
     return param_parts(config, source.hf_config["model_type"], source.tensors, DTYPES[dtype], progress, source.label)
 
 
-def convert(src, dst, dtype: str = "bfloat16", overwrite: bool = False, progress: bool = True) -> Path:
+def convert(src, dst, dtype: str = "bfloat16", overwrite: bool = False, progress: bool = True,
+            quantization: str | None = None) -> Path:
     """Convert `src` (HF folder, Hub model id or .gguf) into a nanojax checkpoint folder `dst`."""
     if dtype not in DTYPES:
         raise CheckpointError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    if quantization not in QUANTIZATIONS:
+        raise CheckpointError(f"quantization {quantization!r} is not one of {list(QUANTIZATIONS)}")
     dst = Path(dst).expanduser().absolute()
     if dst.exists() and not overwrite:
         raise CheckpointError(f"{dst} already exists (pass --overwrite to replace it)")
@@ -48,7 +54,10 @@ def convert(src, dst, dtype: str = "bfloat16", overwrite: bool = False, progress
     tmp = dst.parent / f".{dst.name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
         tmp.mkdir(parents=True)
-        num_parameters = _save_params(tmp / PARAMS, _parts(source, config, dtype, progress))
+        parts = _parts(source, config, dtype, progress)
+        if quantization == "fp8":
+            parts = ((name, _fp8_layer(part) if name.startswith("layers/") else part) for name, part in parts)
+        num_parameters = _save_params(tmp / PARAMS, parts)
         (tmp / "config.json").write_text(json.dumps(source.hf_config, indent=2, default=str))
         has_tokenizer = source.save_tokenizer(tmp)
         manifest = {
@@ -56,6 +65,7 @@ def convert(src, dst, dtype: str = "bfloat16", overwrite: bool = False, progress
             "format": source.format,
             "architecture": config.architecture,
             "dtype": dtype,
+            "quantization": quantization,
             "params_format": PARAMS_FORMAT,
             "num_parameters": num_parameters,
             "tokenizer": has_tokenizer,
@@ -67,6 +77,12 @@ def convert(src, dst, dtype: str = "bfloat16", overwrite: bool = False, progress
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dst
+
+
+def _fp8_layer(part: dict) -> dict:
+    from nanojax.quantize import quantize_layer
+
+    return jax.tree.map(np.asarray, quantize_layer(part))
 
 
 def is_checkpoint(path) -> bool:
@@ -91,6 +107,9 @@ def load_checkpoint(path) -> tuple[ModelConfig, dict, dict]:
             f"{path} holds params format {_params_format(manifest)} (written by another nanojax version), this nanojax "
             f"reads format {PARAMS_FORMAT}; convert its source again: python -m convert "
             f"{manifest.get('source', 'SRC')} {path} --overwrite")
+    if manifest.get("quantization") not in QUANTIZATIONS:
+        raise CheckpointError(f"{path} holds {manifest['quantization']!r} weights, which this nanojax does not read "
+                              f"(it reads {list(QUANTIZATIONS)})")
     config = ModelConfig.from_hf_config(json.loads((path / "config.json").read_text()))
     return config, _load_params(path / PARAMS, config), manifest
 

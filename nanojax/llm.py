@@ -23,6 +23,7 @@ from nanojax.engine_io import RequestOutput, RequestStream, find_stop
 from nanojax.loader import LoadedModel, load_model
 from nanojax.ops import get_ops
 from nanojax.page_manager import PageManager
+from nanojax.quantize import is_quantized, quantize_params
 from nanojax.runner import ModelRunner
 from nanojax.sampling import BANNED, MAX_LOGPROBS, PROMPT
 from nanojax.sampling_params import SamplingParams
@@ -68,6 +69,8 @@ class LLM:
     (the Pallas kernels on a GPU where the model's shapes allow them).
     warmup: compile every program before returning, behind one progress bar (None: on a GPU; on a CPU programs
     compile on first use). Compiled programs are kept in the persistent compilation cache (`nanojax.cache`).
+    quantization: None, or "fp8": every projection's weights in FP8 (E4M3) with per-output-channel scales, quantized
+    at load (nanojax.quantize); embeddings, norms and the LM head stay in `dtype`.
     tensor_parallel_size: run the model split over this many local devices (nanojax.sharding; 1 runs the sharded
     code on one device); None: one device, unsharded.
     """
@@ -77,14 +80,19 @@ class LLM:
                  memory_fraction: float = 0.85, max_num_seqs: int | None = None,
                  max_num_batched_tokens: int | None = None, chunk_size: int | None = None,
                  decode_steps: int | None = None, kernels: str = "auto", seed: int = 0, warmup: bool | None = None,
-                 progress: bool = True, tensor_parallel_size: int | None = None):
+                 progress: bool = True, tensor_parallel_size: int | None = None, quantization: str | None = None):
         from nanojax.cache import use_compilation_cache
 
         use_compilation_cache()
         on_gpu = jax.default_backend() == "gpu"
         self.dtype = dtype or ("bfloat16" if on_gpu else "float32")
+        if quantization not in (None, "fp8"):
+            raise ValueError(f"quantization must be None or 'fp8', got {quantization!r}")
         loaded = load_model(model, self.dtype)
         self.config, params, self.tokenizer = loaded.config, loaded.params, loaded.tokenizer
+        if quantization == "fp8" and not is_quantized(params["layers"][0]["qkv"]):
+            # The LM head stays in dtype: in FP8 it changed SmolLM2's answers (docs/benchmarks.md, "FP8 weights").
+            params = quantize_params(params, self.config, lm_head=False)
         if max_model_len and max_model_len > self.config.max_position_embeddings:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
                              f"{self.config.max_position_embeddings}")

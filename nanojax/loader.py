@@ -38,10 +38,15 @@ def load_model(model: "str | LoadedModel | None", dtype: str) -> LoadedModel:
 
 
 def _cast(params, dtype):
-    import jax
-
+    """Casts float params to dtype; FP8 projections ({w: float8, scale: float32}, nanojax.quantize) stay as they are."""
+    if isinstance(params, dict) and "w" in params and params["w"].dtype.itemsize == 1:
+        return {k: v if k in ("w", "scale") else _cast(v, dtype) for k, v in params.items()}
+    if isinstance(params, (dict, tuple, list)):
+        items = params.items() if isinstance(params, dict) else enumerate(params)
+        cast = {k: _cast(v, dtype) for k, v in items}
+        return cast if isinstance(params, dict) else type(params)(cast.values())
     # Same dtype: no copy (the default checkpoint is stored in float32, the CPU's dtype; copying it took 1.5 s).
-    return jax.tree.map(lambda x: x if x.dtype == dtype else x.astype(dtype), params)
+    return params if params.dtype == dtype else params.astype(dtype)
 
 
 def _tokenizer(folder):

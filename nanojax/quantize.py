@@ -44,6 +44,11 @@ def dequantize(p, dtype=jnp.float32):
     return (p["w"].astype(jnp.float32) * p["scale"].astype(jnp.float32)).astype(dtype)
 
 
+def quantize_layer(lp: dict) -> dict:
+    """One layer's params with its projections (qkv, o, up, down) in FP8, the rest as is."""
+    return {**lp, **{name: {**lp[name], **quantize_weight(lp[name]["w"])} for name in PROJECTIONS}}
+
+
 def quantize_params(params, config, *, lm_head: bool = True) -> dict:
     """The model's params (nanojax.model's layout) with every projection (qkv, o, up, down of each layer) and, if
     lm_head, the LM head in FP8: {w [K, N], b?} -> {w float8_e4m3fn, scale float32 [N], b?}. The LM head is
@@ -52,8 +57,7 @@ def quantize_params(params, config, *, lm_head: bool = True) -> dict:
     already. (On SmolLM2-135M the head alone gives 40% of FP8's KL divergence: scripts/fp8_quality.py.)"""
     if any(is_quantized(lp[name]) for lp in params["layers"] for name in PROJECTIONS):
         raise ValueError("params are FP8-quantized already")
-    layers = tuple({**lp, **{name: {**lp[name], **quantize_weight(lp[name]["w"])} for name in PROJECTIONS}}
-                   for lp in params["layers"])
+    layers = tuple(quantize_layer(lp) for lp in params["layers"])
     if not lm_head:
         return {**params, "layers": layers}
     head = jnp.asarray(params["embed"]).T if config.tie_word_embeddings else params["lm_head"]

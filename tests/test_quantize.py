@@ -166,3 +166,57 @@ def test_fp8_projection_kernel_rows():
         for norm_eps in (None, 1e-6):
             jaxpr = str(jax.make_jaxpr(lambda x: ops.project(x, p, norm_eps=norm_eps))(jnp.ones((rows, 32))))
             assert ("pallas_call" in jaxpr) == (rows <= PALLAS_FP8_PROJECTION_MAX_ROWS), (rows, norm_eps)
+
+
+def test_llm_quantizes_at_load_and_rejects_unknown_formats(hf_model_dir):
+    """LLM(quantization="fp8") serves FP8 projections (the LM head stays in the model dtype); its greedy tokens
+    equal those of the same engine on the dequantized weights."""
+    from nanojax import LLM, SamplingParams
+    from nanojax.loader import load_model
+
+    folder, _ = hf_model_dir("qwen3")
+    llm = LLM(str(folder), dtype="float32", page_size=4, max_model_len=64, quantization="fp8")
+    layer = llm.runner.params["layers"][0]
+    assert layer["qkv"]["w"].dtype == jnp.float8_e4m3fn and layer["qkv"]["scale"].dtype == jnp.float32
+    assert "lm_head" not in llm.runner.params or not isinstance(llm.runner.params["lm_head"], dict)
+    loaded = load_model(str(folder), "float32")
+    quantized = llm.runner.params
+    dequantized = {**loaded.params, "layers": tuple(
+        {k: ({"w": dequantize(v), **({"b": v["b"]} if "b" in v else {})} if isinstance(v, dict) and "scale" in v
+             else v) for k, v in lp.items()} for lp in quantized["layers"])}
+    reference = LLM(dataclasses.replace(loaded, params=jax.tree.map(np.asarray, dequantized)), dtype="float32",
+                    page_size=4, max_model_len=64)
+    prompts = random_prompts(97, [5, 17], seed=3)
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    assert ([o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+            == [o.token_ids for o in reference.generate(prompts, greedy, use_tqdm=False)])
+    with pytest.raises(ValueError, match="quantization must be None or 'fp8'"):
+        LLM(str(folder), dtype="float32", max_model_len=64, quantization="int4")
+
+
+def test_fp8_checkpoint_round_trip_and_refusals(hf_model_dir, tmp_path):
+    """`python -m convert SRC DST --quantize fp8` writes FP8 projections and records the format; loading gives the
+    params LLM(quantization="fp8") makes, and a checkpoint in a format this nanojax does not know is refused."""
+    import json
+
+    from convert import convert, load_checkpoint
+    from convert.__main__ import main as convert_cli
+    from convert.keys import CheckpointError
+
+    folder, _ = hf_model_dir("llama3")
+    dst = tmp_path / "fp8"
+    assert convert_cli([str(folder), str(dst), "--dtype", "float32", "--quantize", "fp8"]) == 0
+    config, params, manifest = load_checkpoint(dst)
+    assert manifest["quantization"] == "fp8"
+    direct = quantize_params(params_from_source(open_source(str(folder)), "float32")[1], config, lm_head=False)
+    for got, want in zip(params["layers"], direct["layers"]):
+        for name in PROJECTIONS:
+            assert got[name]["w"].dtype == jnp.float8_e4m3fn
+            np.testing.assert_array_equal(np.asarray(got[name]["w"], np.float32), np.asarray(want[name]["w"], np.float32))
+            np.testing.assert_array_equal(got[name]["scale"], np.asarray(want[name]["scale"]))
+    manifest["quantization"] = "int3"
+    (dst / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="'int3' weights"):
+        load_checkpoint(dst)
+    with pytest.raises(CheckpointError, match="quantization 'int4'"):
+        convert(str(folder), tmp_path / "x", quantization="int4")
