@@ -26,35 +26,26 @@ import dataclasses
 
 import numpy as np
 
-# The "worth it" rules (CascadeRules' defaults): first guesses, to be tuned from H100 measurements.
-# A segment needs this many member rows ...
-MIN_MEMBERS = 2
-# ... and this many shared tokens; a shorter run of shared pages goes with each of its nested groups (they read it
-# with theirs), or to the rows' own suffixes when it has none.
-MIN_SHARED_TOKENS = 256
-# Segments are cut into pieces of at least this many tokens: every piece writes (and the merge reads) one f32 output
-# per member and query head, which costs as much as reading a few tokens of KV per member.
-MIN_PIECE_TOKENS = 512
-# Below this many KV tokens saved per layer and step, plan.use_cascade is False: the cascade kernel and the merge
-# cost a few microseconds per layer, which a small saving does not pay for.
-MIN_SAVED_TOKENS = 8192
-# Nesting levels (system prompt, document); deeper shared runs stay in the rows' suffixes.
-MAX_LEVELS = 2
-# Work items per step, the cascade kernel's grid (times the KV heads) and the slots of each row's pieces.
-NUM_ITEMS = 32
-
-
-
 @dataclasses.dataclass(frozen=True)
 class CascadeRules:
-    """The planner's rules (module constants by default); num_items is a shape: one value per engine."""
+    """The planner's "worth it" rules: first guesses, to be tuned from H100 measurements. num_items is a shape: one
+    value per engine."""
 
-    min_members: int = MIN_MEMBERS
-    min_shared_tokens: int = MIN_SHARED_TOKENS
-    min_piece_tokens: int = MIN_PIECE_TOKENS
-    min_saved_tokens: int = MIN_SAVED_TOKENS
-    max_levels: int = MAX_LEVELS
-    num_items: int = NUM_ITEMS
+    # A segment needs this many member rows ...
+    min_members: int = 2
+    # ... and this many shared tokens; a shorter run of shared pages goes with each of its nested groups (they read
+    # it with theirs), or to the rows' own suffixes when it has none.
+    min_shared_tokens: int = 256
+    # Segments are cut into pieces of at least this many tokens: every piece writes (and the merge reads) one f32
+    # output per member and query head, which costs as much as reading a few tokens of KV per member.
+    min_piece_tokens: int = 512
+    # Below this many KV tokens saved per layer and step, plan.use_cascade is False: the cascade kernel and the merge
+    # cost a few microseconds per layer, which a small saving does not pay for.
+    min_saved_tokens: int = 8192
+    # Nesting levels (system prompt, document); deeper shared runs stay in the rows' suffixes.
+    max_levels: int = 2
+    # Work items per step, the cascade kernel's grid (times the KV heads) and the slots of each row's pieces.
+    num_items: int = 32
 
     def __post_init__(self):
         if self.min_members < 2 or min(self.min_shared_tokens, self.min_piece_tokens, self.max_levels,

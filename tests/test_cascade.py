@@ -9,8 +9,6 @@ import pytest
 
 from nanojax.cascade import (
     ARRAY_FIELDS,
-    MAX_LEVELS,
-    NUM_ITEMS,
     CascadeRules,
     Segment,
     find_segments,
@@ -129,14 +127,14 @@ def test_short_shared_run_goes_with_its_nested_groups():
 def test_levels_and_members_rules():
     rows = [([("sys", 3), ("doc", 2), ("q", 2)], 5)] * 2 + [([("sys", 3), ("doc", 2)], 5)] + [([("sys", 3)], 5)]
     tables, lens, _ = batch_of(rows)
-    assert [s.level for s in find_segments(tables, lens, page_size=PAGE, rules=RULES)] == [0, 1]  # MAX_LEVELS 2
+    assert [s.level for s in find_segments(tables, lens, page_size=PAGE, rules=RULES)] == [0, 1]  # two levels by default
     three = find_segments(tables, lens, page_size=PAGE, rules=CascadeRules(min_shared_tokens=2 * PAGE, max_levels=3))
     assert [(s.rows, s.level) for s in three] == [((0, 1, 2, 3), 0), ((0, 1, 2), 1), ((0, 1), 2)]
     one = find_segments(tables, lens, page_size=PAGE, rules=CascadeRules(min_shared_tokens=2 * PAGE, max_levels=1))
     assert one == [Segment((0, 1, 2, 3), 0, 3, 0)]
     four = find_segments(tables, lens, page_size=PAGE, rules=CascadeRules(min_shared_tokens=2 * PAGE, min_members=4))
     assert four == [Segment((0, 1, 2, 3), 0, 3, 0)]
-    assert MAX_LEVELS == 2
+    assert CascadeRules().max_levels == 2
 
 
 def test_long_segments_cut_into_pieces():
@@ -191,7 +189,7 @@ def test_random_trees(seed):
 def test_defaults():
     tables, lens, _ = batch_of([([("sys", 250)], 16)] * 64)
     result = plan_cascade(tables, lens, batch=64, page_size=PAGE, members_per_item=64)
-    check_plan(result, tables, lens, batch=64, members_per_item=64, num_items=NUM_ITEMS)
+    check_plan(result, tables, lens, batch=64, members_per_item=64, num_items=CascadeRules().num_items)
     assert result.use_cascade and result.saved_tokens == 63 * 250 * PAGE
 
 
