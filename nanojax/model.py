@@ -20,7 +20,7 @@ import numpy as np
 from nanojax.config import ModelConfig
 from nanojax.kv_cache import Batch, KVCache
 from nanojax.ops import Ops
-from pallas_kernels.rmsnorm_matmul import rms_norm
+from pallas_kernels.rms_norm import rms_norm
 
 
 def layer_norm(x, scale, bias, eps):

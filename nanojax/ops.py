@@ -24,7 +24,7 @@ NAMES = ("auto", "reference", "pallas", "interpret")
 # (docs/benchmarks.md, bench_kernels.py).
 PALLAS_PROJECTION_MAX_ROWS = 1
 # With a norm (QKV, gate/up) the fused kernel replaces XLA's two kernels (the norm, then the GEMM) by one, and stays
-# ahead up to batched decode sizes (docs/perf_notes.md, note 16).
+# ahead up to batched decode sizes (docs/perf_notes.md, "Fused projections: which rows take the kernel").
 PALLAS_NORMED_PROJECTION_MAX_ROWS = 64
 # FP8 weights (nanojax/quantize.py), with or without a norm: the kernel reads E4M3 tiles, half the bytes, where XLA's
 # path dequantizes in front of its dot. Not measured yet: the H100 sets this, as it set the two above.

@@ -5,6 +5,9 @@ Both versions export `CompilerParams`, `load` and `store` from `jax.experimental
 compiler params is what selects the Triton lowering: without them jax >= 0.11 lowers GPU kernels with Mosaic GPU,
 which does not support the pointer-gather loads these kernels use.
 """
+import functools
+
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import triton as plgpu
@@ -12,8 +15,22 @@ from jax.experimental.pallas import triton as plgpu
 load = plgpu.load
 store = plgpu.store
 
-# SMs of an H100 (and H200): the automatic tilings size memory-bound grids to about one program per SM.
-NUM_SMS = 132
+# SMs of an H100 (and H200), the GPU the tilings were measured on.
+H100_SMS = 132
+
+
+@functools.cache
+def num_sms() -> int:
+    """Streaming multiprocessors of the GPU the kernels run on: the automatic tilings size memory-bound grids to
+    about one program per SM, at trace time. Without a GPU (interpret mode on CPU) there is none to ask, and the
+    H100's count stands in, so that CPU runs trace the tilings the H100 gets."""
+    if jax.default_backend() != "gpu":
+        return H100_SMS
+    return jax.devices()[0].core_count
+
+
+def is_power_of_2(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
 
 
 def dot(a, b, *, trans_b=False):

@@ -22,14 +22,13 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._compat import load, store, triton_params
+from pallas_kernels._compat import is_power_of_2, load, store, triton_params
 from pallas_kernels.paged_attention import (
     _LOG2E,
     _MASK,
     _attend,
     _check_inputs,
     _combine_splits,
-    _is_power_of_2,
     _query_rows,
     combine_splits_reference,
     paged_decode_attention,
@@ -50,7 +49,7 @@ class CascadeConfig:
     num_stages: int = 3
 
     def __post_init__(self):
-        if not all(_is_power_of_2(b) and b >= 16 for b in (self.block_m, self.block_k)):
+        if not all(is_power_of_2(b) and b >= 16 for b in (self.block_m, self.block_k)):
             raise ValueError(f"block_m and block_k must be powers of two >= 16, got {self}")
 
 

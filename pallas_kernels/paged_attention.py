@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._compat import NUM_SMS, dot, load, store, triton_params
+from pallas_kernels._compat import dot, is_power_of_2, load, store, num_sms, triton_params
 
 
 def paged_attention_reference(q, k_pages, v_pages, page_table, seq_lens, q_lens, *, scale):
@@ -73,14 +73,11 @@ _LOG2E = math.log2(math.e)
 # splits never produce inf - inf = NaN.
 _MASK = -1e30
 # A grid that fills the GPU only 2-4 programs per SM with long sequences streams them in 2x deeper KV tiles, unsplit:
-# its last, partly filled wave then takes half the loop steps. Measured on the H100 (B=64, 8 KV heads, 512 programs,
-# docs/perf_notes.md notes 12 and 15): 8% faster than block_k 64 at 4096 tokens, 11% at 16384, and 1-3% faster than
-# the 4 splits used before (a 2.6% faster batch-64 step at 4096 tokens), the same at 512 tokens.
+# its last, partly filled wave then takes half the loop steps. Measured on the H100 (B=64, 8 KV heads, 512 programs;
+# docs/perf_notes.md, "Decode attention: splits and tile sizes"): 8% faster than block_k 64 at 4096 tokens, 11% at
+# 16384, and 1-3% faster than the 4 splits used before (a 2.6% faster batch-64 step at 4096 tokens), the same at 512
+# tokens.
 _LONG_KV_TOKENS = 4096
-
-
-def _is_power_of_2(n):
-    return n >= 1 and n & (n - 1) == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +98,7 @@ class PagedAttentionConfig:
     num_stages: int = 5
 
     def __post_init__(self):
-        if not all(_is_power_of_2(b) and b >= 16 for b in (self.block_m, self.block_k)):
+        if not all(is_power_of_2(b) and b >= 16 for b in (self.block_m, self.block_k)):
             raise ValueError(f"block_m and block_k must be powers of two >= 16, got {self}")
         if self.k_splits is not None and self.k_splits < 1:
             raise ValueError(f"k_splits must be None or >= 1, got {self.k_splits}")
@@ -186,8 +183,9 @@ def _attend(q, q_pos, row_ok, k_ref, v_ref, page_table_ref, split, k_splits, kv_
     or select on the [M, block_k] scores); rows that are not row_ok get garbage there, which the caller zeroes.
     Decode (block_m 16, little compute per tile): one loop of masked tiles loaded as _load_kv_tile's decode, at least
     one step, so that the first tile's loads need not wait for the length to know whether there is one. Measured
-    against unmasked and masked loops of masked loads (perf note 17): kernel 4.85 -> 4.27 us at B=1 ctx=128, 6.62 ->
-    6.28 us at ctx=1024 (Qwen3-0.6B heads), no change where bandwidth-bound.
+    against unmasked and masked loops of masked loads (docs/perf_notes.md, "Decode attention: loads, and the split
+    merge"): kernel 4.85 -> 4.27 us at B=1 ctx=128, 6.62 -> 6.28 us at ctx=1024 (Qwen3-0.6B heads), no change where
+    bandwidth-bound.
     -> o [M, D] f32 unnormalized, m [M] running max (log2 units), l [M] softmax denominator.
     """
     def body(j, carry, masked):
@@ -305,7 +303,8 @@ def _combine_splits_kernel(*refs):
 def _combine_splits(o, m, l, dtype, interpret, more=None):
     """combine_splits_reference as one kernel, a program per (sequence, token, query head). XLA emitted the
     reference's reductions over the split axis as one kernel up to 8 splits and as two or three above (a max, the
-    weights, the weighted sums), ~1.2 us each at decode sizes (perf note 18).
+    weights, the weighted sums), ~1.2 us each at decode sizes (docs/perf_notes.md,
+    "Decode attention: loads, and the split merge").
     o: [k_splits, B, T, Hq, D] f32; m, l: [k_splits, B, T, Hq] f32 -> [B, T, Hq, D] in dtype.
     more: None, or more pieces merged in the same pass: (o2 [n, B, T, Hq, D], m2, l2 [n, B, T, Hq], counts [B]
     int32), of which sequence b has counts[b] (the first ones; the others are never read)."""
@@ -340,23 +339,26 @@ def _kv_tiling(config, programs, max_kv_tokens, itemsize):
     # Doubled tiles, unsplit, for 2-byte KV only: f32's need more shared memory than an SM has (279 KiB at D=128, 5
     # stages). A table of two tiles under one wave takes one doubled tile: it beats two one-tile splits and their
     # merge kernel, whose launch costs more than the second tile's loads (B=1 / 8 / 16 at 128 tokens: -9% / -8% /
-    # -1% per call; at B=64, 512 programs, doubled tiles were 17% slower; docs/perf_notes.md note 19).
-    long_grid = 2 * NUM_SMS <= programs < 4 * NUM_SMS and max_kv_tokens >= _LONG_KV_TOKENS
-    two_tiles = programs < NUM_SMS and config.block_k < max_kv_tokens <= 2 * config.block_k
+    # -1% per call; at B=64, 512 programs, doubled tiles were 17% slower; docs/perf_notes.md,
+    # "Decode attention: splits and tile sizes").
+    sms = num_sms()
+    long_grid = 2 * sms <= programs < 4 * sms and max_kv_tokens >= _LONG_KV_TOKENS
+    two_tiles = programs < sms and config.block_k < max_kv_tokens <= 2 * config.block_k
     if itemsize <= 2 and (long_grid or two_tiles):
         return 2 * config.block_k, 1
     # One program per SM, and at most one split per KV tile of the table: at batch 1-8 (8 KV heads) that measured
-    # faster than half or twice as many splits (perf note 18).
-    return config.block_k, max(1, min(NUM_SMS // programs, max_kv_tokens // config.block_k))
+    # faster than half or twice as many splits (the same subject in docs/perf_notes.md).
+    return config.block_k, max(1, min(sms // programs, max_kv_tokens // config.block_k))
 
 
 def _num_stages(config, block_k, k_splits, max_kv_tokens):
     """-> the pipeline depth for a tiling (block_k, k_splits) over page tables of max_kv_tokens: config's, and for the
     automatic tiling at most one more than the steps of the loop. A deeper pipeline than the loop has steps only
     costs: prologue loads that are masked off, and shared memory that keeps other programs off the SM. Measured on
-    the H100 (perf note 22, bf16, us per call, 8 KV heads): one-step loops -2% to -13% at 2 stages (64- and 128-token
-    tables at B=1, 8 and 16; one-tile splits at B=1 ctx=1024 and B=2 ctx=512 the same), two steps -8% at 3 (B=64 at
-    128 tokens); at four steps 5 stages stay (B=1 at 4096 tokens: 4 stages +16%)."""
+    the H100 (docs/perf_notes.md, "Decode attention: pipeline depth and warps"; bf16, us per call, 8 KV heads):
+    one-step loops -2% to -13% at 2 stages (64- and 128-token tables at B=1, 8 and 16; one-tile splits at B=1
+    ctx=1024 and B=2 ctx=512 the same), two steps -8% at 3 (B=64 at 128 tokens); at four steps 5 stages stay (B=1 at
+    4096 tokens: 4 stages +16%)."""
     if config.k_splits is not None:
         return config.num_stages
     steps = pl.cdiv(pl.cdiv(max_kv_tokens, block_k), k_splits)
@@ -420,9 +422,9 @@ def _check_inputs(q, k_pages, v_pages, page_table, seq_lens, q_lens, kv_starts=N
                          f"{v_pages.dtype}")
     if num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-    if head_dim != kv_head_dim or head_dim < 16 or not _is_power_of_2(head_dim):
+    if head_dim != kv_head_dim or head_dim < 16 or not is_power_of_2(head_dim):
         raise ValueError(f"head_dim must match ({head_dim} vs {kv_head_dim}) and be a power of two >= 16")
-    if not _is_power_of_2(page_size):
+    if not is_power_of_2(page_size):
         raise ValueError(f"page_size must be a power of two, got {page_size}")
     if page_table.ndim != 2 or page_table.shape[0] != batch or page_table.dtype != jnp.int32:
         raise ValueError(f"page_table must be int32 [{batch}, pages_per_seq], got {page_table.dtype}{page_table.shape}")

@@ -43,8 +43,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._compat import load, store, triton_params
-from pallas_kernels.rmsnorm_matmul import rms_norm
+from pallas_kernels._compat import is_power_of_2, load, store, triton_params
+from pallas_kernels.rms_norm import rms_norm
 
 
 def _apply_rope(x, positions, inv_freq):
@@ -102,10 +102,6 @@ def qkv_rope_cache_reference(qkv, positions, slots, k_pages, v_pages, inv_freq=N
 # becomes a scatter of the old values, which drops out-of-range indices, so no masked lane can collide with a real one.
 
 
-def _is_power_of_2(n):
-    return n >= 1 and n & (n - 1) == 0
-
-
 @dataclasses.dataclass(frozen=True)
 class QkvRopeCacheConfig:
     """Tiling of the fused kernel.
@@ -118,9 +114,9 @@ class QkvRopeCacheConfig:
     num_stages: int = 1  # no loop to pipeline
 
     def __post_init__(self):
-        if not _is_power_of_2(self.block_rows):
+        if not is_power_of_2(self.block_rows):
             raise ValueError(f"block_rows must be a power of two, got {self.block_rows}")
-        if not _is_power_of_2(self.num_warps):
+        if not is_power_of_2(self.num_warps):
             raise ValueError(f"num_warps must be a power of two, got {self.num_warps}")
 
 
@@ -213,7 +209,7 @@ def _check_inputs(qkv, positions, slots, k_pages, v_pages, inv_freq, q_norm, k_n
         raise ValueError(f"k_pages and v_pages must both be [num_pages, Hkv, page_size, D], got {k_pages.shape} "
                          f"and {v_pages.shape}")
     num_pages, num_kv_heads, page_size, head_dim = k_pages.shape
-    if head_dim < 16 or not _is_power_of_2(head_dim):
+    if head_dim < 16 or not is_power_of_2(head_dim):
         raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
     if num_pages * page_size >= 2**31:
         raise ValueError(f"the pool's {num_pages} x {page_size} slots do not fit int32 slot ids")

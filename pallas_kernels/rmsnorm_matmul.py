@@ -10,7 +10,7 @@ The RMSNorm is split in two. Its scale is folded into the rows of the projection
 rstd * (x @ (scale[:, None] * w)) with rstd = rsqrt(mean(x^2) + eps), so the kernel streams raw x against the folded
 w and scales its f32 accumulator by rstd at the end. A norm applied to each x tile inside the loop (a pre-pass over x
 for rstd, then a scale gather per tile) cost 1 us at M = 1 and 11 us at M = 64, up to twice the matmul itself
-(docs/perf_notes.md, notes 13, 14 and 16).
+(docs/perf_notes.md, "The RMSNorm statistic in the fused projections").
 
 FP8 weights (nanojax/quantize.py): w in float8_e4m3fn with one f32 scale per output column, w_scale [N]. The kernel
 loads E4M3 tiles (half the bytes of bf16), upcasts them to x.dtype for the dot (exact: E4M3 values are bf16, f16 and
@@ -25,23 +25,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._compat import NUM_SMS, dot, load, store, triton_params
+from pallas_kernels._compat import dot, is_power_of_2, load, store, num_sms, triton_params
+from pallas_kernels.rms_norm import rms_normalize
 
 ACTIVATIONS = (None, "silu_mul")
 NORM_STATS = (None, "rows", "gram")
-
-
-def rms_normalize(x, eps):
-    """x / RMS(x) as HF's RMSNorm computes it before its scale: statistics and the product in f32, rounded to
-    x.dtype. x: [..., K] -> [..., K]."""
-    xf = x.astype(jnp.float32)
-    return (xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
-
-
-def rms_norm(x, scale, eps):
-    """HF's RMSNorm rounding: rms_normalize, then times the weight in x.dtype. The one definition for the norms that
-    are not folded into a projection (the final norm, Qwen3's q/k norms)."""
-    return scale.astype(x.dtype) * rms_normalize(x, eps)
 
 
 def rmsnorm_matmul_reference(x, w, bias=None, *, w_scale=None, norm_eps=None, residual=None, activation=None):
@@ -92,7 +80,8 @@ def rmsnorm_matmul_reference(x, w, bias=None, *, w_scale=None, norm_eps=None, re
 #   already loaded for the projection), whose diagonal is the sum of squares. With split K each split's partial sum
 #   goes out next to its partial accumulators.
 # A per-iteration row reduction instead measured 1.8x slower (it breaks the software pipeline), a pre-pass before the
-# loop 0.4 us at M = 1 and 4.3 us at M = 64 (every program re-reads all of x first); perf notes 13 and 16.
+# loop 0.4 us at M = 1 and 4.3 us at M = 64 (every program re-reads all of x first); docs/perf_notes.md,
+# "The RMSNorm statistic in the fused projections".
 # The epilogue (rstd, bias, SiLU * up, residual) runs on the f32 accumulators and the tile is rounded to x.dtype
 # once. At decode sizes (M <= 64) the cost is streaming w once, and num_stages keeps several w slices in flight per
 # program. With k_splits > 1 (split K), k_splits programs share an output tile's K range and store f32 partial sums;
@@ -114,7 +103,7 @@ class RmsNormMatmulConfig:
     norm_stat: str | None = None
 
     def __post_init__(self):
-        if any(b < 16 or b & (b - 1) for b in (self.block_m, self.block_n, self.block_k)):
+        if not all(is_power_of_2(b) and b >= 16 for b in (self.block_m, self.block_n, self.block_k)):
             raise ValueError(f"block sizes must be powers of two >= 16, got {self}")
         if self.k_splits < 1:
             raise ValueError(f"k_splits must be >= 1, got {self.k_splits}")
@@ -123,7 +112,7 @@ class RmsNormMatmulConfig:
 
 
 # Measured on an H100 (scripts/tune_projections.py and scripts/bench_kernels.py, Qwen3-0.6B projections,
-# docs/perf_notes.md notes 10 and 16).
+# docs/perf_notes.md, "Fused projections: tiling and split K" and "The RMSNorm statistic in the fused projections").
 # Decode (M <= 16): memory-bound on w. Tiles 64 columns wide (128 contiguous bytes of each w row) and 128 deep, with
 # split K giving the grid about one program per SM (k_splits is set per shape by _default_config); narrower tiles
 # without split K ran 1.1-2.2x slower.
@@ -153,9 +142,9 @@ def _stage_bytes(block_m, block_n, block_k, *, itemsize, w_tiles):
 def _default_config(m, k, n_out, dtype, *, silu_mul=False):
     """The preset for m rows, adapted to the problem:
     - block_k halves until a pipeline stage fits STAGE_BYTES (f32, or the two w tiles of silu_mul at M = 64);
-    - M <= 64 (memory-bound on w): k_splits doubles (up to 8, and at most one K block per split) while the grid
-      stays within NUM_SMS programs: at M <= 16 QKV and gate/up of Qwen3-0.6B get 2 splits, o_proj and down_proj
-      (N = 1024) 8.
+    - M <= 64 (memory-bound on w): k_splits doubles, up to 8, while the grid stays within num_sms() programs and
+      every split keeps at least one K block (an empty split would be a program that stores zeros): at M <= 16 QKV
+      and gate/up of Qwen3-0.6B get 2 splits, o_proj and down_proj (N = 1024) 8.
     """
     preset = DECODE_CONFIG if m <= 16 else BATCHED_DECODE_CONFIG if m <= 64 else PREFILL_CONFIG
     block_m, block_k = _block_m(preset, m), preset.block_k
@@ -166,7 +155,9 @@ def _default_config(m, k, n_out, dtype, *, silu_mul=False):
     k_splits = 1
     if m <= 64:
         tiles = pl.cdiv(m, block_m) * pl.cdiv(n_out, preset.block_n)
-        while k_splits < 8 and 2 * k_splits * tiles <= NUM_SMS and 2 * k_splits <= pl.cdiv(k, block_k):
+        k_blocks = pl.cdiv(k, block_k)
+        while (k_splits < 8 and 2 * k_splits * tiles <= num_sms()
+               and (2 * k_splits - 1) * pl.cdiv(k_blocks, 2 * k_splits) < k_blocks):
             k_splits *= 2
     return dataclasses.replace(preset, block_k=block_k, k_splits=k_splits)
 
@@ -301,9 +292,9 @@ def rmsnorm_matmul(x, w, bias=None, *, w_scale=None, norm_eps=None, residual=Non
     before the activation / residual add; the kernel rounds once at the end).
 
     x: [M, K]; w: [K, N] (x.dtype, or float8_e4m3fn with w_scale [N] float32 its column scales), with the norm's
-    scale folded into its rows when norm_eps is given; bias: [N] or None; norm_eps: the RMSNorm's epsilon, or None for no norm; residual: [M, N_out] (x.dtype) or None; activation:
-    None, or "silu_mul" with w = [K, 2I] holding the gate columns then the up columns (N_out = I) -> [M, N_out] in
-    x.dtype. config None picks DECODE_CONFIG for M <= 16, BATCHED_DECODE_CONFIG for M <= 64 and PREFILL_CONFIG
+    scale folded into its rows when norm_eps is given; bias: [N] or None; norm_eps: the RMSNorm's epsilon, or None
+    for no norm; residual: [M, N_out] (x.dtype) or None; activation: None, or "silu_mul" with w = [K, 2I] holding the
+    gate columns then the up columns (N_out = I) -> [M, N_out] in x.dtype. config None picks DECODE_CONFIG for M <= 16, BATCHED_DECODE_CONFIG for M <= 64 and PREFILL_CONFIG
     above, adapted to the shape (see _default_config); a given config is used as is.
     """
     n_out = _check_inputs(x, w, w_scale, bias, residual, norm_eps, activation)

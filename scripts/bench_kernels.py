@@ -50,7 +50,8 @@ def time_per_call(fn, arg_sets, *, work_seconds, repeats, dep_arg=0, fuse_offset
     nor hoist them out of the loop, nor compute only part of an output (a split-K epilogue for one element): every
     call really runs, one after the other, in full. The offset is a kernel of its own before every implementation:
     an optimization barrier keeps XLA from fusing it into an XLA implementation's first fusion, as it cannot into a
-    Pallas call (perf note 21). fuse_offset lets it fuse, for a read of the offset input itself.
+    Pallas call (docs/perf_notes.md, "Measuring kernels: bench_kernels' timing loop"). fuse_offset lets it fuse,
+    for a read of the offset input itself.
     """
     calls = num_calls(arg_sets, work_seconds, calls, target_seconds)
     rounds = calls // len(arg_sets)

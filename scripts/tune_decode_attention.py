@@ -1,6 +1,6 @@
 """Sweep decode attention's KV splits (and block_k) per batch and context, Qwen3-0.6B heads, with JAX's Pallas
 paged_attention in the same command; the automatic rule (`paged_attention._kv_tiling`) comes from this sweep
-and from stop 15's (perf note 18).
+and earlier ones (docs/perf_notes.md, "Decode attention: splits and tile sizes").
 
     PYTHONPATH=$PWD python3 scripts/tune_decode_attention.py --out $OUT/tune_decode.json
 
