@@ -6,6 +6,7 @@ os.environ.setdefault("XLA_FLAGS",
                       f"--xla_force_host_platform_device_count={os.environ.get('NANOJAX_TEST_DEVICES', '1')}")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -33,6 +34,11 @@ TINY = {
                      max_position_embeddings=256),
     "gpt2": dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=95, n_positions=256),
 }
+
+
+def requires_gpu(test):
+    """Marks a test `gpu` and skips it unless jax runs on a GPU."""
+    return pytest.mark.gpu(pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")(test))
 
 
 def build_hf_model(spec: dict, seed: int = 0):

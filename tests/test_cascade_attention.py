@@ -14,8 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import requires_gpu
 from test_cascade import batch_of
-from test_paged_attention import MODELS, check, requires_gpu
+from test_paged_attention import MODELS, check
 
 from nanojax.cascade import ARRAY_FIELDS, CascadeRules, plan_cascade
 from pallas_kernels._compat import can_lower_for_cuda

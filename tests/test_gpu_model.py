@@ -3,18 +3,17 @@ Qwen3-0.6B and Llama-3.2-1B architectures), as does the reference path. Run with
 import sys
 from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
+from conftest import requires_gpu
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
 from random_model import loaded_model, random_hf_model  # noqa: E402
 
 from nanojax import LLM, SamplingParams  # noqa: E402
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")]
 
-
+@requires_gpu
 @pytest.mark.parametrize("name", ["qwen3-0.6b", "llama-3.2-1b"])
 def test_kernels_and_reference_give_hf_greedy_tokens(name):
     import torch

@@ -12,7 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import requires_gpu
 
+from pallas_kernels import paged_attention
 from pallas_kernels._compat import can_lower_for_cuda
 from pallas_kernels.paged_attention import (
     _MASK,
@@ -30,11 +32,6 @@ from pallas_kernels.paged_attention import (
 )
 
 TOLERANCE = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 2e-2}
-
-
-def requires_gpu(test):
-    """Marks a test `gpu` and skips it unless jax runs on a GPU."""
-    return pytest.mark.gpu(pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")(test))
 
 
 @dataclasses.dataclass
@@ -151,33 +148,46 @@ def test_decode_page_256():
     run_decode(case, dataclasses.replace(DECODE_CONFIG, k_splits=2))
 
 
-@pytest.mark.parametrize("programs,max_kv_tokens,tiling", [
-    # one program per SM, at most one split per KV tile of the table
-    (8, 64, (64, 1)), (8, 256, (64, 4)), (8, 1024, (64, 16)), (8, 16384, (64, 16)), (64, 4096, (64, 2)),
-    (128, 4096, (64, 1)), (256, 4096, (64, 1)),
-    # a table of two tiles under one wave: one doubled tile, unsplit
-    (8, 128, (128, 1)), (64, 100, (128, 1)), (128, 128, (128, 1)), (512, 128, (64, 1)),
-    # a grid of 1-2 waves of long sequences: deeper tiles, unsplit
-    (512, 1024, (64, 1)), (512, 4096, (128, 1)), (512, 16384, (128, 1)), (2048, 16384, (64, 1)),
-])
-def test_decode_automatic_tiling(programs, max_kv_tokens, tiling):
-    assert _kv_tiling(DECODE_CONFIG, programs, max_kv_tokens, 2) == tiling
-    assert _kv_tiling(dataclasses.replace(DECODE_CONFIG, k_splits=3), programs, max_kv_tokens, 2) == (64, 3)
-    f32_config = _default_config(DECODE_CONFIG, jnp.float32)  # f32 tiles are never doubled: no shared memory for it
-    assert _kv_tiling(f32_config, programs, max_kv_tokens, 4)[0] == f32_config.block_k
+# The H100's shared memory per thread block.
+SHARED_MEMORY_BYTES = 227 << 10
 
 
-@pytest.mark.parametrize("programs,max_kv_tokens,stages", [
-    # loops of one step (one tile per split, or one doubled tile): 2 stages
-    (8, 64, 2), (8, 128, 2), (8, 1024, 2), (128, 128, 2),
-    # two steps: 3; three: 4; four and more: DECODE_CONFIG's 5
-    (512, 128, 3), (512, 192, 4), (8, 4096, 5), (512, 16384, 5), (64, 16384, 5),
-])
-def test_decode_automatic_stages(programs, max_kv_tokens, stages):
-    tiling = _kv_tiling(DECODE_CONFIG, programs, max_kv_tokens, 2)
-    assert _num_stages(DECODE_CONFIG, *tiling, max_kv_tokens) == stages
-    explicit = dataclasses.replace(DECODE_CONFIG, k_splits=1)  # a config that sets its tiling keeps its stages
-    assert _num_stages(explicit, 64, 1, max_kv_tokens) == DECODE_CONFIG.num_stages
+def kv_buffer_bytes(block_k, num_stages, head_dim, itemsize):
+    """Shared memory of the decode loop's K and V tiles, as DECODE_CONFIG's comment in paged_attention.py counts it:
+    the pipeliner gives K/V two buffers at 5 stages (the page-table load takes the others), one below."""
+    return (2 if num_stages >= 5 else 1) * 2 * block_k * head_dim * itemsize
+
+
+@pytest.mark.parametrize("sms", [132, 108])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_decode_automatic_tiling_properties(sms, dtype, monkeypatch):
+    """Whatever the grid, the table's width and the GPU's SM count, the automatic tiling keeps its K/V tiles in
+    shared memory (f32 tiles are never doubled: with f32 dots they did not fit), covers the table with no split
+    starting past its end, adds at most one wave of programs by splitting, and pipelines no deeper than its loop
+    has steps (plus one)."""
+    monkeypatch.setattr(paged_attention, "num_sms", lambda: sms)
+    config = _default_config(DECODE_CONFIG, dtype)
+    itemsize = jnp.dtype(dtype).itemsize
+    for programs in (1, 2, 7, 8, 64, 100, sms - 1, sms, sms + 1, 2 * sms, 3 * sms, 4 * sms, 2048):
+        for table_tokens in (16, 64, 100, 128, 129, 256, 1000, 4096, 16384):
+            block_k, k_splits = _kv_tiling(config, programs, table_tokens, itemsize)
+            steps = -(-(-(-table_tokens // block_k)) // k_splits)
+            stages = _num_stages(config, block_k, k_splits, table_tokens)
+            where = f"{programs} programs, {table_tokens} tokens: {block_k=} {k_splits=} {stages=}"
+            assert block_k >= 16 and block_k & (block_k - 1) == 0, where
+            assert block_k == config.block_k or itemsize <= 2, where
+            assert kv_buffer_bytes(block_k, stages, 128, itemsize) <= SHARED_MEMORY_BYTES, where
+            assert block_k * k_splits * steps >= table_tokens and (k_splits - 1) * block_k < table_tokens, where
+            assert k_splits == 1 or programs * k_splits <= 2 * sms, where
+            assert 1 <= stages <= min(config.num_stages, steps + 1), where
+
+
+def test_explicit_decode_tiling_is_kept():
+    """A config that sets k_splits keeps its block_k, k_splits and num_stages."""
+    explicit = dataclasses.replace(DECODE_CONFIG, k_splits=3)
+    for programs, table_tokens in ((8, 64), (512, 4096), (2048, 16384)):
+        assert _kv_tiling(explicit, programs, table_tokens, 2) == (DECODE_CONFIG.block_k, 3)
+        assert _num_stages(explicit, DECODE_CONFIG.block_k, 3, table_tokens) == DECODE_CONFIG.num_stages
 
 
 @pytest.mark.parametrize("k_splits,dtype", [(2, jnp.float32), (3, jnp.bfloat16), (16, jnp.float32), (33, jnp.float32)])

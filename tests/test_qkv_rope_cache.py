@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import requires_gpu
 
 from pallas_kernels._compat import can_lower_for_cuda
 from pallas_kernels.qkv_rope_cache import (
@@ -29,11 +30,6 @@ from pallas_kernels.qkv_rope_cache import (
 TOLERANCE = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 2e-2}
 EPS = 1e-6
 MAX_POSITION = 30000
-
-
-def requires_gpu(test):
-    """Marks a test `gpu` and skips it unless jax runs on a GPU."""
-    return pytest.mark.gpu(pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")(test))
 
 
 def rope_inv_freq(head_dim, theta=1e6):

@@ -12,8 +12,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import requires_gpu
 
-from pallas_kernels._compat import NUM_SMS, can_lower_for_cuda
+from pallas_kernels import rmsnorm_matmul as rmsnorm_matmul_module
+from pallas_kernels._compat import can_lower_for_cuda
+from pallas_kernels.rms_norm import rms_norm
 from pallas_kernels.rmsnorm_matmul import (
     DECODE_CONFIG,
     PREFILL_CONFIG,
@@ -24,7 +27,6 @@ from pallas_kernels.rmsnorm_matmul import (
     _default_config,
     _row_stat_rows,
     _stage_bytes,
-    rms_norm,
     rmsnorm_matmul,
     rmsnorm_matmul_reference,
 )
@@ -51,11 +53,6 @@ EPS = 1e-6
 # Small blocks so that CPU-sized problems still span several M, N and K blocks with ragged edges.
 SMALL = RmsNormMatmulConfig(block_m=16, block_n=16, block_k=32)
 STATS = ["rows", "gram"]
-
-
-def requires_gpu(test):
-    """Marks a test `gpu` and skips it unless jax runs on a GPU."""
-    return pytest.mark.gpu(pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")(test))
 
 
 def make_inputs(seed, m, k, n, dtype, bias):
@@ -267,22 +264,28 @@ def test_statistic_choice(m, k, dtype, rows):
     assert _row_stat_rows(stat_config(config, "gram"), m, k, itemsize) == 0
 
 
-@pytest.mark.parametrize("m,k,n_out,silu_mul,splits", [
-    (1, 1024, 4096, False, 2), (1, 2048, 1024, False, 8), (1, 1024, 3072, True, 2), (1, 3072, 1024, False, 8),
-    (8, 2048, 1024, False, 8), (64, 1024, 3072, True, 1), (64, 1024, 4096, False, 1), (64, 2048, 1024, False, 4),
-    (1, 256, 1024, False, 2), (2048, 1024, 3072, True, 1),
-])
+# The H100's shared memory per thread block.
+SHARED_MEMORY_BYTES = 227 << 10
+
+
+@pytest.mark.parametrize("sms", [132, 108])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_default_config_adapts(m, k, n_out, silu_mul, splits, dtype):
-    """Decode grids get split K up to about one program per SM (the Qwen3-0.6B splits that measured best at M <= 16:
-    2 for QKV and gate/up, 8 for o_proj and down_proj; at M = 64 the 32-wide tiles fill the GPU alone for QKV and
-    gate/up; never more splits than K blocks), and no stage needs more shared memory than STAGE_BYTES."""
-    config = _default_config(m, k, n_out, dtype, silu_mul=silu_mul)
-    assert config.k_splits == splits
-    block_m = _block_m(config, m)
-    assert -(-m // block_m) * -(-n_out // config.block_n) * config.k_splits <= NUM_SMS or config.k_splits == 1
-    assert _stage_bytes(block_m, config.block_n, config.block_k, itemsize=jnp.dtype(dtype).itemsize,
-                        w_tiles=2 if silu_mul else 1) <= STAGE_BYTES
+def test_default_config_properties(sms, dtype, monkeypatch):
+    """For any shape and SM count: every pipeline stage fits STAGE_BYTES and all stages the GPU's shared memory;
+    split K only for decode rows, only while the grid stays within one program per SM, and every split starts inside
+    K; blocks are powers of two (the config checks)."""
+    monkeypatch.setattr(rmsnorm_matmul_module, "num_sms", lambda: sms)
+    itemsize = jnp.dtype(dtype).itemsize
+    for m, k, n_out, silu_mul in itertools.product((1, 8, 16, 17, 64, 65, 2048), (64, 256, 640, 896, 1024, 1152, 3072),
+                                                   (64, 1024, 3072, 4096), (False, True)):
+        config = _default_config(m, k, n_out, dtype, silu_mul=silu_mul)
+        block_m, k_blocks = _block_m(config, m), -(-k // config.block_k)
+        stage = _stage_bytes(block_m, config.block_n, config.block_k, itemsize=itemsize, w_tiles=2 if silu_mul else 1)
+        where = f"{m=} {k=} {n_out=} {silu_mul=}: {config}"
+        assert stage <= STAGE_BYTES and config.num_stages * stage <= SHARED_MEMORY_BYTES, where
+        if config.k_splits > 1:
+            assert m <= 64 and -(-m // block_m) * -(-n_out // config.block_n) * config.k_splits <= sms, where
+            assert (config.k_splits - 1) * -(-k_blocks // config.k_splits) < k_blocks, where
 
 
 @pytest.mark.parametrize("shapes,kw,message", [

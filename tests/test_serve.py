@@ -2,7 +2,7 @@
 
 The tiny random qwen3 with the in-memory byte tokenizer (and a one-line chat template) stands in for a real model:
 outputs are checked against the same engine's offline `LLM.generate`, prompts are token ids. The embedded default
-model answering a real question is the `slow` test at the end.
+model answering a real question is the test at the end.
 """
 import asyncio
 import dataclasses
@@ -361,7 +361,6 @@ def test_serving_benchmark_client_against_the_server(server):
     assert 0 < m["median_ttft_ms"] <= m["median_e2el_ms"] and m["p99_itl_ms"] is not None
 
 
-@pytest.mark.slow
 def test_default_model_answers_through_chat_completions():
     from nanojax.default_model import MODEL_NAME
 
