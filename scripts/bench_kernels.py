@@ -29,7 +29,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from pallas_kernels.paged_attention import paged_attention_reference, paged_decode_attention, paged_prefill_attention
-from pallas_kernels.rmsnorm_matmul import rms_norm, rmsnorm_matmul, rmsnorm_matmul_reference
+from pallas_kernels.rms_norm import rms_norm
+from pallas_kernels.rmsnorm_matmul import rmsnorm_matmul, rmsnorm_matmul_reference
 
 L2_BYTES = 50e6
 EPS = 1e-6

@@ -49,7 +49,7 @@ def test_rms_norm_scales_fold_into_the_projections(hf_model_dir):
     import jax.numpy as jnp
 
     from convert.keys import fold_norm_scale
-    from pallas_kernels.rmsnorm_matmul import rms_norm, rms_normalize
+    from pallas_kernels.rms_norm import rms_norm, rms_normalize
 
     folder, model = hf_model_dir("llama")
     layer = params_from_source(open_source(folder), "float32")[1]["layers"][1]
