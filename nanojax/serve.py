@@ -8,6 +8,7 @@ exists (tests, the serving benchmark).
 import argparse
 import asyncio
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -243,38 +244,55 @@ class _Guard:
         await self.app(scope, limited_receive, send)
 
 
-def build_app(llm, model_name: str, *, api_key: str | None = None, limits: ServerLimits = ServerLimits()) -> FastAPI:
-    """The FastAPI app serving `llm` under `model_name`; with api_key, /v1 routes need `Authorization: Bearer`."""
-    app = FastAPI(title="nanojax", docs_url=None, redoc_url=None)
-    app.add_middleware(_Guard, max_bytes=limits.max_body_bytes, api_key=api_key)
-    metrics = ServeMetrics(llm)
-    started = int(time.time())
+async def _refused(_, e: RequestError):
+    return JSONResponse(e.body, status_code=e.status)
 
-    @app.exception_handler(RequestError)
-    async def _refused(_, e: RequestError):
-        return JSONResponse(e.body, status_code=e.status)
 
-    @app.exception_handler(HTTPException)
-    async def _http_error(_, e: HTTPException):
-        return JSONResponse(error_body(str(e.detail)), status_code=e.status_code)
+async def _http_error(_, e: HTTPException):
+    return JSONResponse(error_body(str(e.detail)), status_code=e.status_code)
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_, e: RequestValidationError):
-        err = e.errors()[0]
-        where = [str(x) for x in err["loc"][1:]]  # past "body"
-        if err["type"] == "json_invalid":
-            return JSONResponse(error_body(f"the body is not valid JSON: {err['ctx']['error']}"), status_code=400)
-        if err["type"] == "extra_forbidden":
-            message = f"unknown field {'.'.join(where)!r}: this server does not support it"
-        else:
-            message = f"{'.'.join(where) or 'body'}: {err['msg']}"
-        return JSONResponse(error_body(message, param=where[0] if where else None), status_code=400)
 
-    def check_model(model: str | None) -> None:
-        if model is not None and model != model_name:
-            raise RequestError(404, f"the model {model!r} does not exist; this server serves {model_name!r}",
+async def _invalid(_, e: RequestValidationError):
+    """A body pydantic refused: 400 naming the first field it is about."""
+    err = e.errors()[0]
+    where = [str(x) for x in err["loc"][1:]]  # past "body"
+    if err["type"] == "json_invalid":
+        return JSONResponse(error_body(f"the body is not valid JSON: {err['ctx']['error']}"), status_code=400)
+    if err["type"] == "extra_forbidden":
+        message = f"unknown field {'.'.join(where)!r}: this server does not support it"
+    else:
+        message = f"{'.'.join(where) or 'body'}: {err['msg']}"
+    return JSONResponse(error_body(message, param=where[0] if where else None), status_code=400)
+
+
+def _chat_renames(body: ChatCompletionRequest) -> dict[str, str]:
+    """SamplingParams' field -> the chat request's field it came from, where they differ."""
+    return {"logprobs": "top_logprobs",
+            "max_tokens": "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"}
+
+
+def _chat_max_tokens(body: ChatCompletionRequest, num_prompt_tokens: int, limits: ServerLimits,
+                     max_model_len: int) -> int:
+    """The request's max_completion_tokens or max_tokens; neither given: what is left of the context (at least 1),
+    within the server's limit."""
+    default = min(max(1, max_model_len - num_prompt_tokens), limits.max_tokens or max_model_len)
+    return next((m for m in (body.max_completion_tokens, body.max_tokens) if m is not None), default)
+
+
+class _Server:
+    """One LLM served under one name: the routes' handlers and what they share."""
+
+    def __init__(self, llm, model_name: str, limits: ServerLimits, api_key: str | None):
+        self.llm, self.model_name, self.limits, self.api_key = llm, model_name, limits, api_key
+        self.metrics = ServeMetrics(llm)
+        self.started = int(time.time())
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise RequestError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                                "model", "NotFoundError", "model_not_found")
 
+    @staticmethod
     def engine_call(fn, prompt_field: str, renames: dict[str, str]):
         """fn() with the engine's and SamplingParams' ValueErrors as 400s naming the field."""
         try:
@@ -284,119 +302,127 @@ def build_app(llm, model_name: str, *, api_key: str | None = None, limits: Serve
         except RuntimeError as e:  # the engine has died
             raise RequestError(503, str(e), kind="server_error") from None
 
-    async def respond(request: Request, response: _Response, params: SamplingParams, prompt_field: str,
+    def chat_prompt(self, messages) -> list[int]:
+        """The messages through the model's chat template, as token ids."""
+        return self.engine_call(lambda: self.llm.apply_chat_template([m.as_template_input() for m in messages]),
+                                "messages", {})
+
+    # ----- generation -----
+    async def respond(self, request: Request, response: _Response, params: SamplingParams, prompt_field: str,
                       renames: dict[str, str]):
-        streamed = response.body.stream
+        """Adds one engine request per prompt; answers with their events streamed (SSE) or collected whole."""
         stream = RequestStream(loop=asyncio.get_running_loop())
-        request_ids = []
-
-        def close():
-            if not stream.finished:
-                metrics.aborted.inc()
-            for request_id in request_ids:
-                llm.abort(request_id)  # no-op for a finished request
-
-        def add_all():
-            for i, ids in enumerate(response.prompts):
-                request_ids.append(f"{response.head['id']}-{i}")
-                llm.add_request(ids, params, request_id=request_ids[-1], index=i, stream=stream, stream_text=streamed)
-
+        request_ids: list[str] = []
+        close = functools.partial(self.close, stream, request_ids)
         try:
-            engine_call(add_all, prompt_field, renames)
+            self.engine_call(lambda: self.add_requests(response, params, stream, request_ids), prompt_field, renames)
         except RequestError:
             close()
             raise
-        events = _events(stream, response, metrics)
-        if streamed:
+        events = _events(stream, response, self.metrics)
+        if response.body.stream:
             return _AbortOnClose(_sse(events, response), close)
-        watcher = asyncio.create_task(_abort_on_disconnect(request, close))
-        try:
-            async for _ in events:
-                pass
-        except CapacityError as e:
-            raise RequestError(400, str(e), "max_tokens") from None
-        except Exception as e:  # noqa: BLE001 -- a failed step: this request's error, the server goes on
-            raise RequestError(500, f"the engine failed this request: {e!r}", kind="server_error") from None
-        finally:
-            watcher.cancel()
-            close()
-        return response.whole()
+        return await _collect(request, events, response, close)
 
-    v1 = APIRouter(prefix="/v1")
+    def add_requests(self, response: _Response, params: SamplingParams, stream: RequestStream,
+                     request_ids: list[str]) -> None:
+        for i, ids in enumerate(response.prompts):
+            request_ids.append(f"{response.head['id']}-{i}")  # before adding: a refused one is aborted too
+            self.llm.add_request(ids, params, request_id=request_ids[-1], index=i, stream=stream,
+                                 stream_text=response.body.stream)
 
-    @v1.post("/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        check_model(body.model)
-        prompts, texts = engine_call(lambda: _completion_prompts(llm, body.prompt, limits), "prompt", {})
+    def close(self, stream: RequestStream, request_ids: list[str]) -> None:
+        """Aborts the requests (a no-op for finished ones); counted as aborted if the stream had not finished."""
+        if not stream.finished:
+            self.metrics.aborted.inc()
+        for request_id in request_ids:
+            self.llm.abort(request_id)
+
+    async def completions(self, body: CompletionRequest, request: Request):
+        self.check_model(body.model)
+        llm = self.llm
+        prompts, texts = self.engine_call(lambda: _completion_prompts(llm, body.prompt, self.limits), "prompt", {})
         if body.echo and llm.tokenizer is None:
             raise RequestError(400, "echo needs a tokenizer, and this model has none", "echo")
         echo = [t if t is not None else llm.tokenizer.decode(ids) for ids, t in zip(prompts, texts)] \
             if body.echo else texts
-        params = engine_call(lambda: _sampling_params(body, 16 if body.max_tokens is None else body.max_tokens,
-                                                      body.logprobs, limits, llm.max_model_len), "prompt", {})
-        return await respond(request, _Response(llm, False, body, model_name, prompts, echo), params, "prompt", {})
+        max_tokens = 16 if body.max_tokens is None else body.max_tokens
+        params = self.engine_call(lambda: _sampling_params(body, max_tokens, body.logprobs, self.limits,
+                                                           llm.max_model_len), "prompt", {})
+        response = _Response(llm, False, body, self.model_name, prompts, echo)
+        return await self.respond(request, response, params, "prompt", {})
 
-    @v1.post("/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
-        check_model(body.model)
-        ids = engine_call(lambda: llm.apply_chat_template([m.as_template_input() for m in body.messages]),
-                          "messages", {})
-        max_tokens = next((m for m in (body.max_completion_tokens, body.max_tokens) if m is not None),
-                          min(max(1, llm.max_model_len - len(ids)), limits.max_tokens or llm.max_model_len))
-        renames = {"logprobs": "top_logprobs", "max_tokens": "max_completion_tokens"
-                   if body.max_completion_tokens is not None else "max_tokens"}
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request):
+        self.check_model(body.model)
+        ids = self.chat_prompt(body.messages)
+        max_tokens = _chat_max_tokens(body, len(ids), self.limits, self.llm.max_model_len)
+        renames = _chat_renames(body)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = engine_call(lambda: _sampling_params(body, max_tokens, logprobs, limits, llm.max_model_len),
-                             "messages", renames)
-        return await respond(request, _Response(llm, True, body, model_name, [ids], [None]), params, "messages",
-                             renames)
+        params = self.engine_call(lambda: _sampling_params(body, max_tokens, logprobs, self.limits,
+                                                           self.llm.max_model_len), "messages", renames)
+        response = _Response(self.llm, True, body, self.model_name, [ids], [None])
+        return await self.respond(request, response, params, "messages", renames)
 
-    def model_card() -> dict:
-        return {"id": model_name, "object": "model", "created": started, "owned_by": "nanojax",
-                "max_model_len": llm.max_model_len}
+    # ----- the rest -----
+    def model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.started, "owned_by": "nanojax",
+                "max_model_len": self.llm.max_model_len}
 
-    @v1.get("/models")
-    async def models():
-        return {"object": "list", "data": [model_card()]}
+    async def models(self):
+        return {"object": "list", "data": [self.model_card()]}
 
-    @v1.get("/models/{model:path}")
-    async def model(model: str):
-        check_model(model)
-        return model_card()
+    async def model(self, model: str):
+        self.check_model(model)
+        return self.model_card()
 
-    app.include_router(v1)
-
-    @app.get("/health")
-    async def health():
-        if llm.dead is not None:
-            return JSONResponse(error_body(f"the engine has stopped: {llm.dead!r}", "server_error"), status_code=503)
+    async def health(self):
+        if self.llm.dead is not None:
+            return JSONResponse(error_body(f"the engine has stopped: {self.llm.dead!r}", "server_error"),
+                                status_code=503)
         return Response(status_code=200)
 
-    @app.get("/metrics")
-    async def prometheus():
-        return Response(metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+    async def prometheus(self):
+        return Response(self.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest):
-        check_model(body.model)
+    async def tokenize(self, body: TokenizeRequest):
+        self.check_model(body.model)
+        tokenizer = self.llm.tokenizer
         if body.messages is not None:
-            ids = engine_call(lambda: llm.apply_chat_template([m.as_template_input() for m in body.messages]),
-                              "messages", {})
-        elif llm.tokenizer is None:
+            ids = self.chat_prompt(body.messages)
+        elif tokenizer is None:
             raise RequestError(400, "this model has no tokenizer", "prompt")
         else:
-            ids = llm.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        return {"tokens": ids, "count": len(ids), "max_model_len": llm.max_model_len}
+            ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": self.llm.max_model_len}
 
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest):
-        check_model(body.model)
-        if llm.tokenizer is None:
+    async def detokenize(self, body: DetokenizeRequest):
+        self.check_model(body.model)
+        if self.llm.tokenizer is None:
             raise RequestError(400, "this model has no tokenizer", "tokens")
-        if any(not 0 <= t < llm.config.vocab_size for t in body.tokens):
-            raise RequestError(400, f"token ids must be in [0, {llm.config.vocab_size})", "tokens")
-        return {"prompt": llm.tokenizer.decode(body.tokens)}
+        vocab_size = self.llm.config.vocab_size
+        if any(not 0 <= t < vocab_size for t in body.tokens):
+            raise RequestError(400, f"token ids must be in [0, {vocab_size})", "tokens")
+        return {"prompt": self.llm.tokenizer.decode(body.tokens)}
 
+
+def build_app(llm, model_name: str, *, api_key: str | None = None, limits: ServerLimits = ServerLimits()) -> FastAPI:
+    """The FastAPI app serving `llm` under `model_name`; with api_key, /v1 routes need `Authorization: Bearer`."""
+    server = _Server(llm, model_name, limits, api_key)
+    app = FastAPI(title="nanojax", docs_url=None, redoc_url=None)
+    app.add_middleware(_Guard, max_bytes=limits.max_body_bytes, api_key=api_key)
+    app.add_exception_handler(RequestError, _refused)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(RequestValidationError, _invalid)
+    v1 = APIRouter(prefix="/v1")
+    v1.post("/completions")(server.completions)
+    v1.post("/chat/completions")(server.chat_completions)
+    v1.get("/models")(server.models)
+    v1.get("/models/{model:path}")(server.model)
+    app.include_router(v1)
+    app.get("/health")(server.health)
+    app.get("/metrics")(server.prometheus)
+    app.post("/tokenize")(server.tokenize)
+    app.post("/detokenize")(server.detokenize)
     return app
 
 
@@ -431,6 +457,22 @@ async def _sse(events, response: _Response):
         kind = "invalid_request_error" if isinstance(e, CapacityError) else "server_error"
         yield f"data: {json.dumps(error_body(f'the engine failed this request: {e}', kind))}\n\n"
     yield "data: [DONE]\n\n"
+
+
+async def _collect(request: Request, events, response: _Response, close) -> dict:
+    """Waits for all the events, aborting the requests if the client goes away; -> the whole response."""
+    watcher = asyncio.create_task(_abort_on_disconnect(request, close))
+    try:
+        async for _ in events:
+            pass
+    except CapacityError as e:
+        raise RequestError(400, str(e), "max_tokens") from None
+    except Exception as e:  # noqa: BLE001 -- a failed step: this request's error, the server goes on
+        raise RequestError(500, f"the engine failed this request: {e!r}", kind="server_error") from None
+    finally:
+        watcher.cancel()
+        close()
+    return response.whole()
 
 
 async def _abort_on_disconnect(request: Request, close) -> None:
