@@ -525,10 +525,12 @@ def _save_gguf_tokenizer(path: Path, dst_dir: str | os.PathLike) -> None:
     template = _meta(reader, "tokenizer.chat_template", str, None)
     special = {}
     for attr, key in (("bos_token", "tokenizer.ggml.bos_token_id"), ("eos_token", "tokenizer.ggml.eos_token_id"),
-                      ("unk_token", "tokenizer.ggml.unknown_token_id"), ("pad_token", "tokenizer.ggml.padding_token_id")):
+                      ("unk_token", "tokenizer.ggml.unknown_token_id"),
+                      ("pad_token", "tokenizer.ggml.padding_token_id")):
         special[attr] = _meta(reader, key, int, None)
         if special[attr] is not None and not 0 <= special[attr] < len(tokens):
-            raise GGUFError(f"metadata field {key!r} = {special[attr]} is outside the vocabulary ({len(tokens)} tokens)")
+            raise GGUFError(f"metadata field {key!r} = {special[attr]} is outside the vocabulary "
+                            f"({len(tokens)} tokens)")
     pre = _meta(reader, "tokenizer.ggml.pre", str, None)
     if gguf_tokenizer.can_build(model, pre, "tokenizer.ggml.merges" in reader.fields):
         tok = _byte_level_tokenizer(reader, tokens, pre, special, template)

@@ -148,8 +148,9 @@ def find_segments(page_tables, seq_lens, *, page_size: int, rules: CascadeRules 
     """The shared-prefix segments of a decode batch, parents before their nested ones.
 
     page_tables: the physical page ids of each row, a [rows, P] array (entries past a row's pages are ignored) or one
-    list per row; seq_lens: tokens of each row, its last token included (0: a padding row). A segment's pages are the same physical pages in every member's table, all before each member's
-    last token's page, and each row's segments run contiguously from page 0.
+    list per row; seq_lens: tokens of each row, its last token included (0: a padding row). A segment's pages are
+    the same physical pages in every member's table, all before each member's last token's page, and each row's
+    segments run contiguously from page 0.
     """
     if len(page_tables) != len(seq_lens):
         raise ValueError(f"{len(page_tables)} page tables but {len(seq_lens)} seq_lens")

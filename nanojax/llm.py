@@ -25,7 +25,7 @@ from nanojax.ops import get_ops
 from nanojax.page_manager import PageManager
 from nanojax.quantize import is_quantized, quantize_params
 from nanojax.runner import ModelRunner
-from nanojax.sampling import BANNED, MAX_LOGPROBS, PROMPT
+from nanojax.sampling import BANNED, PROMPT
 from nanojax.sampling_params import SamplingParams
 from nanojax.scheduler import CapacityError, Scheduler, SchedulerConfig
 from nanojax.sequence import Sequence, SequenceStatus

@@ -294,8 +294,9 @@ def rmsnorm_matmul(x, w, bias=None, *, w_scale=None, norm_eps=None, residual=Non
     x: [M, K]; w: [K, N] (x.dtype, or float8_e4m3fn with w_scale [N] float32 its column scales), with the norm's
     scale folded into its rows when norm_eps is given; bias: [N] or None; norm_eps: the RMSNorm's epsilon, or None
     for no norm; residual: [M, N_out] (x.dtype) or None; activation: None, or "silu_mul" with w = [K, 2I] holding the
-    gate columns then the up columns (N_out = I) -> [M, N_out] in x.dtype. config None picks DECODE_CONFIG for M <= 16, BATCHED_DECODE_CONFIG for M <= 64 and PREFILL_CONFIG
-    above, adapted to the shape (see _default_config); a given config is used as is.
+    gate columns then the up columns (N_out = I) -> [M, N_out] in x.dtype. config None picks DECODE_CONFIG for
+    M <= 16, BATCHED_DECODE_CONFIG for M <= 64 and PREFILL_CONFIG above, adapted to the shape (see _default_config);
+    a given config is used as is.
     """
     n_out = _check_inputs(x, w, w_scale, bias, residual, norm_eps, activation)
     (m, k), silu_mul = x.shape, activation == "silu_mul"

@@ -212,7 +212,8 @@ def test_fp8_checkpoint_round_trip_and_refusals(hf_model_dir, tmp_path):
     for got, want in zip(params["layers"], direct["layers"]):
         for name in PROJECTIONS:
             assert got[name]["w"].dtype == jnp.float8_e4m3fn
-            np.testing.assert_array_equal(np.asarray(got[name]["w"], np.float32), np.asarray(want[name]["w"], np.float32))
+            np.testing.assert_array_equal(np.asarray(got[name]["w"], np.float32),
+                                          np.asarray(want[name]["w"], np.float32))
             np.testing.assert_array_equal(got[name]["scale"], np.asarray(want[name]["scale"]))
     manifest["quantization"] = "int3"
     (dst / "manifest.json").write_text(json.dumps(manifest))
