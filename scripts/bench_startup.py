@@ -74,7 +74,8 @@ def run_child(args, folder: Path, cache: Path, workload: bool) -> dict:
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     cmd = [sys.executable, __file__, "--child", "--folder", str(folder), "--num-seqs", str(args.num_seqs),
            "--max-input-len", str(args.max_input_len), "--max-output-len", str(args.max_output_len)]
-    cmd += (["--workload"] if workload else []) + (["--max-num-seqs", str(args.max_num_seqs)] if args.max_num_seqs else [])
+    cmd += ["--workload"] if workload else []
+    cmd += ["--max-num-seqs", str(args.max_num_seqs)] if args.max_num_seqs else []
     out = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if out.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}")
