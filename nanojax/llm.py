@@ -177,20 +177,26 @@ class LLM:
         request_id: for `abort` (default: a fresh one); index: RequestOutput.index; stream: deliver to this stream
         (shared by several requests); stream_text=False detokenizes a request only when it finishes (or to find its
         stop strings)."""
-        if self.dead is not None:
-            raise RuntimeError(f"the engine has stopped after an error: {self.dead!r}")
         params = params or SamplingParams()
         ids = self.encode(prompt)
         self._check(index, ids, params)
         request_id = str(next(self._ids)) if request_id is None else request_id
         stream = stream or RequestStream()
+        self._enqueue(ids, params, request_id, index, stream, stream_text)
+        return stream
+
+    def _enqueue(self, ids: list[int], params: SamplingParams, request_id: str, index: int, stream: RequestStream,
+                 stream_text: bool, pin: bool = False) -> _Request:
+        """Hands a validated request to the engine loop; -> its first choice's state."""
+        if self.dead is not None:
+            raise RuntimeError(f"the engine has stopped after an error: {self.dead!r}")
         stream.expect(params.n)
         seqs = [self._sequence(request_id, index, choice, ids, params, stream, stream_text)
                 for choice in range(params.n)]
-        seqs[0].params.siblings = seqs[1:]
+        seqs[0].params.siblings, seqs[0].params.pin = seqs[1:], pin
         self._inbox.put(("add", seqs[0]))
         self._start()
-        return stream
+        return seqs[0].params
 
     def abort(self, request_id: str) -> None:
         """Ends a request (all its choices) with finish_reason "abort"; its KV pages are freed in the next step."""
@@ -239,14 +245,10 @@ class LLM:
         once = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
         self._check(0, ids, once)
         stream = RequestStream()
-        stream.expect(1)
-        seq = self._sequence(str(next(self._ids)), 0, 0, ids, once, stream, False)
-        seq.params.pin = True
-        self._inbox.put(("add", seq))
-        self._start()
+        req = self._enqueue(ids, once, str(next(self._ids)), 0, stream, stream_text=False, pin=True)
         for _ in stream:
             pass
-        return seq.params.pin_handle
+        return req.pin_handle
 
     def unpin(self, handle: int) -> None:
         """Releases a pinned prefix: its pages become ordinary cached pages, evicted under memory pressure."""
@@ -288,14 +290,15 @@ class LLM:
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        params = [sp or SamplingParams() for sp in params]
         ids = [self.encode(p) for p in prompts]
-        for i, (p, sp) in enumerate(zip(ids, params)):
-            self._check(i, p, sp or SamplingParams())
+        for i, (p, sp) in enumerate(zip(ids, params)):  # all of them before any runs
+            self._check(i, p, sp)
         stream, request_ids = RequestStream(), []
         try:
             for i, (p, sp) in enumerate(zip(ids, params)):
                 request_ids.append(str(next(self._ids)))
-                self.add_request(p, sp, request_id=request_ids[-1], index=i, stream=stream, stream_text=stream_text)
+                self._enqueue(p, sp, request_ids[-1], i, stream, stream_text)
             yield from stream
         finally:
             if not stream.finished:  # their pages are free when this returns
@@ -377,9 +380,8 @@ class LLM:
             pending.update({c.seq.seq_id: (out, i) for i, c in enumerate(decodes)})
         prefills = [c for c in chunks if not (c.num_tokens == 1 and c.sample)]
         if prefills:
-            rows = [self._sampling([c]) if c.sample else None for c in prefills]
             outs = self.runner.prefill([(c.seq.token_ids[c.start:c.end], c.seq.page_table, c.end,
-                                         r and {k: v[0] for k, v in r.items()}) for c, r in zip(prefills, rows)])
+                                         self._sampling_row(c.seq.params) if c.sample else None) for c in prefills])
             pending.update({c.seq.seq_id: out for c, out in zip(prefills, outs) if c.sample})
         return chunks, pending
 
@@ -411,17 +413,17 @@ class LLM:
             req.slot = None
 
     def _sampling(self, chunks) -> dict[str, list]:
-        reqs: list[_Request] = [c.seq.params for c in chunks]
-        ps = [r.params for r in reqs]
-        generated = [len(r.output.token_ids) for r in reqs]
-        return dict(
-            temperature=[p.temperature for p in ps], top_k=[p.top_k for p in ps], top_p=[p.top_p for p in ps],
-            min_p=[p.min_p for p in ps], seeds=[p.seed for p in ps], counters=generated,
-            slots=[self.runner.neutral_slot if r.slot is None else r.slot for r in reqs],
-            ban_steps=[max(0, p.min_tokens - n) for p, n in zip(ps, generated)],
-            repetition_penalty=[p.repetition_penalty for p in ps],
-            presence_penalty=[p.presence_penalty for p in ps], frequency_penalty=[p.frequency_penalty for p in ps],
-            logprobs=[p.logprobs or 0 for p in ps])
+        """The step's per-row sampling fields: {name: [value per chunk]}."""
+        rows = [self._sampling_row(c.seq.params) for c in chunks]
+        return {name: [row[name] for row in rows] for name in rows[0]}
+
+    def _sampling_row(self, req: _Request) -> dict:
+        p, generated = req.params, len(req.output.token_ids)
+        return dict(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seeds=p.seed,
+                    counters=generated, slots=self.runner.neutral_slot if req.slot is None else req.slot,
+                    ban_steps=max(0, p.min_tokens - generated), repetition_penalty=p.repetition_penalty,
+                    presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+                    logprobs=p.logprobs or 0)
 
     def _complete(self, chunks, pending) -> list[Sequence]:
         """Waits for the step's tokens, applies the stop conditions and frees finished requests (before the next

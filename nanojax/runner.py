@@ -199,7 +199,7 @@ class ModelRunner:
 
     @property
     def neutral_slot(self) -> int:
-        return self.tables.counts.shape[0] - 1
+        return self.tables.neutral
 
     # ----- steps -----
     def decode(self, last_tokens: list[int], page_tables: list[list[int]], seq_lens: list[int],
@@ -225,7 +225,8 @@ class ModelRunner:
 
     def _prefill_packed(self, chunks) -> list[tuple["Pending", int]]:
         tokens, tables, lens, q_lens, last_rows = [], [], [], [], []
-        sampling = {name: [] for name in [*_SAMPLING_FILL, "slots"]}
+        fills = _sampling_fill(self.neutral_slot)
+        sampling = {name: [] for name in fills}
         for ids, table, seq_len, fields in chunks:
             start = seq_len - len(ids)
             for r in range(0, len(ids), PREFILL_ROW):
@@ -235,7 +236,7 @@ class ModelRunner:
                 lens.append(start + r + len(row))
                 q_lens.append(len(row))
                 last = r + PREFILL_ROW >= len(ids)
-                for name, fill in {**_SAMPLING_FILL, "slots": self.neutral_slot}.items():
+                for name, fill in fills.items():
                     sampling[name].append(fields[name] if last and fields else fill)
             last_rows.append(len(tokens) - 1)
         p = Program(bucket(len(tokens), self.prefill_rows), 0)
@@ -274,12 +275,16 @@ def sampling_batch(fields: dict[str, list], rows: int, neutral_slot: int) -> Sam
     """Per-row sampling fields (a prefix of the rows; absent fields and the rows after take the fill values) ->
     numpy SamplingBatch of `rows` rows."""
     out = {}
-    for name, fill in {**_SAMPLING_FILL, "slots": neutral_slot}.items():
+    for name, fill in _sampling_fill(neutral_slot).items():
         col = np.full(rows, fill, _SAMPLING_DTYPES.get(name, np.float32))
         values = fields.get(name, ())
         col[:len(values)] = values
         out[name] = col
     return SamplingBatch(**out)
+
+
+def _sampling_fill(neutral_slot: int) -> dict:
+    return {**_SAMPLING_FILL, "slots": neutral_slot}
 
 
 def greedy_sampling(rows: int) -> dict[str, list]:
