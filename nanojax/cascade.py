@@ -46,10 +46,12 @@ class CascadeRules:
     max_levels: int = 2
     # Work items per step, the cascade kernel's grid (times the KV heads) and the slots of each row's pieces.
     num_items: int = 32
+    # The smallest decode batch bucket that gets a cascade program (each is one more program to compile at start-up).
+    min_batch: int = 8
 
     def __post_init__(self):
         if self.min_members < 2 or min(self.min_shared_tokens, self.min_piece_tokens, self.max_levels,
-                                       self.num_items) < 1:
+                                       self.num_items, self.min_batch) < 1:
             raise ValueError(f"min_members must be >= 2 and the other rules >= 1, got {self}")
 
 

@@ -39,11 +39,14 @@ class Batch:
     seq_lens: [B] int32, tokens in the cache for the sequence once this step has run.
     q_lens: [B] int32, new tokens this step; they sit at positions seq_lens - q_lens + t, t < q_lens.
     Rows with q_lens == 0 are padding.
+    cascade: a decode step's shared prefixes, nanojax.cascade.CascadePlan.arrays() (kv_starts [B], num_pieces [B],
+    item_row, item_start, item_end [W], item_members, item_slots [W, M]); None: every row reads all its own pages.
     """
 
     page_table: jax.Array
     seq_lens: jax.Array
     q_lens: jax.Array
+    cascade: tuple[jax.Array, ...] | None = None
 
     def positions(self, num_tokens: int) -> jax.Array:
         """[B, T] absolute positions, -1 on padding tokens."""

@@ -18,7 +18,9 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+from nanojax.cascade import CascadeRules
 from nanojax.detokenizer import Detokenizer
+from nanojax.distributed import DistributedRunner, min_over_processes
 from nanojax.engine_io import RequestOutput, RequestStream, find_stop
 from nanojax.loader import LoadedModel, load_model
 from nanojax.ops import get_ops
@@ -72,7 +74,11 @@ class LLM:
     quantization: None, or "fp8": every projection's weights in FP8 (E4M3) with per-output-channel scales, quantized
     at load (nanojax.quantize); embeddings, norms and the LM head stay in `dtype`.
     tensor_parallel_size: run the model split over this many local devices (nanojax.sharding; 1 runs the sharded
-    code on one device); None: one device, unsharded.
+    code on one device); None: one device, unsharded, or in a multi-process job (nanojax.distributed) every device
+    of every process, process 0 running the engine and the others `follow()`ing it.
+    cascade: decode reads a prefix that running requests share (a cached system prompt, a document) once per step
+    for all of them, when nanojax.cascade's default rules find it worth it (or the `CascadeRules` given); False:
+    each request reads its own pages (to compare the two).
     """
 
     def __init__(self, model: "str | LoadedModel | None" = None, *, dtype: str | None = None,
@@ -80,7 +86,8 @@ class LLM:
                  memory_fraction: float = 0.85, max_num_seqs: int | None = None,
                  max_num_batched_tokens: int | None = None, chunk_size: int | None = None,
                  decode_steps: int | None = None, kernels: str = "auto", seed: int = 0, warmup: bool | None = None,
-                 progress: bool = True, tensor_parallel_size: int | None = None, quantization: str | None = None):
+                 progress: bool = True, tensor_parallel_size: int | None = None, quantization: str | None = None,
+                 cascade: "bool | CascadeRules" = True):
         from nanojax.cache import use_compilation_cache
 
         use_compilation_cache()
@@ -88,6 +95,8 @@ class LLM:
         self.dtype = dtype or ("bfloat16" if on_gpu else "float32")
         if quantization not in (None, "fp8"):
             raise ValueError(f"quantization must be None or 'fp8', got {quantization!r}")
+        if not isinstance(cascade, (bool, CascadeRules)):
+            raise ValueError(f"cascade must be True, False or a nanojax.cascade.CascadeRules, got {cascade!r}")
         loaded = load_model(model, self.dtype)
         self.config, params, self.tokenizer = loaded.config, loaded.params, loaded.tokenizer
         if quantization == "fp8" and not is_quantized(params["layers"][0]["qkv"]):
@@ -102,24 +111,27 @@ class LLM:
         budget = _positive("max_num_batched_tokens", max_num_batched_tokens, 8192 if on_gpu else 2048)
         pages_per_seq = -(-self.max_model_len // page_size)
         tp = None
-        if tensor_parallel_size is not None:
+        several = jax.process_count() > 1  # a jax.distributed job: one model over every process's devices
+        if tensor_parallel_size is not None or several:
             from nanojax.sharding import TensorParallel
 
-            tp = TensorParallel.create(self.config, tensor_parallel_size)
+            tp = TensorParallel.create(self.config, tensor_parallel_size or jax.device_count())
             params = tp.place(params, progress)  # before sizing the KV pool: the weights' share is in use
         if num_pages is None:
             kv_heads = self.config.num_kv_heads if tp is None else tp.local_config.num_kv_heads
-            num_pages = self._pages_that_fit(page_size, memory_fraction, max_num_seqs * pages_per_seq, kv_heads)
+            num_pages = min_over_processes(
+                self._pages_that_fit(page_size, memory_fraction, max_num_seqs * pages_per_seq, kv_heads))
         vocab_limit = min(len(self.tokenizer), self.config.vocab_size) if self.tokenizer else self.config.vocab_size
         self.page_manager = PageManager(num_pages, page_size)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=self.max_model_len,
             chunk_size=chunk_size or budget, page_size=page_size), self.page_manager)
-        self.runner = ModelRunner(
+        self.runner = (DistributedRunner if several else ModelRunner)(
             self.config, params, num_pages=num_pages, page_size=page_size, pages_per_seq=pages_per_seq,
             dtype=params["embed"].dtype, ops=get_ops(kernels, self.config), vocab_limit=vocab_limit,
             max_num_seqs=max_num_seqs, max_prefill_tokens=budget, decode_steps=self.decode_steps,
-            tensor_parallel=tp)
+            tensor_parallel=tp, cascade_rules=(
+                CascadeRules() if cascade is True else cascade or None))
         self.eos_ids = frozenset(self.config.eos_token_ids)
         self._rng = np.random.default_rng(seed)
         self._free_slots = list(range(max_num_seqs))
@@ -137,7 +149,7 @@ class LLM:
         c = self.config
         itemsize = np.dtype(self.dtype).itemsize if self.dtype != "bfloat16" else 2
         page_bytes = 2 * c.num_layers * kv_heads * page_size * c.head_dim * itemsize
-        stats = jax.devices()[0].memory_stats() or {}
+        stats = jax.local_devices()[0].memory_stats() or {}
         if "bytes_limit" in stats:
             budget = stats["bytes_limit"] * fraction - stats.get("bytes_in_use", 0)
         else:  # CPU: no allocator limit to read, keep the pool modest
@@ -148,6 +160,20 @@ class LLM:
         """Compiles every program the engine runs (any sampling mix, any batch up to max_num_seqs, any prompt up
         to max_model_len), so that no request compiles anything."""
         self.runner.compile_all(progress)
+
+    # ----- several processes (nanojax.distributed) -----
+    def follow(self) -> None:
+        """On a process other than 0 of a multi-process job: runs the steps process 0's engine sends; returns when
+        process 0 calls `close` (or exits)."""
+        if not isinstance(self.runner, DistributedRunner):
+            raise RuntimeError("follow() is for the processes other than 0 of a jax.distributed job")
+        self.runner.follow()
+
+    def close(self) -> None:
+        """On process 0 of a multi-process job: releases the other processes' `follow` (also done at exit); this
+        LLM runs no more steps. A no-op in a single process."""
+        if isinstance(self.runner, DistributedRunner):
+            self.runner.stop()
 
     # ----- requests -----
     def encode(self, prompt: str | list[int]) -> list[int]:

@@ -83,7 +83,7 @@ def layer(ops: Ops, lp, x, positions, slots, k_pages, v_pages, batch: Batch, con
                                              lp.get("k_norm"), eps=config.norm_eps)
     b, t = batch.q_lens.shape[0], x.shape[0] // batch.q_lens.shape[0]
     attn = ops.attention(q.reshape(b, t, config.num_heads, config.head_dim), k_pages, v_pages, batch.page_table,
-                         batch.seq_lens, batch.q_lens, scale=config.head_dim**-0.5)
+                         batch.seq_lens, batch.q_lens, scale=config.head_dim**-0.5, cascade=batch.cascade)
     x = ops.row_project(attn.reshape(b * t, config.q_size), lp["o"], residual=x)
     h, norm_eps = pre_norm(x, lp, "mlp_norm", config)
     h = project(ops, h, lp["up"], norm_eps=norm_eps, activation="silu_mul" if config.mlp == "swiglu" else "gelu_tanh")

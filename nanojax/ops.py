@@ -4,6 +4,7 @@ kernel, chosen by one static, hashable `Ops` value that the compiled steps take.
     project:        [RMSNorm] -> matmul [+ bias] [-> SiLU-and-mul] [+ residual]   pallas_kernels.rmsnorm_matmul
     qkv_rope_cache: split, q/k RMSNorm, RoPE, paged KV write                       pallas_kernels.qkv_rope_cache
     attention:      paged attention over the KV pages (decode and ragged prefill)  pallas_kernels.paged_attention
+                    decode with shared prefixes read once (cascade)                pallas_kernels.cascade_attention
 
 The references are the kernels' own `*_reference` functions, so the reference path and the kernels compute one
 definition; the HF parity tests run the reference path, the kernel tests compare each kernel with its reference.
@@ -13,6 +14,7 @@ import functools
 
 import jax
 
+from pallas_kernels.cascade_attention import cascade_decode_attention, cascade_decode_attention_reference
 from pallas_kernels.paged_attention import paged_attention_reference, paged_decode_attention, paged_prefill_attention
 from pallas_kernels.qkv_rope_cache import qkv_rope_cache, qkv_rope_cache_reference
 from pallas_kernels.rmsnorm_matmul import rmsnorm_matmul, rmsnorm_matmul_reference
@@ -72,8 +74,17 @@ class Ops:
         return qkv_rope_cache(qkv, positions, slots, k_pages, v_pages, inv_freq, q_norm, k_norm, eps=eps,
                               interpret=self.interpret)
 
-    def attention(self, q, k_pages, v_pages, page_table, seq_lens, q_lens, *, scale):
-        """q: [B, T, Hq, D] -> [B, T, Hq, D]; see paged_attention_reference."""
+    def attention(self, q, k_pages, v_pages, page_table, seq_lens, q_lens, *, scale, cascade=None):
+        """q: [B, T, Hq, D] -> [B, T, Hq, D]; see paged_attention_reference. cascade: a decode step's shared-prefix
+        plan (nanojax.cascade.CascadePlan.arrays(), on the device), read once per item instead of once per row."""
+        if cascade is not None:
+            if q.shape[1] != 1:
+                raise ValueError(f"a cascade plan is for decode (one token per row), got {q.shape[1]} tokens")
+            if not self.pallas:
+                return cascade_decode_attention_reference(q[:, 0], k_pages, v_pages, page_table, seq_lens, *cascade,
+                                                          scale=scale)[:, None]
+            return cascade_decode_attention(q[:, 0], k_pages, v_pages, page_table, seq_lens, *cascade, scale=scale,
+                                            interpret=self.interpret)[:, None]
         if not self.pallas:
             return paged_attention_reference(q, k_pages, v_pages, page_table, seq_lens, q_lens, scale=scale)
         if q.shape[1] == 1:  # decode: one new token per row (q_lens is 1, or 0 with seq_lens 0 on padding rows)

@@ -20,10 +20,12 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
+from nanojax.cascade import CascadePlan, CascadeRules, plan_cascade
 from nanojax.config import ModelConfig
 from nanojax.kv_cache import Batch, KVCache
 from nanojax.model import forward, lm_logits
 from nanojax.sampling import MAX_LOGPROBS, Sampled, SamplingBatch, TokenTables, sample
+from pallas_kernels.cascade_attention import cascade_members_per_item
 
 # Query rows of a packed prefill: the prefill attention kernel's query tile holds 128 rows = 64 tokens x 2 query
 # heads per KV head, so a chunk re-reads its KV no more often packed than unpacked (docs/perf_notes.md, "Prefill").
@@ -98,9 +100,11 @@ _SAMPLING_DTYPES = dict(top_k=np.int32, seeds=np.uint32, counters=np.int32, ban_
 
 @dataclasses.dataclass(frozen=True)
 class Program:
-    """One compiled shape: `rows` rows of decode (num_steps steps) or of packed prefill (num_steps 0)."""
+    """One compiled shape: `rows` rows of decode (num_steps steps) or of packed prefill (num_steps 0); cascade: a
+    decode that reads shared prefixes once (nanojax.cascade)."""
     rows: int
     num_steps: int
+    cascade: bool = False
 
     @property
     def tokens_per_row(self) -> int:
@@ -113,11 +117,12 @@ class ModelRunner:
     ops: the kernel switch (nanojax.ops). max_prefill_tokens: the scheduler's token budget (packed prefill rows are
     sized for it). decode_steps: the decode steps per dispatch besides 1. tensor_parallel: a
     nanojax.sharding.TensorParallel to run the model over its mesh (params as numpy, or placed by its `place`).
+    cascade_rules: when multi-step decodes read shared prefixes once (nanojax.cascade); None: never.
     """
 
     def __init__(self, config: ModelConfig, params, *, num_pages: int, page_size: int, pages_per_seq: int,
                  dtype, ops, vocab_limit: int, max_num_seqs: int, max_prefill_tokens: int, decode_steps: int,
-                 tensor_parallel=None):
+                 tensor_parallel=None, cascade_rules: CascadeRules | None = None):
         tp = tensor_parallel
         self.config, self.vocab_limit = config, vocab_limit
         self.ops = ops if tp is None else tp.ops(ops)
@@ -130,15 +135,22 @@ class ModelRunner:
         self.decode_rows = pow2_buckets(1, max_num_seqs)
         self.prefill_rows = pow2_buckets(1, -(-max_prefill_tokens // PREFILL_ROW))
         self.decode_steps = decode_steps
+        self.page_size, self.cascade_rules = page_size, cascade_rules
+        self.cascade_members = cascade_members_per_item(config.num_heads, config.num_kv_heads)
+        self.cascade_rows = () if cascade_rules is None else tuple(
+            b for b in self.decode_rows if b >= cascade_rules.min_batch)
+        self.cascade_dispatches = self.cascade_saved_tokens = 0  # saved: KV tokens per layer and KV head, all steps
         self._compiled: dict[Program, object] = {}
         self.compiles = 0
         self.compile_seconds: dict[str, float] = {}
 
     # ----- programs -----
     def programs(self) -> list:
-        """Every program the engine runs: the decode and prefill buckets and the token-table writer."""
+        """Every program the engine runs: the decode and prefill buckets (cascade: the multi-step decodes of the
+        batches the rules allow) and the token-table writer."""
         steps = sorted({1, self.decode_steps})
         return [Program(b, k) for b in self.decode_rows for k in steps] + [
+            Program(b, self.decode_steps, True) for b in self.cascade_rows] + [
             Program(r, 0) for r in self.prefill_rows] + ["set_slot"]
 
     def compile_all(self, progress: bool = True, threads: int | None = None) -> None:
@@ -167,7 +179,8 @@ class ModelRunner:
             return _set_slot.trace(self.tables, np.int32(0), row(jnp.int32), row(jnp.int8), row(jnp.float32)).lower()
         b, t = p.rows, p.tokens_per_row
         tokens = jax.ShapeDtypeStruct((b,) if p.num_steps else (b, t), jnp.int32)
-        args = (self.params, self.cache, self.tables, tokens, *self._inputs(p, [], [], [], {}))
+        plan = self._plan(p.rows, [], []) if p.cascade else None
+        args = (self.params, self.cache, self.tables, tokens, *self._inputs(p, [], [], [], {}, plan))
         kw = dict(config=self.config, ops=self.ops, vocab_limit=self.vocab_limit)
         if p.num_steps:
             return decode_step.trace(*args, **kw, num_steps=p.num_steps).lower()
@@ -179,15 +192,17 @@ class ModelRunner:
             self.compiles += 1
         return self._compiled[p]
 
-    def _run(self, p: Program, tokens: np.ndarray, page_tables, seq_lens, q_lens, sampling: dict) -> Sampled:
+    def _run(self, p: Program, tokens: np.ndarray, page_tables, seq_lens, q_lens, sampling: dict,
+             plan: CascadePlan | None = None) -> Sampled:
         # One transfer for all of the step's host arrays: a jnp.asarray per array costs ~0.3 ms each on the H100
         # machine, which made the host, not the GPU, the bottleneck of a dispatch (docs/perf_notes.md).
-        args = jax.device_put((tokens, *self._inputs(p, page_tables, seq_lens, q_lens, sampling)),
+        args = jax.device_put((tokens, *self._inputs(p, page_tables, seq_lens, q_lens, sampling, plan)),
                               self._inputs_sharding)
         out, self.cache, self.tables = self._program(p)(self.params, self.cache, self.tables, *args)
         return out
 
-    def _inputs(self, p: Program, page_tables, seq_lens, q_lens, sampling: dict) -> tuple[Batch, SamplingBatch]:
+    def _inputs(self, p: Program, page_tables, seq_lens, q_lens, sampling: dict,
+                plan: CascadePlan | None = None) -> tuple[Batch, SamplingBatch]:
         """Host arrays of a step, padded to the program's rows (padding rows: q_len 0, greedy, neutral slot)."""
         rows = p.rows
         table = np.zeros((rows, self.pages_per_seq), np.int32)
@@ -195,7 +210,12 @@ class ModelRunner:
             table[i, :len(pages)] = pages
         lens, qs = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
         lens[:len(seq_lens)], qs[:len(q_lens)] = seq_lens, q_lens
-        return Batch(page_table=table, seq_lens=lens, q_lens=qs), sampling_batch(sampling, rows, self.neutral_slot)
+        batch = Batch(page_table=table, seq_lens=lens, q_lens=qs, cascade=plan and plan.arrays())
+        return batch, sampling_batch(sampling, rows, self.neutral_slot)
+
+    def _plan(self, rows: int, page_tables, seq_lens) -> CascadePlan:
+        return plan_cascade(page_tables, seq_lens, batch=rows, page_size=self.page_size,
+                            members_per_item=self.cascade_members, rules=self.cascade_rules)
 
     @property
     def neutral_slot(self) -> int:
@@ -204,11 +224,21 @@ class ModelRunner:
     # ----- steps -----
     def decode(self, last_tokens: list[int], page_tables: list[list[int]], seq_lens: list[int],
                sampling: dict[str, list], num_steps: int = 1) -> "Pending":
-        """Dispatches num_steps decode steps for each row (seq_lens counts the last token); [num_steps, rows]."""
+        """Dispatches num_steps decode steps for each row (seq_lens counts the last token); [num_steps, rows]. Rows
+        that share prefix pages read them once per step when the cascade rules find it worth it."""
         p = Program(bucket(len(last_tokens), self.decode_rows), num_steps)
         tokens = np.zeros(p.rows, np.int32)
         tokens[:len(last_tokens)] = last_tokens
-        return Pending(self._run(p, tokens, page_tables, seq_lens, [1] * len(last_tokens), sampling))
+        plan = None
+        if num_steps == self.decode_steps and p.rows in self.cascade_rows:
+            plan = self._plan(p.rows, page_tables, seq_lens)
+            if plan.use_cascade:
+                p = dataclasses.replace(p, cascade=True)
+                self.cascade_dispatches += 1
+                self.cascade_saved_tokens += plan.saved_tokens * num_steps
+            else:
+                plan = None
+        return Pending(self._run(p, tokens, page_tables, seq_lens, [1] * len(last_tokens), sampling, plan))
 
     def prefill(self, chunks: list[tuple[list[int], list[int], int, dict | None]]) -> list[tuple["Pending", int]]:
         """Dispatches prompt chunks (tokens, page_table, seq_len after the chunk, sampling fields of the chunk's

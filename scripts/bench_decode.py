@@ -24,8 +24,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from random_model import loaded_model, random_hf_model, weight_bytes  # noqa: E402
 
 from nanojax import LLM, SamplingParams  # noqa: E402
+from nanojax.cascade import CascadeRules  # noqa: E402
 from nanojax.kv_cache import KVCache  # noqa: E402
 from nanojax.ops import get_ops  # noqa: E402
+from nanojax.quantize import quantize_params  # noqa: E402
 from nanojax.runner import ModelRunner, greedy_sampling  # noqa: E402
 from nanojax.sharding import TensorParallel  # noqa: E402
 
@@ -120,12 +122,47 @@ def hf_points(hf, args, points: list, save) -> None:
             print(json.dumps(point), flush=True)
 
 
-def main():
+def shared_tables(runner: ModelRunner, batch: int, prefix: int, levels: int, own: int, steps: int):
+    """Page tables of `batch` rows over one shared prefix of `prefix` tokens (levels 1), or a system prompt of a
+    quarter of it shared by all and two documents, each shared by half the rows (levels 2); then `own` tokens of
+    each row's own, in pages that hold `steps` more. -> (tables, seq_lens)."""
+    pages = iter(range(runner.cache.num_pages))
+    system = prefix // 4 // PAGE if levels == 2 else prefix // PAGE
+    common = [next(pages) for _ in range(system)]
+    docs = [[next(pages) for _ in range(prefix // PAGE - system)] for _ in range(levels)]
+    own_pages = -(-(own + steps) // PAGE)
+    tables = [common + docs[b * levels // batch] + [next(pages) for _ in range(own_pages)] for b in range(batch)]
+    return tables, [prefix + own] * batch
+
+
+def shared_point(runner: ModelRunner, batch: int, prefix: int, levels: int, own: int, steps: int) -> dict:
+    """One shared-prefix point: ms/step and the KV tokens per layer and KV head the cascade path did not read."""
+    tables, lens = shared_tables(runner, batch, prefix, levels, own, steps)
+    tokens = np.random.default_rng(batch).integers(0, 1000, batch).tolist()
+    samp = greedy_sampling(batch)
+    runner.decode(tokens, tables, lens, samp, num_steps=steps).tokens()
+    saved = runner.cascade_saved_tokens
+    seconds = time_call(lambda: runner.decode(tokens, tables, lens, samp, num_steps=steps).tokens(), iters=5)
+    return {"ms_per_step": seconds / steps * 1e3, "saved_tokens": (runner.cascade_saved_tokens - saved) / 5 / steps}
+
+
+def variant_params(loaded, quantization: str, tp_size: int):
+    """-> (params on the device(s), TensorParallel or None); tp_size 0: unsharded."""
+    params = loaded.params
+    if quantization == "fp8":
+        params = quantize_params(jax.tree.map(jnp.asarray, params), loaded.config, lm_head=False)
+    tp = TensorParallel.create(loaded.config, tp_size) if tp_size else None
+    return (tp.place(params, progress=True) if tp else jax.tree.map(jnp.asarray, params)), tp
+
+
+def parse_args():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen3-0.6b")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
-    ap.add_argument("--contexts", type=int, nargs="+", default=[512, 4096])
+    ap.add_argument("--contexts", type=int, nargs="*", default=[512, 4096])
     ap.add_argument("--kernels", nargs="+", default=["pallas", "reference"])
+    ap.add_argument("--quantization", nargs="+", default=["none"], choices=["none", "fp8"],
+                    help="weights: none (the dtype) and/or fp8 (nanojax.quantize, LM head in bf16), each a variant")
     ap.add_argument("--steps", type=int, nargs="+", default=[32], help="decode steps per dispatch (each is a point)")
     ap.add_argument("--ttft", type=int, nargs="*", default=[128, 512, 2048])
     ap.add_argument("--skip-parity", action="store_true")
@@ -135,68 +172,126 @@ def main():
                     help="HF static cache + torch.compile peer points (a compile each), at the first context")
     ap.add_argument("--table-tokens", type=int, default=0,
                     help="page-table width in tokens, as the engine's max_model_len gives (default: context + steps)")
-    ap.add_argument("--tensor-parallel-size", type=int, default=None,
-                    help="split the model over this many GPUs (nanojax.sharding); default: one GPU, unsharded")
+    ap.add_argument("--tensor-parallel-size", type=int, nargs="+", default=[0],
+                    help="split the model over this many GPUs (nanojax.sharding), each a variant; 0: one GPU, "
+                         "unsharded (e.g. `0 1` compares size 1 through the sharded code with the plain path)")
+    ap.add_argument("--shared-prefix", type=int, nargs="*", default=[],
+                    help="shared-prefix points: rows over one prefix of this many tokens (a multiple of 16) and "
+                         "--own-tokens of their own, with the cascade path on and off (not with --kernels reference)")
+    ap.add_argument("--levels", type=int, nargs="+", default=[1], choices=[1, 2],
+                    help="shared levels: 1 (one prefix) or 2 (a system prompt of a quarter of it shared by all, then "
+                         "two documents each shared by half the rows)")
+    ap.add_argument("--own-tokens", type=int, default=16)
     ap.add_argument("--out", default="decode.json")
-    args = ap.parse_args()
+    return ap.parse_args()
 
-    results = {"device": str(jax.devices()[0]), "model": args.model, "tensor_parallel_size": args.tensor_parallel_size,
-               "steps_per_dispatch": args.steps,
+
+def main():
+    args = parse_args()
+    results = {"device": str(jax.devices()[0]), "model": args.model, "steps_per_dispatch": args.steps,
                "parity": {}, "points": [], "ttft_ms": {}, "peers": []}
     save = lambda: Path(args.out).write_text(json.dumps(results, indent=2))  # noqa: E731 -- after every point
     if not args.skip_parity:
         for kern in args.kernels:
-            results["parity"][kern] = check_parity(args.model, kern, tensor_parallel_size=args.tensor_parallel_size)
+            for tp_size in args.tensor_parallel_size:
+                key = kern + (f"-tp{tp_size}" if tp_size else "")
+                results["parity"][key] = check_parity(args.model, kern, tensor_parallel_size=tp_size or None)
         print(f"parity with HF (float32 greedy): {results['parity']}", flush=True)
     hf = random_hf_model(args.model, "bfloat16")
     loaded = loaded_model(hf, "bfloat16")
-    tp = TensorParallel.create(loaded.config, args.tensor_parallel_size) if args.tensor_parallel_size else None
-    params = tp.place(loaded.params, progress=True) if tp else jax.tree.map(jnp.asarray, loaded.params)
-    wbytes = weight_bytes(params) - loaded.config.vocab_size * loaded.config.hidden_size * 2 * (
-        0 if loaded.config.tie_word_embeddings else 1)  # untied: the input embedding is read only by row
     c = loaded.config
     kv_token_bytes = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 2
-    max_ctx = max(args.contexts + args.ttft)
-    for kern in args.kernels:
-        if args.ttft:
-            pps = -(-max_ctx // PAGE)
-            runner = ModelRunner(c, params, num_pages=pps, page_size=PAGE, pages_per_seq=pps, dtype=jnp.bfloat16,
-                                 ops=get_ops(kern, c), vocab_limit=c.vocab_size, max_num_seqs=1,
-                                 max_prefill_tokens=max(args.ttft), decode_steps=1, tensor_parallel=tp)
-            results["ttft_ms"][kern] = {n: ttft(runner, n) * 1e3 for n in args.ttft}
-            save()
-            print(f"TTFT {kern}: {results['ttft_ms'][kern]}", flush=True)
-            del runner
-        for context in args.contexts:
-            pps = -(-max(context + max(args.steps), args.table_tokens) // PAGE)
-            for batch in args.batches:
-                if batch * pps * PAGE * kv_token_bytes > 40e9:
-                    continue
-                runner = ModelRunner(c, params, num_pages=batch * pps, page_size=PAGE, pages_per_seq=pps,
-                                     dtype=jnp.bfloat16, ops=get_ops(kern, c), vocab_limit=c.vocab_size,
-                                     max_num_seqs=batch, max_prefill_tokens=16, decode_steps=max(args.steps),
-                                     tensor_parallel=tp)
-                random_cache(runner, jax.random.key(0))
-                for steps in args.steps:
-                    point = bench_point(runner, batch, context, steps)
-                    step_bytes = wbytes + batch * context * kv_token_bytes
-                    point.update(kernels=kern, batch=batch, context=context, steps=steps, table_tokens=pps * PAGE,
-                                 tok_s=batch / point["ms_per_step"] * 1e3,
-                                 bw_pct=100 * step_bytes / (point["ms_per_step"] / 1e3) / HBM_BYTES_PER_S)
-                    results["points"].append(point)
-                    save()
-                    print(json.dumps(point), flush=True)
-                del runner
+    for quant in args.quantization:
+        for tp_size in args.tensor_parallel_size:
+            params, tp = variant_params(loaded, quant, tp_size)
+            wbytes = weight_bytes(params) - c.vocab_size * c.hidden_size * 2 * (
+                0 if c.tie_word_embeddings else 1)  # untied: the input embedding is read only by row
+            for kern in args.kernels:
+                name = kern + ("" if quant == "none" else f"-{quant}") + (f"-tp{tp_size}" if tp_size else "")
+                run_variant(args, name, kern, c, params, tp, wbytes, kv_token_bytes, results, save)
+            del params, tp
     hf_points(hf, args, results["peers"], save)
-    print(f"\n{args.model} on {results['device']}; parity {results['parity']}; weights {wbytes / 1e9:.2f} GB")
-    print(f"{'kernels':>10} {'ctx':>6} {'batch':>5} {'steps':>5} {'ms/step':>8} {'tok/s':>9} {'BW%':>5} "
+    print_tables(args, results)
+
+
+def make_runner(c, params, tp, kern: str, *, batch: int, num_pages: int, pages_per_seq: int, prefill: int,
+                steps: int, cascade: bool = False) -> ModelRunner:
+    return ModelRunner(c, params, num_pages=num_pages, page_size=PAGE, pages_per_seq=pages_per_seq,
+                       dtype=jnp.bfloat16, ops=get_ops(kern, c), vocab_limit=c.vocab_size, max_num_seqs=batch,
+                       max_prefill_tokens=prefill, decode_steps=steps, tensor_parallel=tp,
+                       cascade_rules=CascadeRules() if cascade else None)
+
+
+def run_variant(args, name, kern, c, params, tp, wbytes, kv_token_bytes, results, save):
+    """The TTFT, decode and shared-prefix points of one variant (kernels x weights x tensor-parallel size)."""
+    def record(point, step_bytes):
+        point.update(kernels=name, tok_s=point["batch"] / point["ms_per_step"] * 1e3,
+                     bw_pct=100 * step_bytes / (point["ms_per_step"] / 1e3) / HBM_BYTES_PER_S)
+        results["points"].append(point)
+        save()
+        print(json.dumps(point), flush=True)
+
+    if args.ttft:
+        pps = -(-max(args.ttft) // PAGE)
+        runner = make_runner(c, params, tp, kern, batch=1, num_pages=pps, pages_per_seq=pps,
+                             prefill=max(args.ttft), steps=1)
+        results["ttft_ms"][name] = {n: ttft(runner, n) * 1e3 for n in args.ttft}
+        save()
+        print(f"TTFT {name}: {results['ttft_ms'][name]}", flush=True)
+        del runner
+    for context in args.contexts:
+        pps = -(-max(context + max(args.steps), args.table_tokens) // PAGE)
+        for batch in args.batches:
+            if batch * pps * PAGE * kv_token_bytes > 40e9:
+                continue
+            runner = make_runner(c, params, tp, kern, batch=batch, num_pages=batch * pps, pages_per_seq=pps,
+                                 prefill=16, steps=max(args.steps))
+            random_cache(runner, jax.random.key(0))
+            for steps in args.steps:
+                point = bench_point(runner, batch, context, steps)
+                point.update(batch=batch, context=context, steps=steps, table_tokens=pps * PAGE)
+                record(point, wbytes + batch * context * kv_token_bytes)
+            del runner
+    steps = max(args.steps)
+    prefixes = args.shared_prefix if kern != "reference" else []  # the cascade reference is for tests
+    own_pages = -(-(args.own_tokens + steps) // PAGE)
+    for batch in args.batches if prefixes else []:
+        for cascade in (False, True):  # one runner (one compile) for every prefix and level
+            pps = max(prefixes) // PAGE + own_pages
+            num_pages = 2 * max(prefixes) // PAGE + batch * own_pages
+            runner = make_runner(c, params, tp, kern, batch=batch, num_pages=num_pages, pages_per_seq=pps,
+                                 prefill=16, steps=steps, cascade=cascade)
+            random_cache(runner, jax.random.key(0))
+            for prefix in prefixes:
+                for levels in args.levels:
+                    point = shared_point(runner, batch, prefix, levels, args.own_tokens, steps)
+                    point.update(batch=batch, context=prefix + args.own_tokens, steps=steps, shared_prefix=prefix,
+                                 levels=levels, cascade=cascade,
+                                 saved_gb_per_step=point["saved_tokens"] * kv_token_bytes / 1e9)
+                    kv_bytes = (batch * (prefix + args.own_tokens) - point["saved_tokens"]) * kv_token_bytes
+                    record(point, wbytes + kv_bytes)
+            del runner
+
+
+def print_tables(args, results):
+    print(f"\n{args.model} on {results['device']}; parity {results['parity']}")
+    print(f"{'variant':>16} {'ctx':>6} {'batch':>5} {'steps':>5} {'ms/step':>8} {'tok/s':>9} {'BW%':>5} "
           f"{'compile s':>9}")
     for p in results["points"]:
-        print(f"{p['kernels']:>10} {p['context']:>6} {p['batch']:>5} {p['steps']:>5} {p['ms_per_step']:>8.3f} "
-              f"{p['tok_s']:>9.0f} "
-              f"{p['bw_pct']:>5.1f} {p['compile_s']:>9.1f}")
+        if "shared_prefix" not in p:
+            print(f"{p['kernels']:>16} {p['context']:>6} {p['batch']:>5} {p['steps']:>5} {p['ms_per_step']:>8.3f} "
+                  f"{p['tok_s']:>9.0f} {p['bw_pct']:>5.1f} {p['compile_s']:>9.1f}")
+    shared = [p for p in results["points"] if "shared_prefix" in p]
+    if shared:
+        print(f"\nshared prefix ({args.own_tokens} own tokens per row): cascade off vs on")
+        print(f"{'variant':>16} {'prefix':>6} {'lvl':>3} {'batch':>5} {'cascade':>7} {'ms/step':>8} {'tok/s':>9} "
+              f"{'saved GB/step':>13} {'BW%':>5}")
+        for p in shared:
+            print(f"{p['kernels']:>16} {p['shared_prefix']:>6} {p['levels']:>3} {p['batch']:>5} "
+                  f"{'on' if p['cascade'] else 'off':>7} {p['ms_per_step']:>8.3f} {p['tok_s']:>9.0f} "
+                  f"{p['saved_gb_per_step']:>13.3f} {p['bw_pct']:>5.1f}")
     for p in results["peers"]:
-        print(f"{p['kernels']:>10} {p['context']:>6} {p['batch']:>5} {'':>5} {p.get('ms_per_step', 0):>8.3f} "
+        print(f"{p['kernels']:>16} {p['context']:>6} {p['batch']:>5} {'':>5} {p.get('ms_per_step', 0):>8.3f} "
               f"{p.get('tok_s', 0):>9.0f} {p.get('error', '')}")
     for kern, t in results["ttft_ms"].items():
         print(f"TTFT {kern}: " + ", ".join(f"{n} tok {ms:.1f} ms" for n, ms in t.items()))
