@@ -1,0 +1,195 @@
+"""Compiled programs kept on disk as serialized executables, so that a warm start loads each one without tracing or
+lowering it. JAX's persistent compilation cache (nanojax.cache) skips only the compile step: its key is a hash of
+the lowered module, and tracing + lowering the unrolled layers is serial Python that took most of a warm start.
+
+Here the key is known before tracing: a blake2b hash over what the caller says the program is (its description,
+the model config, the Ops, the arguments' shapes, dtypes and shardings: `signature`) and over what makes an
+executable stale (`environment`: jax / jaxlib versions, platform and device kind, device count, the source of
+nanojax/ and pallas_kernels/). Files live in `<directory>/<environment hash>/<key>.jaxexe`, so that the files of
+an older build sit apart and can be deleted as one folder.
+
+A file that is missing, corrupt, unreadable or from an incompatible build is a miss: the program is compiled again
+and the file replaced. Only executables XLA built in this process are stored: one the persistent compilation cache
+answered does not survive serialization (`compile_and_store`), so with that cache filled the first start of a new
+build stores nothing for programs whose HLO did not change. Files are written to a temporary name and renamed into place, so a reader never sees half a
+file. Like the persistent compilation cache, files are unpickled: keep the folder as private as your home.
+"""
+import functools
+import hashlib
+import logging
+import os
+import pickle
+import re
+import tempfile
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jaxlib
+import numpy as np
+from jax.experimental import serialize_executable
+
+_log = logging.getLogger(__name__)
+# Bumped when the file layout below changes: older files then sit under another environment hash.
+FORMAT = 1
+SUFFIX = ".jaxexe"
+
+
+def default_directory() -> Path:
+    from nanojax.cache import cache_dir
+
+    return cache_dir() / "executables"
+
+
+def signature(args) -> str:
+    """A pytree of arrays / ShapeDtypeStructs / numpy arrays -> its structure and each leaf's shape, dtype, weak
+    type and sharding, as text (what jit specializes on, read without tracing)."""
+    leaves, tree = jax.tree.flatten(args)
+    shapes = [(np.shape(x), str(getattr(x, "dtype", type(x).__name__)), bool(getattr(x, "weak_type", False)),
+               _placement(x)) for x in leaves]  # a Python scalar: its type (jit traces it weakly typed)
+    return f"{tree}|{shapes}"
+
+
+def _placement(x) -> tuple | None:
+    """A leaf's sharding and the ids of its devices in mesh order (a Mesh's repr names only its axes; the stored
+    executable is loaded onto the devices it was compiled for)."""
+    sharding = getattr(x, "sharding", None)
+    if sharding is None:
+        return None
+    mesh = getattr(sharding, "mesh", None)
+    devices = mesh.devices.flat if mesh is not None else sorted(sharding.device_set, key=lambda d: d.id)
+    return sharding, tuple(d.id for d in devices)
+
+
+def program_key(*parts) -> str:
+    """Hex key of a program from its parts (frozen dataclasses, strings, numbers: anything with a stable repr); the
+    environment picks the folder (`path_of`). A repr holding a memory address would change every run: refused
+    (ValueError)."""
+    text = repr(parts)
+    if re.search(r" at 0x[0-9a-fA-F]+", text):
+        raise ValueError(f"a key part has no stable repr (it names a memory address): {text[:300]}")
+    return hashlib.blake2b(text.encode(), digest_size=20).hexdigest()
+
+
+@functools.cache
+def environment() -> str:
+    """Hex hash of what makes a stored executable stale (computed once per process)."""
+    device = jax.devices()[0]
+    parts = [FORMAT, jax.__version__, jaxlib.__version__, device.platform, device.client.platform_version,
+             device.device_kind, jax.device_count(), os.environ.get("XLA_FLAGS", ""),
+             jax.config.jax_enable_x64, jax.config.jax_default_matmul_precision, _source_hash()]
+    if device.platform == "cpu":  # XLA:CPU code targets this host's instruction set; a shared home may move hosts
+        parts.append(_cpu_flags())
+    return hashlib.blake2b(repr(parts).encode(), digest_size=10).hexdigest()
+
+
+def _source_hash() -> str:
+    """Hash of every .py file of nanojax/ and pallas_kernels/ (their names and contents)."""
+    import pallas_kernels
+
+    h = hashlib.blake2b(digest_size=20)
+    for root in (Path(__file__).parent, Path(pallas_kernels.__file__).parent):
+        for path in sorted(root.rglob("*.py")):
+            h.update(f"{root.name}/{path.relative_to(root)}\0".encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def _cpu_flags() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        import platform
+
+        return f"{platform.machine()} {platform.processor()}"
+    return next((line for line in text.splitlines() if line.startswith("flags")), "")
+
+
+def path_of(directory: Path, key: str) -> Path:
+    return Path(directory) / environment() / f"{key}{SUFFIX}"
+
+
+def load(directory: Path | None, key: str) -> jax.stages.Compiled | None:
+    """The stored executable of `key`, loaded onto the devices it was compiled for, or None (no directory, no file,
+    or a file that cannot be loaded)."""
+    if directory is None:
+        return None
+    path = path_of(directory, key)
+    try:
+        device_ids, blob, in_tree, out_tree = pickle.loads(path.read_bytes())
+        by_id = {d.id: d for d in jax.devices()}
+        # The executable's own devices, in its order: any other list fails XLA's checks (a crash, not an error).
+        devices = [by_id[i] for i in device_ids]
+        return serialize_executable.deserialize_and_load(blob, in_tree, out_tree, execution_devices=devices)
+    except FileNotFoundError:
+        return None
+    except Exception as e:  # noqa: BLE001 - any unreadable file is a miss: the caller compiles and overwrites it
+        _log.debug("executable cache: %s unreadable (%s: %s), compiling again", path, type(e).__name__, e)
+        return None
+
+
+def store(directory: Path | None, key: str, compiled: jax.stages.Compiled) -> bool:
+    """Writes `compiled` under `key` (atomically: temporary file, then rename). Returns whether it was written; a
+    program that cannot be serialized or a folder that cannot be written leaves nothing behind."""
+    if directory is None:
+        return False
+    try:
+        blob, in_tree, out_tree = serialize_executable.serialize(compiled)
+        device_ids = [d.id for d in compiled._executable._unloaded_executable.device_list]
+        data = pickle.dumps((device_ids, blob, in_tree, out_tree), protocol=pickle.HIGHEST_PROTOCOL)
+    except (ValueError, NotImplementedError, AttributeError, pickle.PicklingError, TypeError) as e:
+        _log.debug("executable cache: %s not serializable (%s: %s)", key, type(e).__name__, e)
+        return False
+    path = path_of(directory, key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{key}.", suffix=".tmp")
+    except OSError as e:
+        _log.debug("executable cache: cannot write in %s (%s)", path.parent, e)
+        return False
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except OSError as e:
+        _log.debug("executable cache: cannot write %s (%s)", path, e)
+        Path(tmp).unlink(missing_ok=True)
+        return False
+    return True
+
+
+def compile_and_store(directory: Path | None, key: str, lowered: jax.stages.Lowered) -> jax.stages.Compiled:
+    """Compiles `lowered` and stores it, unless JAX's persistent compilation cache answered the compile: such an
+    executable serializes incompletely (XLA:CPU, jax 0.10.2: loaded again, it fails at run time with 'Function
+    broadcast_add_fusion not found'), so only executables XLA built in this process are stored. Thread-safe."""
+    _persistent_cache_hit.value = False
+    _listen_for_persistent_cache_hits()
+    compiled = lowered.compile()
+    if not _persistent_cache_hit.value:
+        store(directory, key, compiled)
+    return compiled
+
+
+# Set by JAX's monitoring event in the thread whose compile the persistent compilation cache answered.
+_persistent_cache_hit = threading.local()
+
+
+@functools.cache
+def _listen_for_persistent_cache_hits() -> None:
+    def on_event(event: str, **_):
+        if event == "/jax/compilation_cache/cache_hits":
+            _persistent_cache_hit.value = True
+
+    jax.monitoring.register_event_listener(on_event)
+
+
+def load_or_compile(key_parts: tuple, lower: Callable[[], jax.stages.Lowered],
+                    directory: Path | None) -> tuple[jax.stages.Compiled, bool]:
+    """-> (the program compiled, whether it came from `directory`). On a miss `lower()` is called, compiled and
+    stored (see compile_and_store); directory None compiles every time and writes nothing."""
+    key = program_key(*key_parts)
+    compiled = load(directory, key)
+    if compiled is not None:
+        return compiled, True
+    return compile_and_store(directory, key, lower()), False
