@@ -1,29 +1,85 @@
 """Serving benchmark shaped like `vllm bench serve`: random token-id prompts sent to an OpenAI-compatible server's
-/v1/completions, streamed, at a request rate and under a concurrency cap.
+/v1/completions, streamed, at a request rate and under a concurrency cap; several scenarios per launch.
 
 Against a running server (nanojax's, or any that takes token-id prompts):
-    python3 scripts/bench_serving.py --base-url http://127.0.0.1:8000 --input-len 512 --output-len 128 \\
-        --num-prompts 1000 --request-rate inf --out serving.json
-With the random-weight model built in this process, served on a free port, and offline `LLM.generate` of requests of
-the same shape on the same engine (the "vs offline" row):
-    PYTHONPATH=$PWD python3 scripts/bench_serving.py --launch qwen3-0.6b --decode-steps 8 --max-concurrency 64 ...
+    python3 scripts/bench_serving.py --base-url http://127.0.0.1:8000 --scenario 512,128,1000,- --out serving.json
+With the random-weight model built in this process and served on a free port, once per --decode-steps value (each
+compiles once and runs every scenario), beside offline `LLM.generate` on the same engine, then `transformers serve`
+on the same weights (issue 24's rows; on the H100, from the repository root, the git-ignored .whl/ carried: fastapi,
+uvicorn, pydantic, openai 2.x (httpx-based), accelerate and their dependencies missing there):
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && PYTHONPATH=/tmp/site:$PWD \\
+    PYTHONUNBUFFERED=1 python3 scripts/bench_serving.py --launch qwen3-0.6b --scenario 512,128,1000,- \\
+    --scenario 128,128,64,1 --scenario 512,128,512,64 --decode-steps 4 8 32 --peer transformers \\
+    --peer-num-prompts 16 --peer-timeout 60 --out $OUT/serving.json > $OUT/serving.log 2>&1; tail -45 $OUT/serving.log
+
+--scenario IN,OUT,NUM,CONCURRENCY[,RATE]: NUM prompts of IN tokens asking for OUT tokens each, at most CONCURRENCY
+in flight (`-`: no cap), arriving at RATE requests/s (default inf: all at once). Without --scenario, --input-len,
+--output-len, --num-prompts, --max-concurrency and --request-rate make one. The offline row beside a served one:
+without a concurrency cap, `LLM.generate` of NUM requests of the same shape (output tok/s; "vs offline" is the
+server's over it); with cap C, the decode step at batch C (two generates of C prompts, OUT and 1 tokens, differenced
+so the prefill cancels) in the TPOT p50 column ("vs offline" is the server's TPOT p50 over it).
 
 Arrivals: a gamma process with mean interval 1/rate and shape `burstiness` (1: Poisson; smaller: burstier); rate inf
-sends everything at once. Each request asks for exactly --output-len tokens (ignore_eos, greedy). TTFT: to the first
-chunk with a token; ITL: between successive chunks with tokens (several decode steps per dispatch deliver several
-tokens in one chunk, and that burst is what a client sees); TPOT: (E2E - TTFT) / (output tokens - 1) per request.
-Tokens per chunk come from the chunk's `token_ids` (vLLM's `return_token_ids`), else one per chunk with text.
+sends everything at once. Each request asks for exactly OUT tokens (greedy; nanojax: ignore_eos; the peer's model
+has no EOS token). TTFT: to the first chunk with a token; ITL: between successive chunks with tokens (several decode
+steps per dispatch deliver several tokens in one chunk, and that burst is what a client sees); TPOT: (E2E - TTFT) /
+(output tokens - 1) per request. Tokens per chunk come from the chunk's `token_ids` (vLLM's `return_token_ids`),
+else one per chunk with text (transformers serve sends a chunk per token).
+
+The peer (`--peer transformers`, scripts/transformers_serve_peer.py) runs after nanojax's rows, as a subprocess,
+with text prompts (it takes no token ids); its scenarios are capped at --peer-num-prompts requests and
+--peer-timeout seconds each (unfinished requests count as failed). nanojax then gets --mem-fraction of the GPU's
+memory (XLA_PYTHON_CLIENT_MEM_FRACTION, unless set), since JAX keeps its pool until the process ends.
 """
 import argparse
 import asyncio
+import dataclasses
+import functools
+import gc
 import json
+import os
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+from transformers_serve_peer import prompt_text
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    input_len: int
+    output_len: int
+    num_prompts: int
+    max_concurrency: int | None = None
+    request_rate: float = float("inf")
+
+    @property
+    def label(self) -> str:
+        rate = "inf" if np.isinf(self.request_rate) else f"{self.request_rate:g}"
+        return f"{self.input_len},{self.output_len},{self.num_prompts},{self.max_concurrency or '-'},{rate}"
+
+
+def parse_scenario(text: str) -> Scenario:
+    """'IN,OUT,NUM,CONCURRENCY[,RATE]' (CONCURRENCY '-': no cap; RATE default inf) -> Scenario."""
+    fields = [f.strip() for f in text.split(",")]
+    if len(fields) not in (4, 5):
+        raise argparse.ArgumentTypeError(f"scenario {text!r}: expected IN,OUT,NUM,CONCURRENCY[,RATE]")
+    try:
+        input_len, output_len, num_prompts = (int(f) for f in fields[:3])
+        concurrency = None if fields[3] == "-" else int(fields[3])
+        rate = float(fields[4]) if len(fields) == 5 else float("inf")
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"scenario {text!r}: IN, OUT, NUM and CONCURRENCY are integers "
+                                         "(CONCURRENCY may be '-'), RATE a number or inf") from None
+    if min(input_len, output_len, num_prompts) < 1 or (concurrency is not None and concurrency < 1) or not rate > 0:
+        raise argparse.ArgumentTypeError(f"scenario {text!r}: IN, OUT, NUM, CONCURRENCY and RATE must be positive")
+    return Scenario(input_len, output_len, num_prompts, concurrency, rate)
 
 
 def random_prompts(num: int, input_len: int, vocab: int, seed: int) -> list[list[int]]:
@@ -39,6 +95,17 @@ def arrival_offsets(num: int, rate: float, burstiness: float, seed: int) -> np.n
     return np.cumsum(intervals) - intervals[0]
 
 
+def request_body(prompt: list[int], output_len: int, model: str | None, as_text: bool) -> dict:
+    """nanojax's: token ids with vLLM's extras. as_text: the prompt as text and OpenAI's fields only (transformers
+    serve refuses any other field)."""
+    if as_text:
+        body = {"prompt": prompt_text(prompt), "max_tokens": output_len, "temperature": 0, "stream": True}
+    else:
+        body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0, "stream": True, "ignore_eos": True,
+                "return_token_ids": True, "stream_options": {"include_usage": True}}
+    return {**body, "model": model} if model else body
+
+
 async def one_request(client, url: str, body: dict) -> dict:
     """Streams one completion -> ttft, itl (list), e2e (s), output_tokens, error."""
     start = time.perf_counter()
@@ -51,8 +118,9 @@ async def one_request(client, url: str, body: dict) -> dict:
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    return {"error": chunk["error"]["message"]}
+                if "error" in chunk:  # OpenAI's shape (nanojax) or a bare message (transformers serve)
+                    error = chunk["error"]
+                    return {"error": error["message"] if isinstance(error, dict) else str(error)}
                 usage = chunk.get("usage") or usage
                 gained = sum(len(c["token_ids"]) if "token_ids" in c else bool(c.get("text"))
                              for c in chunk["choices"])
@@ -65,12 +133,17 @@ async def one_request(client, url: str, body: dict) -> dict:
                     last, tokens = now, tokens + gained
     except Exception as e:  # noqa: BLE001 -- a failed request is counted, the run goes on
         return {"error": repr(e)}
+    if ttft is None:
+        return {"error": "no token came back"}
     tokens = usage["completion_tokens"] if usage else tokens
     return {"ttft": ttft, "itl": itl, "e2e": last - start, "output_tokens": tokens, "error": None}
 
 
 async def run_requests(base_url: str, model: str | None, prompts, output_len: int, offsets, max_concurrency,
-                       api_key: str | None) -> tuple[list[dict], float]:
+                       api_key: str | None, *, as_text: bool = False,
+                       time_limit: float | None = None) -> tuple[list[dict], float]:
+    """Sends every prompt at its offset -> (one result per prompt, seconds). Requests unfinished time_limit
+    seconds after the start are cancelled and counted as failed."""
     import httpx
 
     limit = asyncio.Semaphore(max_concurrency or len(prompts))
@@ -80,14 +153,20 @@ async def run_requests(base_url: str, model: str | None, prompts, output_len: in
     async def send(client, prompt, offset):
         await asyncio.sleep(max(0.0, offset - (time.perf_counter() - start)))
         async with limit:
-            body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0, "stream": True,
-                    "ignore_eos": True, "return_token_ids": True, "stream_options": {"include_usage": True}}
-            return await one_request(client, url, {**body, "model": model} if model else body)
+            return await one_request(client, url, request_body(prompt, output_len, model, as_text))
+
+    async def send_in_time(client, prompt, offset):
+        if time_limit is None:
+            return await send(client, prompt, offset)
+        try:
+            return await asyncio.wait_for(send(client, prompt, offset), start + time_limit - time.perf_counter())
+        except TimeoutError:
+            return {"error": f"not finished within {time_limit:g} s"}
 
     connections = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=connections, headers=headers) as client:
         start = time.perf_counter()
-        results = await asyncio.gather(*(send(client, p, o) for p, o in zip(prompts, offsets)))
+        results = await asyncio.gather(*(send_in_time(client, p, o) for p, o in zip(prompts, offsets)))
         return results, time.perf_counter() - start
 
 
@@ -112,56 +191,181 @@ def summarize(results: list[dict], seconds: float, input_len: int) -> dict:
             **stats("itl", [x for r in ok for x in r["itl"]]), **stats("e2el", [r["e2e"] for r in ok])}
 
 
-def print_table(title: str, m: dict) -> None:
-    print(f"{'=' * 18} {title} {'=' * max(0, 40 - len(title))}")
-    rows = [("Successful requests", m["completed"]), ("Failed requests", m["failed"]),
-            ("Benchmark duration (s)", m["duration_s"]), ("Total input tokens", m["total_input_tokens"]),
-            ("Total generated tokens", m["total_output_tokens"]),
-            ("Request throughput (req/s)", m["request_throughput"]),
-            ("Output token throughput (tok/s)", m["output_throughput"]),
-            ("Total token throughput (tok/s)", m["total_token_throughput"])]
-    for name in ("ttft", "tpot", "itl", "e2el"):
-        rows += [(f"{k.capitalize()} {name.upper()} (ms)", m.get(f"{k}_{name}_ms")) for k in ("mean", "median", "p99")]
-    for label, value in rows:
-        shown = f"{value:,.2f}" if isinstance(value, float) else str(value)
-        print(f"{label:<36}{shown:>20}")
-    for error in m["errors"]:
-        print(f"  error: {error}")
+def serve_scenario(url: str, scenario: Scenario, index: int, args, *, as_text: bool = False, cap: int | None = None,
+                   time_limit: float | None = None) -> dict:
+    """The scenario's requests (at most `cap`) after --warmup-requests of its shape -> summarize's metrics."""
+    num = min(scenario.num_prompts, cap or scenario.num_prompts)
+    seed = args.seed + 10 * index
+    send = functools.partial(run_requests, url, args.model, output_len=scenario.output_len, api_key=args.api_key,
+                             as_text=as_text, time_limit=time_limit)
+    warmup = random_prompts(args.warmup_requests, scenario.input_len, args.vocab_size, seed + 1)
+    asyncio.run(send(prompts=warmup, offsets=np.zeros(len(warmup)), max_concurrency=None))
+    prompts = random_prompts(num, scenario.input_len, args.vocab_size, seed)
+    offsets = arrival_offsets(num, scenario.request_rate, args.burstiness, seed)
+    results, seconds = asyncio.run(send(prompts=prompts, offsets=offsets, max_concurrency=scenario.max_concurrency))
+    return {"num_prompts": num, **summarize(results, seconds, scenario.input_len)}
 
 
-def launch(args):
-    """The random-weight model served in this process -> (llm, server)."""
-    import torch
-    from random_model import loaded_model, random_hf_model
+# ----- offline rows (the same LLM, no server) -----
+def timed_generate(llm, num: int, input_len: int, output_len: int, vocab: int, seed: int) -> tuple[float, int]:
+    """-> (seconds, output tokens) of LLM.generate on `num` random prompts."""
+    from nanojax import SamplingParams
 
+    prompts = random_prompts(num, input_len, vocab, seed)
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=output_len)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return time.perf_counter() - start, sum(len(o.token_ids) for o in outs)
+
+
+def offline_row(llm, scenario: Scenario, index: int, args) -> dict:
+    """No concurrency cap: LLM.generate of the scenario's requests. Cap C: the decode step at batch C. Other random
+    tokens than the served ones, which sit in the prefix cache."""
+    seed = args.seed + 10 * index + 5
+    shape = (scenario.input_len, scenario.output_len, args.vocab_size)
+    if scenario.max_concurrency is None:
+        seconds, output = timed_generate(llm, scenario.num_prompts, *shape, seed)
+        return {"num_prompts": scenario.num_prompts, "duration_s": seconds, "total_output_tokens": output,
+                "request_throughput": scenario.num_prompts / seconds, "output_throughput": output / seconds}
+    batch = scenario.max_concurrency
+    timed_generate(llm, batch, scenario.input_len, 1, args.vocab_size, seed + 2)  # a first call's costs go here
+    prefill_s, _ = timed_generate(llm, batch, scenario.input_len, 1, args.vocab_size, seed)
+    seconds, _ = timed_generate(llm, batch, *shape, seed + 1)
+    step_ms = (seconds - prefill_s) / max(1, scenario.output_len - 1) * 1e3
+    return {"num_prompts": batch, "duration_s": seconds, "prefill_s": prefill_s, "decode_ms_per_step": step_ms,
+            "median_tpot_ms": step_ms}
+
+
+# ----- results -----
+COLUMNS = [("server", "server", "{}"), ("steps", "decode_steps", "{}"), ("scenario", "scenario", "{}"),
+           ("n", "num_prompts", "{}"), ("fail", "failed", "{}"), ("req/s", "request_throughput", "{:,.2f}"),
+           ("out tok/s", "output_throughput", "{:,.0f}"), ("TTFT p50", "median_ttft_ms", "{:,.2f}"),
+           ("TTFT p99", "p99_ttft_ms", "{:,.2f}"), ("TPOT p50", "median_tpot_ms", "{:,.3f}"),
+           ("TPOT p99", "p99_tpot_ms", "{:,.3f}"), ("ITL p50", "median_itl_ms", "{:,.2f}"),
+           ("ITL p99", "p99_itl_ms", "{:,.2f}"), ("E2E p50", "median_e2el_ms", "{:,.1f}"),
+           ("vs offline", "vs_offline", "{:.3f}")]
+
+
+class Report:
+    """The rows as they come, the JSON rewritten after each (a run cut short keeps what it measured)."""
+
+    def __init__(self, args, scenarios: list[Scenario]):
+        self.path = Path(args.out) if args.out else None
+        plain = {k: v for k, v in vars(args).items() if k != "scenario"}
+        plain["request_rate"] = str(args.request_rate)  # inf is not JSON
+        self.data = {"args": plain, "scenarios": [s.label for s in scenarios], "rows": []}
+
+    def add(self, server: str, decode_steps: int | None, scenario: Scenario, metrics: dict) -> None:
+        row = {"server": server, "decode_steps": decode_steps, "scenario": scenario.label, **metrics}
+        if server == "offline":  # the served row it stands beside: same engine, same scenario
+            served = self.data["rows"][-1]
+            key = "output_throughput" if scenario.max_concurrency is None else "median_tpot_ms"
+            if served.get(key) is not None:
+                served["vs_offline"] = served[key] / row[key]
+        self.data["rows"].append(row)
+        self.write()
+        print(" | ".join(f"{head} {cell(row, key, fmt)}" for head, key, fmt in COLUMNS[:-1]), flush=True)
+
+    def write(self) -> None:
+        if self.path:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text(json.dumps(self.data, indent=2))
+
+    def print_table(self) -> None:
+        table = [[head for head, _, _ in COLUMNS]]
+        table += [[cell(row, key, fmt) for _, key, fmt in COLUMNS] for row in self.data["rows"]]
+        widths = [max(len(r[i]) for r in table) for i in range(len(COLUMNS))]
+        print("\nms for TTFT / TPOT / ITL / E2E; scenario IN,OUT,NUM,CONCURRENCY,RATE; offline TPOT p50: the decode "
+              "step at batch CONCURRENCY; vs offline: out tok/s over offline's (no cap), TPOT p50 over its (cap)")
+        for r in table:
+            print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
+        for row in self.data["rows"]:
+            for error in row.get("errors", []):
+                print(f"  {row['server']} {row['scenario']}: {error}")
+        if "peer_error" in self.data:
+            print(f"peer failed: {self.data['peer_error']}")
+
+
+def cell(row: dict, key: str, fmt: str) -> str:
+    value = row.get(key)
+    return "-" if value is None else fmt.format(value)
+
+
+# ----- the launched servers -----
+def run_nanojax(loaded, decode_steps: int | None, args, scenarios: list[Scenario], report: Report) -> None:
+    """One LLM (compiled once) served on a free port; every scenario through it, each with its offline row."""
     from nanojax import LLM
     from nanojax.serve import BackgroundServer, ServerLimits, build_app
 
+    start = time.perf_counter()
+    # + 64: room for a multi-step decode's last dispatch, so every request reaches its output length
+    max_model_len = max(s.input_len + s.output_len for s in scenarios) + 64
+    llm = LLM(loaded, dtype=args.dtype, max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
+              decode_steps=decode_steps, kernels=args.kernels)
+    server = BackgroundServer(build_app(llm, args.launch, limits=ServerLimits(max_n=1, max_prompts=1)))
+    print(f"served {args.launch} at {server.url} after {time.perf_counter() - start:.1f} s "
+          f"(decode_steps={llm.decode_steps})", flush=True)
+    try:
+        for index, scenario in enumerate(scenarios):
+            report.add("nanojax", llm.decode_steps, scenario, serve_scenario(server.url, scenario, index, args))
+            if not args.no_offline:
+                report.add("offline", llm.decode_steps, scenario, offline_row(llm, scenario, index, args))
+    finally:
+        server.stop()
+
+
+def run_peer(folder: Path, args, scenarios: list[Scenario], report: Report) -> None:
+    """transformers serve on the same weights (a subprocess); every scenario, capped, with text prompts."""
+    import torch
+    from transformers_serve_peer import TransformersServe
+
+    log = Path(args.out).with_suffix(".transformers.log") if args.out else folder.with_suffix(".log")
+    start = time.perf_counter()
+    try:
+        peer = TransformersServe(folder, log, args.dtype, "cuda" if torch.cuda.is_available() else "cpu",
+                                 args.peer_args)
+    except RuntimeError as e:
+        report.data["peer_error"] = str(e)
+        report.write()
+        return
+    print(f"`{peer.command}` answered after {time.perf_counter() - start:.1f} s (log: {log})", flush=True)
+    report.data["peer_command"] = peer.command
+    try:
+        for index, scenario in enumerate(scenarios):
+            metrics = serve_scenario(peer.url, scenario, index, args, as_text=True, cap=args.peer_num_prompts,
+                                     time_limit=args.peer_timeout)
+            report.add("transformers", None, scenario, metrics)
+    finally:
+        peer.stop()
+
+
+def run_launched(args, scenarios: list[Scenario], report: Report) -> None:
+    """The random-weight model: nanojax served once per --decode-steps value, then the peer."""
+    if args.peer:  # before JAX starts: the peer needs what JAX's pool would keep until the process ends
+        os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(args.mem_fraction))
+    import jax
+    import torch
+    from random_model import loaded_model, random_hf_model
+    from transformers_serve_peer import save_peer_folder
+
     # Built by torch before JAX starts (JAX takes most of the GPU's memory for itself when it does).
-    dtype = args.dtype or ("bfloat16" if torch.cuda.is_available() else "float32")
-    hf = random_hf_model(args.launch, dtype)
-    loaded = loaded_model(hf, dtype)
+    args.dtype = args.dtype or ("bfloat16" if torch.cuda.is_available() else "float32")
+    hf = random_hf_model(args.launch, args.dtype)
+    loaded = loaded_model(hf, args.dtype)
+    report.data["device"] = str(jax.devices()[0])
+    folder = save_peer_folder(hf, Path(tempfile.mkdtemp(prefix="bench-serving-"))) if args.peer else None
     del hf
     torch.cuda.empty_cache()
-    # + 64: room for a multi-step decode's last dispatch, so every request reaches --output-len
-    llm = LLM(loaded, dtype=dtype, max_model_len=args.input_len + args.output_len + 64,
-              max_num_seqs=args.max_num_seqs, decode_steps=args.decode_steps, kernels=args.kernels)
-    return llm, BackgroundServer(build_app(llm, args.launch, limits=ServerLimits(max_n=1, max_prompts=1)))
-
-
-def offline_row(llm, args) -> dict:
-    """LLM.generate on requests of the same shape (other random tokens: the served ones sit in the prefix cache)."""
-    from nanojax import SamplingParams
-
-    prompts = random_prompts(args.num_prompts, args.input_len, args.vocab_size, args.seed + 1)
-    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=args.output_len)
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - start
-    output = sum(len(o.token_ids) for o in outs)
-    return {"requests": len(outs), "duration_s": seconds, "total_output_tokens": output,
-            "request_throughput": len(outs) / seconds, "output_throughput": output / seconds,
-            "total_token_throughput": (output + len(outs) * args.input_len) / seconds}
+    for decode_steps in args.decode_steps:
+        run_nanojax(loaded, decode_steps, args, scenarios, report)
+        gc.collect()  # the LLM and its KV pages go before the next one is built
+    del loaded
+    gc.collect()
+    if folder is not None:
+        try:
+            run_peer(folder, args, scenarios, report)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def parse_args(argv=None):
@@ -171,63 +375,53 @@ def parse_args(argv=None):
                    "serve it in this process; also runs offline generate")
     p.add_argument("--model", default=None, help="the `model` field sent (default: none, the server's own)")
     p.add_argument("--api-key", default=None)
+    p.add_argument("--scenario", action="append", type=parse_scenario, metavar="IN,OUT,NUM,CONCURRENCY[,RATE]",
+                   help="run this scenario (repeat for several, run in order); without it the five flags below "
+                   "make one")
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--num-prompts", type=int, default=1000)
+    p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (inf: all at once)")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the arrivals (1: Poisson)")
-    p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--vocab-size", type=int, default=10000, help="prompt tokens are drawn from [0, this)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--warmup-requests", type=int, default=2, help="sent (and not counted) before the run")
+    p.add_argument("--warmup-requests", type=int, default=2, help="sent (and not counted) before each scenario")
     # --launch only
-    p.add_argument("--decode-steps", type=int, default=None)
+    p.add_argument("--decode-steps", type=int, nargs="+", default=[None], help="decode steps per dispatch; several "
+                   "values: the server is built and run once per value (default: the engine's)")
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"])
     p.add_argument("--kernels", default="auto")
-    p.add_argument("--no-offline", action="store_true", help="--launch without the offline generate row")
-    p.add_argument("--out", default=None, help="write the results as JSON here")
-    return p.parse_args(argv)
+    p.add_argument("--no-offline", action="store_true", help="--launch without the offline rows")
+    p.add_argument("--peer", choices=["transformers"], default=None, help="--launch: then serve the same weights "
+                   "with `transformers serve --continuous-batching` and run the scenarios against it")
+    p.add_argument("--peer-num-prompts", type=int, default=None, help="at most this many requests per scenario "
+                   "for the peer")
+    p.add_argument("--peer-timeout", type=float, default=None, help="seconds per peer scenario; unfinished "
+                   "requests count as failed")
+    p.add_argument("--peer-args", default="", help="more flags for transformers serve, e.g. '--cb-num-blocks 64'")
+    p.add_argument("--mem-fraction", type=float, default=0.5, help="with --peer: JAX's share of the GPU's memory "
+                   "(XLA_PYTHON_CLIENT_MEM_FRACTION, unless set)")
+    p.add_argument("--out", default=None, help="write the results as JSON here (rewritten after each row)")
+    args = p.parse_args(argv)
+    if args.peer and not args.launch:
+        p.error("--peer needs --launch (the peer serves the launched random-weight model)")
+    return args
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    llm = server = None
-    base_url = args.base_url
+    scenarios = args.scenario or [Scenario(args.input_len, args.output_len, args.num_prompts, args.max_concurrency,
+                                           args.request_rate)]
+    report = Report(args, scenarios)
     if args.launch:
-        t0 = time.perf_counter()
-        llm, server = launch(args)
-        base_url = server.url
-        print(f"served {args.launch} at {base_url} after {time.perf_counter() - t0:.1f} s "
-              f"(decode_steps={llm.decode_steps})", flush=True)
-    prompts = random_prompts(args.num_prompts, args.input_len, args.vocab_size, args.seed)
-    warmup = random_prompts(args.warmup_requests, args.input_len, args.vocab_size, args.seed + 2)
-    asyncio.run(run_requests(base_url, args.model, warmup, args.output_len, np.zeros(len(warmup)), None,
-                             args.api_key))
-    offsets = arrival_offsets(len(prompts), args.request_rate, args.burstiness, args.seed)
-    results, seconds = asyncio.run(run_requests(base_url, args.model, prompts, args.output_len, offsets,
-                                                args.max_concurrency, args.api_key))
-    report = {"args": vars(args), "server": summarize(results, seconds, args.input_len)}
-    if llm is not None:
-        import jax
-
-        report["device"] = str(jax.devices()[0])
-        report["decode_steps"] = llm.decode_steps
-        if not args.no_offline:
-            report["offline"] = offline_row(llm, args)
-            report["server_vs_offline_output_throughput"] = (report["server"]["output_throughput"]
-                                                            / report["offline"]["output_throughput"])
-        server.stop()
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=2))
-    rate = "inf" if np.isinf(args.request_rate) else f"{args.request_rate:g}/s"
-    print_table(f"serving: {args.num_prompts} x {args.input_len} in / {args.output_len} out, rate {rate}, "
-                f"concurrency {args.max_concurrency or 'unlimited'}", report["server"])
-    if "offline" in report:
-        o = report["offline"]
-        print(f"offline LLM.generate, same engine and shapes: {o['output_throughput']:,.1f} output tok/s "
-              f"({o['duration_s']:.2f} s); server / offline = {report['server_vs_offline_output_throughput']:.3f}")
-    return report
+        run_launched(args, scenarios, report)
+    else:
+        for index, scenario in enumerate(scenarios):
+            report.add("server", None, scenario, serve_scenario(args.base_url, scenario, index, args))
+    report.print_table()
+    return report.data
 
 
 if __name__ == "__main__":
