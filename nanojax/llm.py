@@ -115,7 +115,8 @@ class LLM:
         if tensor_parallel_size is not None or several:
             from nanojax.sharding import TensorParallel
 
-            tp = TensorParallel.create(self.config, tensor_parallel_size or jax.device_count())
+            size = jax.device_count() if tensor_parallel_size is None else tensor_parallel_size
+            tp = TensorParallel.create(self.config, size)
             params = tp.place(params, progress)  # before sizing the KV pool: the weights' share is in use
         if num_pages is None:
             kv_heads = self.config.num_kv_heads if tp is None else tp.local_config.num_kv_heads

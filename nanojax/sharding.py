@@ -64,13 +64,16 @@ class TensorParallel:
 
     @classmethod
     def create(cls, config: ModelConfig, size: int, devices=None) -> "TensorParallel":
-        """Over the first `size` of `devices` (default: jax.devices()); ValueError for a model that does not split
-        evenly over `size` devices."""
+        """Over the first `size` of `devices` (default: jax.devices(), every process's in a jax.distributed job);
+        ValueError for a model that does not split evenly over `size` devices."""
         devices = jax.devices() if devices is None else devices
         if not isinstance(size, int) or size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive int, got {size!r}")
         if size > len(devices):
             raise ValueError(f"tensor_parallel_size={size} but only {len(devices)} devices are available")
+        if jax.process_count() > 1 and size != len(devices):  # every process must hold a share of the model
+            raise ValueError(f"tensor_parallel_size={size}: a job of {jax.process_count()} processes splits the "
+                             f"model over all its {len(devices)} devices")
         check_divisible(config, size)
         return cls(config, Mesh(np.array(devices[:size]), (AXIS,)))
 

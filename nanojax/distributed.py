@@ -1,0 +1,158 @@
+"""Several processes (hosts), one model: jax.distributed wiring and the runner that process 0 drives.
+
+JAX runs multi-controller: every process must issue the same jitted calls, in the same order, with the same inputs.
+So one engine (scheduler, pages, requests) runs on process 0, and each of its steps (`decode`, `prefill`,
+`set_slot`: the method name and its host arguments) is broadcast to the other processes before it runs there; they
+run the same call in `DistributedRunner.follow` until process 0 sends stop (`LLM.close`, or at exit). Compiling
+needs no collective: each process compiles its own programs (`LLM(warmup=...)` alike on every process).
+
+The broadcast is `multihost_utils.broadcast_one_to_all` (a psum over every device) of the pickled call in a
+fixed-size block, and of what does not fit in a second block padded to a power of two bytes: mostly one collective
+per step, and a handful of broadcast programs in all. Pickle is safe here: only the processes of this
+jax.distributed job take part in the collective.
+"""
+import atexit
+import functools
+import os
+import pickle
+import sys
+import threading
+import traceback
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from nanojax.runner import ModelRunner
+
+_HEAD = 4096  # bytes of the first broadcast of a call
+
+ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID = ("NANOJAX_COORDINATOR", "NANOJAX_NUM_PROCESSES",
+                                                     "NANOJAX_PROCESS_ID")
+
+
+def initialize(coordinator: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None) -> bool:
+    """Joins this process to a multi-process job (before anything else uses JAX); -> whether it did. Each argument
+    left None is read from NANOJAX_COORDINATOR ('host:port' of process 0, which serves it), NANOJAX_NUM_PROCESSES
+    and NANOJAX_PROCESS_ID; none given anywhere: a single process, nothing done. (A job that calls
+    jax.distributed.initialize itself, e.g. with its cluster detection, needs no call here.)"""
+    coordinator = coordinator or os.environ.get(ENV_COORDINATOR) or None
+    num_processes = _int_from("num_processes", num_processes, ENV_NUM_PROCESSES)
+    process_id = _int_from("process_id", process_id, ENV_PROCESS_ID)
+    given = (coordinator, num_processes, process_id)
+    if all(v is None for v in given):
+        return False
+    if any(v is None for v in given):
+        raise ValueError(f"coordinator, num_processes and process_id go together (or {ENV_COORDINATOR}, "
+                         f"{ENV_NUM_PROCESSES}, {ENV_PROCESS_ID}); got {given}")
+    host, _, port = coordinator.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"coordinator must be 'host:port', got {coordinator!r}")
+    if num_processes < 1 or not 0 <= process_id < num_processes:
+        raise ValueError(f"process_id must be in [0, num_processes), got process_id={process_id}, "
+                         f"num_processes={num_processes}")
+    # Cross-process collectives between CPU devices (tests, CPU clusters); GPUs use NCCL whatever this says.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator, num_processes, process_id)
+    return True
+
+
+def _int_from(name: str, value: int | None, env: str) -> int | None:
+    if value is not None or not os.environ.get(env):
+        return value
+    try:
+        return int(os.environ[env])
+    except ValueError:
+        raise ValueError(f"{env} ({name}) must be an integer, got {os.environ[env]!r}") from None
+
+
+def min_over_processes(value: int) -> int:
+    """The smallest of every process's `value` (a quantity all processes must agree on, e.g. the KV pages)."""
+    if jax.process_count() == 1:
+        return value
+    return int(np.min(multihost_utils.process_allgather(np.int32(value))))
+
+
+def _broadcast_bytes(payload: bytes | None) -> bytes:
+    """Process 0's payload on every process (the others pass None): a HEAD-byte block with its length and first
+    bytes (a whole step's call, mostly), then, for a longer one, the rest padded to a power of two bytes."""
+    source = jax.process_index() == 0
+    data = np.frombuffer(payload or b"", np.uint8)
+    head = np.zeros(_HEAD, np.uint8)
+    if source:
+        head[:4] = np.frombuffer(np.uint32(len(data)).tobytes(), np.uint8)
+        head[4:4 + len(data)] = data[:_HEAD - 4]
+    head = multihost_utils.broadcast_one_to_all(head)
+    length = int(head[:4].view(np.uint32)[0])
+    rest = length - (_HEAD - 4)
+    if rest <= 0:
+        return head[4:4 + length].tobytes()
+    tail = np.zeros(1 << (rest - 1).bit_length(), np.uint8)
+    if source:
+        tail[:rest] = data[_HEAD - 4:]
+    return head[4:].tobytes() + multihost_utils.broadcast_one_to_all(tail)[:rest].tobytes()
+
+
+def _broadcast_call(name: str):
+    """A ModelRunner method that process 0 broadcasts to the other processes before running it."""
+    method = getattr(ModelRunner, name)
+
+    @functools.wraps(method)
+    def lead(self, *args, **kwargs):
+        if jax.process_index() != 0:
+            raise RuntimeError(f"process {jax.process_index()} runs the steps process 0 sends: call follow()")
+        with self._lock:
+            if not self._stop.alive:
+                raise RuntimeError("this runner has stopped (LLM.close): the other processes have left")
+            _broadcast_bytes(pickle.dumps((name, args, kwargs)))
+            return method(self, *args, **kwargs)
+
+    return lead
+
+
+class DistributedRunner(ModelRunner):
+    """A ModelRunner over a mesh that spans processes (ModelRunner's arguments, `tensor_parallel` required).
+    Process 0 calls it as the engine does; every other process calls `follow()`."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._lock = threading.Lock()  # a broadcast and its call, one at a time (engine loop, close, exit)
+        # Stops the followers once: on stop(), or at exit (registered after jax's own exit hook, so it runs before
+        # jax.distributed shuts down; it holds the lock and a flag, not the runner).
+        self._stop = _Stop(self._lock)
+        atexit.register(self._stop)
+
+    decode = _broadcast_call("decode")
+    prefill = _broadcast_call("prefill")
+    set_slot = _broadcast_call("set_slot")
+
+    def stop(self) -> None:
+        """On process 0: tells the other processes to stop following (their `follow` returns); no-op elsewhere."""
+        self._stop()
+
+    def follow(self) -> None:
+        """On a process other than 0: runs each call process 0 broadcasts, until it sends stop. A call that raises
+        here is reported and skipped, as process 0's engine fails that step and goes on."""
+        if jax.process_index() == 0:
+            raise RuntimeError("process 0 drives the engine; follow() is for the other processes")
+        while payload := _broadcast_bytes(None):
+            name, args, kwargs = pickle.loads(payload)
+            try:
+                getattr(ModelRunner, name)(self, *args, **kwargs)
+            except Exception:  # noqa: BLE001 -- the same step failed on process 0; its engine goes on
+                traceback.print_exc(file=sys.stderr)
+
+
+class _Stop:
+    """Sends stop (an empty payload) from process 0, once."""
+
+    def __init__(self, lock: threading.Lock):
+        self.lock, self.alive = lock, True
+
+    def __call__(self) -> None:
+        with self.lock:
+            if self.alive and jax.process_index() == 0:
+                _broadcast_bytes(b"")
+            self.alive = False
+
