@@ -1,8 +1,14 @@
-"""python -m nanojax.generate [--model M] --prompt "..." | --chat  — streams the reply, then one stats line."""
+"""python -m nanojax.generate [--model M] --prompt "..." | --chat  — streams the reply, then one stats line.
+
+On several hosts, the same command on each with --coordinator HOST:PORT --num-processes N --process-id I (or the
+NANOJAX_* variables of nanojax.distributed): process 0 prompts and prints, the others run its steps."""
 import argparse
 import sys
 import time
 
+import jax
+
+from nanojax import distributed
 from nanojax.llm import LLM
 from nanojax.sampling_params import SamplingParams
 
@@ -22,7 +28,14 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"])
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--tensor-parallel-size", type=int, default=None,
-                   help="split the model over this many local devices (default: one device)")
+                   help="split the model over this many devices (default: one device; on several processes, "
+                   "every device of every process)")
+    p.add_argument("--coordinator", default=None, help=f"HOST:PORT of process 0, to run one model on several "
+                   f"processes (default: ${distributed.ENV_COORDINATOR})")
+    p.add_argument("--num-processes", type=int, default=None,
+                   help=f"processes in the job (default: ${distributed.ENV_NUM_PROCESSES})")
+    p.add_argument("--process-id", type=int, default=None,
+                   help=f"this process's index, 0 prompts and prints (default: ${distributed.ENV_PROCESS_ID})")
     args = p.parse_args(argv)
     if not args.chat and args.prompt is None:
         p.error("--prompt is required unless --chat is given")
@@ -49,11 +62,23 @@ def main(argv=None) -> int:
     try:
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                 max_tokens=args.max_tokens, seed=args.seed)
+        distributed.initialize(args.coordinator, args.num_processes, args.process_id)
         llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=1,
                   tensor_parallel_size=args.tensor_parallel_size)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    if jax.process_index() != 0:
+        llm.follow()
+        return 0
+    try:
+        return converse(llm, args, params)
+    finally:
+        llm.close()  # the other processes' follow() returns
+
+
+def converse(llm: LLM, args, params: SamplingParams) -> int:
+    """Streams the reply to --prompt, or chats until /exit or end of input."""
     templated = llm.tokenizer is not None and bool(llm.tokenizer.chat_template) and not args.raw
     if not args.chat:
         ids = llm.apply_chat_template([{"role": "user", "content": args.prompt}]) if templated else llm.encode(
