@@ -11,8 +11,8 @@ an older build sit apart and can be deleted as one folder.
 A file that is missing, corrupt, unreadable or from an incompatible build is a miss: the program is compiled again
 and the file replaced. Only executables XLA built in this process are stored: one the persistent compilation cache
 answered does not survive serialization (`compile_and_store`), so with that cache filled the first start of a new
-build stores nothing for programs whose HLO did not change. Files are written to a temporary name and renamed into place, so a reader never sees half a
-file. Like the persistent compilation cache, files are unpickled: keep the folder as private as your home.
+build stores nothing for programs whose HLO did not change. Files are written to a temporary name and renamed into
+place, so a reader never sees half a file. Like the persistent compilation cache, files are unpickled: keep the folder as private as your home.
 """
 import functools
 import hashlib

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+from nanojax import executable_cache
 from nanojax.cascade import CascadeRules
 from nanojax.detokenizer import Detokenizer
 from nanojax.distributed import DistributedRunner, min_over_processes
@@ -70,7 +71,8 @@ class LLM:
     kernels: "reference" (jnp), "pallas", "interpret" (the Pallas kernels interpreted, for CPU tests), or "auto"
     (the Pallas kernels on a GPU where the model's shapes allow them).
     warmup: compile every program before returning, behind one progress bar (None: on a GPU; on a CPU programs
-    compile on first use). Compiled programs are kept in the persistent compilation cache (`nanojax.cache`).
+    compile on first use). Compiled programs are kept on disk as executables (nanojax.executable_cache), which the
+    next start loads without tracing, and in the persistent compilation cache (`nanojax.cache`).
     quantization: None, or "fp8": every projection's weights in FP8 (E4M3) with per-output-channel scales, quantized
     at load (nanojax.quantize); embeddings, norms and the LM head stay in `dtype`.
     tensor_parallel_size: run the model split over this many local devices (nanojax.sharding; 1 runs the sharded
@@ -131,8 +133,9 @@ class LLM:
             self.config, params, num_pages=num_pages, page_size=page_size, pages_per_seq=pages_per_seq,
             dtype=params["embed"].dtype, ops=get_ops(kernels, self.config), vocab_limit=vocab_limit,
             max_num_seqs=max_num_seqs, max_prefill_tokens=budget, decode_steps=self.decode_steps,
-            tensor_parallel=tp, cascade_rules=(
-                CascadeRules() if cascade is True else cascade or None))
+            tensor_parallel=tp, cascade_rules=CascadeRules() if cascade is True else cascade or None,
+            # Off for several processes: each holds other devices' executables, under keys not yet made per process.
+            executable_dir=None if several else executable_cache.default_directory())
         self.eos_ids = frozenset(self.config.eos_token_ids)
         self._rng = np.random.default_rng(seed)
         self._free_slots = list(range(max_num_seqs))

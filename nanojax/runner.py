@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
+from nanojax import executable_cache
 from nanojax.cascade import CascadePlan, CascadeRules, plan_cascade
 from nanojax.config import ModelConfig
 from nanojax.kv_cache import Batch, KVCache
@@ -118,11 +119,12 @@ class ModelRunner:
     sized for it). decode_steps: the decode steps per dispatch besides 1. tensor_parallel: a
     nanojax.sharding.TensorParallel to run the model over its mesh (params as numpy, or placed by its `place`).
     cascade_rules: when multi-step decodes read shared prefixes once (nanojax.cascade); None: never.
+    executable_dir: where compile_all loads and stores compiled programs (nanojax.executable_cache); None: nowhere.
     """
 
     def __init__(self, config: ModelConfig, params, *, num_pages: int, page_size: int, pages_per_seq: int,
                  dtype, ops, vocab_limit: int, max_num_seqs: int, max_prefill_tokens: int, decode_steps: int,
-                 tensor_parallel=None, cascade_rules: CascadeRules | None = None):
+                 tensor_parallel=None, cascade_rules: CascadeRules | None = None, executable_dir=None):
         tp = tensor_parallel
         self.config, self.vocab_limit = config, vocab_limit
         self.ops = ops if tp is None else tp.ops(ops)
@@ -141,7 +143,8 @@ class ModelRunner:
             b for b in self.decode_rows if b >= cascade_rules.min_batch)
         self.cascade_dispatches = self.cascade_saved_tokens = 0  # saved: KV tokens per layer and KV head, all steps
         self._compiled: dict[Program, object] = {}
-        self.compiles = 0
+        self.executable_dir = executable_dir
+        self.compiles = self.loaded = 0  # programs compiled, and loaded from the executable cache
         self.compile_seconds: dict[str, float] = {}
 
     # ----- programs -----
@@ -154,40 +157,58 @@ class ModelRunner:
             Program(r, 0) for r in self.prefill_rows] + ["set_slot"]
 
     def compile_all(self, progress: bool = True, threads: int | None = None) -> None:
-        """Compiles every program now: traced and lowered one by one, compiled on a thread pool (the persistent
-        compilation cache, when set, answers from disk). Seconds spent lowering and in all go to `compile_seconds`."""
+        """Compiles every program now. Those the executable cache holds (`executable_dir`, nanojax.executable_cache)
+        are loaded without tracing; the others are traced and lowered one by one, compiled on a thread pool (XLA
+        compiles outside the GIL) and stored. Seconds spent lowering and in all go to `compile_seconds`."""
         todo = [p for p in self.programs() if p not in self._compiled]
         threads = threads or min(len(todo), os.cpu_count() or 1) or 1
         start, lowering = time.perf_counter(), 0.0
+        keys = {p: executable_cache.program_key(*self._key_parts(p)) for p in todo}
         with tqdm(total=len(todo), desc=f"compiling {len(todo)} programs", disable=not progress) as bar, \
                 concurrent.futures.ThreadPoolExecutor(threads) as pool:
+            found = dict(zip(todo, pool.map(lambda p: executable_cache.load(self.executable_dir, keys[p]), todo)))
             futures = {}
             for p in todo:
+                if found[p] is not None:
+                    self._compiled[p] = found[p]
+                    self.loaded += 1
+                    bar.update(1)
+                    continue
                 t = time.perf_counter()
                 lowered = self._lower(p)
                 lowering += time.perf_counter() - t
-                futures[pool.submit(lowered.compile)] = p
+                futures[pool.submit(executable_cache.compile_and_store, self.executable_dir, keys[p], lowered)] = p
             for f in concurrent.futures.as_completed(futures):
                 self._compiled[futures[f]] = f.result()
                 self.compiles += 1
                 bar.update(1)
         self.compile_seconds = {"lowering": lowering, "total": time.perf_counter() - start}
 
-    def _lower(self, p):
+    def _call(self, p) -> tuple:
+        """(jitted step, its arguments, its static keywords) of program p; arguments as arrays or shapes."""
         if p == "set_slot":
             row = lambda dtype: jax.ShapeDtypeStruct((self.config.vocab_size,), dtype)  # noqa: E731
-            return _set_slot.trace(self.tables, np.int32(0), row(jnp.int32), row(jnp.int8), row(jnp.float32)).lower()
+            return _set_slot, (self.tables, np.int32(0), row(jnp.int32), row(jnp.int8), row(jnp.float32)), {}
         b, t = p.rows, p.tokens_per_row
         tokens = jax.ShapeDtypeStruct((b,) if p.num_steps else (b, t), jnp.int32)
         plan = self._plan(p.rows, [], []) if p.cascade else None
         args = (self.params, self.cache, self.tables, tokens, *self._inputs(p, [], [], [], {}, plan))
         kw = dict(config=self.config, ops=self.ops, vocab_limit=self.vocab_limit)
         if p.num_steps:
-            return decode_step.trace(*args, **kw, num_steps=p.num_steps).lower()
-        return prefill_step.trace(*args, **kw).lower()
+            return decode_step, args, {**kw, "num_steps": p.num_steps}
+        return prefill_step, args, kw
+
+    def _key_parts(self, p) -> tuple:
+        """What program p's executable depends on besides the environment, read without tracing."""
+        fn, args, kw = self._call(p)
+        return fn.__name__, p, kw, executable_cache.signature(args)
+
+    def _lower(self, p):
+        fn, args, kw = self._call(p)
+        return fn.trace(*args, **kw).lower()
 
     def _program(self, p):
-        if p not in self._compiled:  # lazily, when compile_all was not called (CPU tests)
+        if p not in self._compiled:  # lazily, when compile_all was not called (CPU tests): no executable cache
             self._compiled[p] = self._lower(p).compile()
             self.compiles += 1
         return self._compiled[p]

@@ -34,3 +34,31 @@ def test_kernels_and_reference_give_hf_greedy_tokens(name):
         # Alone, a sequence decodes with one row: the M = 1 path of the fused projections.
         assert llm.generate(prompts[1], greedy, use_tqdm=False)[0].token_ids == expected[1], kernels
         del llm
+
+
+@requires_gpu
+@pytest.mark.parametrize("name", ["qwen3-0.6b", "llama-3.2-1b"])
+def test_cascade_gives_hf_greedy_tokens(name):
+    """Nine requests over a pinned 300-token system prompt and two pinned documents (two nested levels), decoded
+    through the cascade kernel: HF's greedy tokens, float32."""
+    import torch
+
+    from nanojax.cascade import CascadeRules
+
+    hf = random_hf_model(name, "float32")
+    rng = np.random.default_rng(1)
+    system, doc_a, doc_b = (rng.integers(0, 10000, n).tolist() for n in (300, 83, 140))
+    prompts = [system + (doc_a if i < 5 else doc_b) + rng.integers(0, 10000, 1 + i).tolist() for i in range(9)]
+    with torch.no_grad():
+        expected = [hf.generate(torch.tensor([p], device=hf.device), max_new_tokens=12, min_new_tokens=12,
+                                do_sample=False)[0, len(p):].tolist() for p in prompts]
+    loaded = loaded_model(hf, "float32")
+    del hf
+    rules = CascadeRules(min_shared_tokens=32, min_piece_tokens=64, min_saved_tokens=1, min_batch=8)
+    llm = LLM(loaded, dtype="float32", kernels="pallas", max_model_len=640, max_num_seqs=16, decode_steps=4,
+              cascade=rules)
+    for prefix in (system + doc_a, system + doc_b):
+        llm.pin_prefix(prefix)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    assert [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == expected
+    assert llm.runner.cascade_dispatches > 0
