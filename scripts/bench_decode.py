@@ -11,6 +11,8 @@ eager, and a static cache under torch.compile). The JSON is rewritten after ever
 time limit keeps what it measured; give HF room with XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 (JAX takes 75% otherwise).
 """
 import argparse
+import dataclasses
+import itertools
 import json
 import sys
 import time
@@ -182,6 +184,8 @@ def parse_args():
                     help="shared levels: 1 (one prefix) or 2 (a system prompt of a quarter of it shared by all, then "
                          "two documents each shared by half the rows)")
     ap.add_argument("--own-tokens", type=int, default=16)
+    ap.add_argument("--piece-tokens", type=int, nargs="+", default=[CascadeRules.min_piece_tokens],
+                    help="cascade points per value of CascadeRules.min_piece_tokens (the shared prefix's split)")
     ap.add_argument("--out", default="decode.json")
     return ap.parse_args()
 
@@ -262,14 +266,16 @@ def run_variant(args, name, kern, c, params, tp, wbytes, kv_token_bytes, results
             runner = make_runner(c, params, tp, kern, batch=batch, num_pages=num_pages, pages_per_seq=pps,
                                  prefill=16, steps=steps, cascade=cascade)
             random_cache(runner, jax.random.key(0))
-            for prefix in prefixes:
-                for levels in args.levels:
-                    point = shared_point(runner, batch, prefix, levels, args.own_tokens, steps)
-                    point.update(batch=batch, context=prefix + args.own_tokens, steps=steps, shared_prefix=prefix,
-                                 levels=levels, cascade=cascade,
-                                 saved_gb_per_step=point["saved_tokens"] * kv_token_bytes / 1e9)
-                    kv_bytes = (batch * (prefix + args.own_tokens) - point["saved_tokens"]) * kv_token_bytes
-                    record(point, wbytes + kv_bytes)
+            for prefix, levels, piece in itertools.product(prefixes, args.levels,
+                                                           args.piece_tokens if cascade else [None]):
+                if piece:  # a host-side rule: the same program
+                    runner.cascade_rules = dataclasses.replace(runner.cascade_rules, min_piece_tokens=piece)
+                point = shared_point(runner, batch, prefix, levels, args.own_tokens, steps)
+                point.update(batch=batch, context=prefix + args.own_tokens, steps=steps, shared_prefix=prefix,
+                             levels=levels, cascade=cascade, piece_tokens=piece,
+                             saved_gb_per_step=point["saved_tokens"] * kv_token_bytes / 1e9)
+                kv_bytes = (batch * (prefix + args.own_tokens) - point["saved_tokens"]) * kv_token_bytes
+                record(point, wbytes + kv_bytes)
             del runner
 
 
@@ -284,11 +290,12 @@ def print_tables(args, results):
     shared = [p for p in results["points"] if "shared_prefix" in p]
     if shared:
         print(f"\nshared prefix ({args.own_tokens} own tokens per row): cascade off vs on")
-        print(f"{'variant':>16} {'prefix':>6} {'lvl':>3} {'batch':>5} {'cascade':>7} {'ms/step':>8} {'tok/s':>9} "
-              f"{'saved GB/step':>13} {'BW%':>5}")
+        print(f"{'variant':>16} {'prefix':>6} {'lvl':>3} {'batch':>5} {'cascade':>7} {'piece':>5} {'ms/step':>8} "
+              f"{'tok/s':>9} {'saved GB/step':>13} {'BW%':>5}")
         for p in shared:
             print(f"{p['kernels']:>16} {p['shared_prefix']:>6} {p['levels']:>3} {p['batch']:>5} "
-                  f"{'on' if p['cascade'] else 'off':>7} {p['ms_per_step']:>8.3f} {p['tok_s']:>9.0f} "
+                  f"{'on' if p['cascade'] else 'off':>7} {p['piece_tokens'] or '':>5} {p['ms_per_step']:>8.3f} "
+                  f"{p['tok_s']:>9.0f} "
                   f"{p['saved_gb_per_step']:>13.3f} {p['bw_pct']:>5.1f}")
     for p in results["peers"]:
         print(f"{p['kernels']:>16} {p['context']:>6} {p['batch']:>5} {'':>5} {p.get('ms_per_step', 0):>8.3f} "
