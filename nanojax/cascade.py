@@ -28,20 +28,22 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class CascadeRules:
-    """The planner's "worth it" rules: first guesses, to be tuned from H100 measurements. num_items is a shape: one
-    value per engine."""
+    """The planner's "worth it" rules, set from H100 measurements (Qwen3-0.6B, batch 8 / 64 / 256, 4,000- and
+    16,000-token prefixes: docs/perf_notes.md, "Cascade attention"). num_items is a shape: one value per engine."""
 
     # A segment needs this many member rows ...
     min_members: int = 2
     # ... and this many shared tokens; a shorter run of shared pages goes with each of its nested groups (they read
     # it with theirs), or to the rows' own suffixes when it has none.
     min_shared_tokens: int = 256
-    # Segments are cut into pieces of at least this many tokens: every piece writes (and the merge reads) one f32
-    # output per member and query head, which costs as much as reading a few tokens of KV per member.
-    min_piece_tokens: int = 512
+    # Segments are cut into pieces of at least this many tokens (else into about one wave of programs: plan_cascade's
+    # wave_items): every piece writes (and the merge reads) one f32 output per member and query head, which costs as
+    # much as reading a few tokens of KV per member. 128-token pieces measured 2-5% slower than 256 at batch 64.
+    min_piece_tokens: int = 256
     # Below this many KV tokens saved per layer and step, plan.use_cascade is False: the cascade kernel and the merge
-    # cost a few microseconds per layer, which a small saving does not pay for.
-    min_saved_tokens: int = 8192
+    # cost a few microseconds per layer, which a small saving does not pay for. Batch 8 over a 4,000-token prefix
+    # (28,000 saved) measured 2% faster to 2% slower than without, by piece size: about the break-even.
+    min_saved_tokens: int = 24576
     # Nesting levels (system prompt, document); deeper shared runs stay in the rows' suffixes.
     max_levels: int = 2
     # Work items per step, the cascade kernel's grid (times the KV heads) and the slots of each row's pieces.
@@ -193,13 +195,15 @@ def _pieces(start, end, piece_pages):
 
 
 def plan_cascade(page_tables, seq_lens, *, batch: int, page_size: int, members_per_item: int,
-                 rules: CascadeRules = CascadeRules()) -> CascadePlan:
+                 rules: CascadeRules = CascadeRules(), wave_items: int | None = None) -> CascadePlan:
     """The decode batch's shared prefixes as fixed-shape work items (module docstring).
 
     page_tables, seq_lens: the live rows (as find_segments), at most `batch` (the batch bucket; rows past them are
     padding). members_per_item: member rows per item, pallas_kernels.cascade_attention.cascade_members_per_item for
-    the model. Segments are kept while their items fit rules.num_items; each is then cut into pieces that use the
-    items left, of at least rules.min_piece_tokens.
+    the model. Segments are kept while their items fit rules.num_items; each is then cut into pieces of at least
+    rules.min_piece_tokens, as many as fill wave_items items (the kernel's programs are items x KV heads: the GPU's
+    SMs / KV heads fill one wave; None: all the items left). On the H100 pieces sized so were the fastest of 128 to
+    1,024 tokens at both prefix lengths measured (docs/perf_notes.md, "Cascade attention").
     """
     if len(page_tables) > batch:
         raise ValueError(f"{len(page_tables)} rows do not fit batch {batch}")
@@ -211,8 +215,10 @@ def plan_cascade(page_tables, seq_lens, *, batch: int, page_size: int, members_p
     chunks = [(seg, part) for seg in segments for part in _chunks(seg.rows, members_per_item)]
     # sum(ceil(pages / piece_pages)) < total / piece_pages + len(chunks) <= num_items for this piece_pages.
     spare = num_items - len(chunks)
+    if wave_items:  # then about wave_items pieces in all (each chunk's last piece may be short: one more at most)
+        spare = min(spare, wave_items)
     total = sum(seg.end - seg.start for seg, _ in chunks)
-    piece_pages = max(-(-rules.min_piece_tokens // page_size), -(-total // spare) if spare else total, 1)
+    piece_pages = max(-(-rules.min_piece_tokens // page_size), -(-total // spare) if spare > 0 else total, 1)
 
     kv_starts, num_pieces = np.zeros(batch, np.int32), np.zeros(batch, np.int32)
     kv_starts[:len(covered)] = covered * page_size

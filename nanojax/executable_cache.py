@@ -11,8 +11,9 @@ an older build sit apart and can be deleted as one folder.
 A file that is missing, corrupt, unreadable or from an incompatible build is a miss: the program is compiled again
 and the file replaced. Only executables XLA built in this process are stored: one the persistent compilation cache
 answered does not survive serialization (`compile_and_store`), so with that cache filled the first start of a new
-build stores nothing for programs whose HLO did not change. Files are written to a temporary name and renamed into
-place, so a reader never sees half a file. Like the persistent compilation cache, files are unpickled: keep the folder as private as your home.
+build stores nothing for programs whose HLO did not change, on the CPU (on the GPU such executables are stored).
+Files are written to a temporary name and renamed into place, so a reader never sees half a file. Like the
+persistent compilation cache, files are unpickled: keep the folder as private as your home.
 """
 import functools
 import hashlib
@@ -160,13 +161,15 @@ def store(directory: Path | None, key: str, compiled: jax.stages.Compiled) -> bo
 
 
 def compile_and_store(directory: Path | None, key: str, lowered: jax.stages.Lowered) -> jax.stages.Compiled:
-    """Compiles `lowered` and stores it, unless JAX's persistent compilation cache answered the compile: such an
-    executable serializes incompletely (XLA:CPU, jax 0.10.2: loaded again, it fails at run time with 'Function
-    broadcast_add_fusion not found'), so only executables XLA built in this process are stored. Thread-safe."""
+    """Compiles `lowered` and stores it, unless on the CPU JAX's persistent compilation cache answered the compile:
+    such an XLA:CPU executable serializes incompletely (jax 0.10.2: loaded again, it fails at run time with
+    'Function broadcast_add_fusion not found'). XLA:GPU ones round-trip (H100, jax 0.11.2: a fused program answered
+    by the persistent cache, serialized and loaded, gave the same values), and are stored, so that the executable
+    cache fills on the first start of a new build even where the persistent cache holds its programs. Thread-safe."""
     _persistent_cache_hit.value = False
     _listen_for_persistent_cache_hits()
     compiled = lowered.compile()
-    if not _persistent_cache_hit.value:
+    if not _persistent_cache_hit.value or jax.default_backend() == "gpu":
         store(directory, key, compiled)
     return compiled
 

@@ -92,6 +92,8 @@ class LLM:
                  cascade: "bool | CascadeRules" = True):
         from nanojax.cache import use_compilation_cache
 
+        start = time.perf_counter()
+
         use_compilation_cache()
         on_gpu = jax.default_backend() == "gpu"
         self.dtype = dtype or ("bfloat16" if on_gpu else "float32")
@@ -100,6 +102,7 @@ class LLM:
         if not isinstance(cascade, (bool, CascadeRules)):
             raise ValueError(f"cascade must be True, False or a nanojax.cascade.CascadeRules, got {cascade!r}")
         loaded = load_model(model, self.dtype)
+        loaded_at = time.perf_counter()
         self.config, params, self.tokenizer = loaded.config, loaded.params, loaded.tokenizer
         if quantization == "fp8" and not is_quantized(params["layers"][0]["qkv"]):
             # The LM head stays in dtype: in FP8 it changed SmolLM2's answers (docs/benchmarks.md, "FP8 weights").
@@ -145,8 +148,13 @@ class LLM:
         self._requests: dict[str, list[Sequence]] = {}  # request id -> its unfinished choices
         self._ids = itertools.count()
         self.dead: BaseException | None = None  # set when a step failed in a way that lost the device state
+        built_at = time.perf_counter()
         if warmup if warmup is not None else on_gpu:
             self.warmup(progress)
+        # Where start-up went (scripts/bench_startup.py prints it): reading / converting the weights, placing them
+        # and the KV pool on the device, compiling or loading the programs.
+        self.startup_seconds = {"load": loaded_at - start, "build": built_at - loaded_at,
+                                "compile": time.perf_counter() - built_at}
 
     def _pages_that_fit(self, page_size: int, fraction: float, wanted: int, kv_heads: int) -> int:
         """kv_heads: the KV heads one device holds."""

@@ -26,6 +26,7 @@ from nanojax.config import ModelConfig
 from nanojax.kv_cache import Batch, KVCache
 from nanojax.model import forward, lm_logits
 from nanojax.sampling import MAX_LOGPROBS, Sampled, SamplingBatch, TokenTables, sample
+from pallas_kernels._compat import num_sms
 from pallas_kernels.cascade_attention import cascade_members_per_item
 
 # Query rows of a packed prefill: the prefill attention kernel's query tile holds 128 rows = 64 tokens x 2 query
@@ -139,6 +140,8 @@ class ModelRunner:
         self.decode_steps = decode_steps
         self.page_size, self.cascade_rules = page_size, cascade_rules
         self.cascade_members = cascade_members_per_item(config.num_heads, config.num_kv_heads)
+        local_kv_heads = config.num_kv_heads if tp is None else tp.local_config.num_kv_heads
+        self.cascade_wave = -(-num_sms() // local_kv_heads)  # items whose programs fill the SMs once
         self.cascade_rows = () if cascade_rules is None else tuple(
             b for b in self.decode_rows if b >= cascade_rules.min_batch)
         self.cascade_dispatches = self.cascade_saved_tokens = 0  # saved: KV tokens per layer and KV head, all steps
@@ -236,7 +239,8 @@ class ModelRunner:
 
     def _plan(self, rows: int, page_tables, seq_lens) -> CascadePlan:
         return plan_cascade(page_tables, seq_lens, batch=rows, page_size=self.page_size,
-                            members_per_item=self.cascade_members, rules=self.cascade_rules)
+                            members_per_item=self.cascade_members, rules=self.cascade_rules,
+                            wave_items=self.cascade_wave)
 
     @property
     def neutral_slot(self) -> int:

@@ -147,6 +147,18 @@ def test_long_segments_cut_into_pieces():
     assert result.num_pieces.tolist() == [3, 3, 3, 1, 1, 0, 0, 0]
 
 
+@pytest.mark.parametrize("wave_items,pieces", [(None, 7), (4, 4), (2, 2), (1, 1)])
+def test_wave_items_size_the_pieces(wave_items, pieces):
+    """One segment of 40 pages: cut into as many pieces as fill the wave (a piece at least; the items left, 7 of
+    8, without one)."""
+    tables, lens, _ = batch_of([([("sys", 40)], 3)] * 3)
+    rules = CascadeRules(min_shared_tokens=PAGE, min_piece_tokens=PAGE, min_saved_tokens=1, num_items=8)
+    result = plan_cascade(tables, lens, batch=4, page_size=PAGE, members_per_item=4, rules=rules,
+                          wave_items=wave_items)
+    check_plan(result, tables, lens, batch=4, members_per_item=4, num_items=8)
+    assert int((result.item_end > result.item_start).sum()) == pieces
+
+
 def test_more_groups_than_items_keeps_those_saving_most():
     rows = [([(f"g{i}", 2 + i)], 3) for i in range(6) for _ in range(2)]
     tables, lens, _ = batch_of(rows)
