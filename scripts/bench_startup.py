@@ -32,7 +32,7 @@ def child(args) -> dict:
     t0 = time.perf_counter()
     from nanojax import LLM, SamplingParams
 
-    llm = LLM(args.folder, max_num_seqs=args.max_num_seqs)
+    llm = LLM(args.folder, max_num_seqs=args.max_num_seqs, tensor_parallel_size=args.tensor_parallel_size)
     result = {"start_s": time.perf_counter() - t0, "programs": llm.runner.compiles, "loaded": llm.runner.loaded,
               **{f"{k}_s": v for k, v in llm.runner.compile_seconds.items()},
               **{f"startup_{k}_s": v for k, v in llm.startup_seconds.items()}}
@@ -77,6 +77,7 @@ def run_child(args, folder: Path, cache: Path, workload: bool) -> dict:
            "--max-input-len", str(args.max_input_len), "--max-output-len", str(args.max_output_len)]
     cmd += ["--workload"] if workload else []
     cmd += ["--max-num-seqs", str(args.max_num_seqs)] if args.max_num_seqs else []
+    cmd += ["--tensor-parallel-size", str(args.tensor_parallel_size)] if args.tensor_parallel_size else []
     out = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if out.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}")
@@ -87,6 +88,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen3-0.6b")
     ap.add_argument("--max-num-seqs", type=int, default=None, help="LLM's max_num_seqs (default: LLM's)")
+    ap.add_argument("--tensor-parallel-size", type=int, default=None,
+                    help="LLM's tensor_parallel_size: the model split over this many GPUs (default: one, unsharded)")
     ap.add_argument("--num-seqs", type=int, default=256)
     ap.add_argument("--max-input-len", type=int, default=1024)
     ap.add_argument("--max-output-len", type=int, default=1024)
