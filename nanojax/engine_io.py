@@ -1,8 +1,10 @@
 """What the engine hands back: `RequestOutput` events, delivered on a `RequestStream` (from the engine loop's
 thread to a consumer thread or an asyncio task)."""
 import asyncio
+import collections
 import dataclasses
 import queue
+import weakref
 
 
 @dataclasses.dataclass
@@ -23,24 +25,43 @@ class RequestOutput:
 
 class RequestStream:
     """The events of one or more requests, in the order the engine makes them. Iterate it in a thread (blocks), or
-    `async for` over it in the asyncio loop given at construction. It ends once every choice of every request
-    added to it has finished; a request that failed raises its error there."""
+    `async for` over it (or over `batches()`) in the asyncio loop given at construction. It ends once every choice
+    of every request added to it has finished; a request that failed raises its error there."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop | None = None):
-        self._loop = loop
-        self._queue = asyncio.Queue() if loop else queue.SimpleQueue()
+        self._queue = None if loop else queue.SimpleQueue()
+        # asyncio: the engine appends here, and the loop wakes the consumer through its mailbox at most once for
+        # all the events put meanwhile (a step's events for every stream of the loop: one wakeup, not one each)
+        self._items: collections.deque = collections.deque()
+        self._mailbox = _mailbox(loop) if loop else None
+        self._posted = False  # on the mailbox and not yet delivered
+        self._waiter: asyncio.Future | None = None
         self._open = 0  # choices added and not finished (counted by the consumer's side only)
         self.finished = False
 
     def expect(self, choices: int) -> None:
         self._open += choices
 
+    @property
+    def all_finished(self) -> bool:
+        """Every choice added has delivered its final event (`finished` is also set by an error)."""
+        return self._open == 0
+
     def put(self, event: RequestOutput, error: BaseException | None = None) -> None:
         """Called by the engine loop."""
-        if self._loop is None:
+        if self._mailbox is None:
             self._queue.put((event, error))
-        else:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, (event, error))
+            return
+        self._items.append((event, error))
+        if not self._posted:  # (cleared by the loop before it hands over the items: none is left behind)
+            self._posted = True
+            self._mailbox.post(self)
+
+    def _wake(self) -> None:
+        """In the event loop: the consumer may take what the engine put."""
+        self._posted = False
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     def _take(self, item) -> RequestOutput:
         event, error = item
@@ -55,9 +76,57 @@ class RequestStream:
         while not self.finished:
             yield self._take(self._queue.get())
 
-    async def __aiter__(self):
+    async def batches(self):
+        """Lists of the events that came since the consumer last looked (one list per wakeup, in order)."""
         while not self.finished:
-            yield self._take(await self._queue.get())
+            while not self._items:
+                self._waiter = asyncio.get_running_loop().create_future()
+                await self._waiter
+            batch = []
+            try:
+                while self._items and not self.finished:
+                    batch.append(self._take(self._items.popleft()))
+            except BaseException:
+                if batch:  # the events before the error go out first
+                    yield batch
+                raise
+            yield batch
+
+    async def __aiter__(self):
+        async for batch in self.batches():
+            for event in batch:
+                yield event
+
+
+class _Mailbox:
+    """One event loop's streams that have events waiting: the engine thread posts a stream, and the loop is woken
+    (call_soon_threadsafe, a write to its self-pipe) only when no delivery is pending already."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.streams: collections.deque = collections.deque()
+        self.scheduled = False
+
+    def post(self, stream: RequestStream) -> None:
+        self.streams.append(stream)
+        if not self.scheduled:
+            self.scheduled = True
+            self.loop.call_soon_threadsafe(self.deliver)
+
+    def deliver(self) -> None:
+        self.scheduled = False  # before taking the streams: one posted from here on schedules another delivery
+        while self.streams:
+            self.streams.popleft()._wake()
+
+
+_mailboxes: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Mailbox]" = weakref.WeakKeyDictionary()
+
+
+def _mailbox(loop: asyncio.AbstractEventLoop) -> _Mailbox:
+    box = _mailboxes.get(loop)
+    if box is None:
+        box = _mailboxes.setdefault(loop, _Mailbox(loop))
+    return box
 
 
 def find_stop(text: str, stop: tuple[str, ...], start: int = 0) -> int:

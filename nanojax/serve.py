@@ -9,12 +9,12 @@ import argparse
 import asyncio
 import dataclasses
 import functools
+import itertools
 import json
 import os
 import re
 import secrets
 import time
-import uuid
 from pathlib import Path
 
 from fastapi import APIRouter, FastAPI, Request
@@ -102,6 +102,10 @@ def _completion_prompts(llm, prompt, limits: ServerLimits) -> tuple[list[list[in
 
 
 # ----- engine outputs to response fields -----
+_ID_PREFIX = secrets.token_hex(8)
+_response_numbers = itertools.count()
+
+
 def _token_text(llm, token_id: int) -> str:
     # Without a tokenizer, vLLM's spelling of a bare token id.
     return llm.tokenizer.decode([token_id]) if llm.tokenizer else f"token_id:{token_id}"
@@ -140,7 +144,12 @@ class _Response:
         self.llm, self.chat, self.body, self.prompts, self.echo = llm, chat, body, prompts, echo
         self.logprobs = bool(body.logprobs) if chat else body.logprobs is not None
         kind = "chatcmpl" if chat else "cmpl"
-        self.head = {"id": f"{kind}-{uuid.uuid4().hex}", "created": int(time.time()), "model": model}
+        # A counter under a random prefix: unique like a uuid4, without its system call per request.
+        self.head = {"id": f"{kind}-{_ID_PREFIX}{next(_response_numbers):08x}", "created": int(time.time()),
+                     "model": model}
+        chunk_head = {**self.head, "object": "chat.completion.chunk" if chat else "text_completion"}
+        self.chunk_head = f"data: {json.dumps(chunk_head, separators=(',', ':'))[:-1]},\"choices\":"  # encoded once
+        self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
         self.sent: dict[int, int] = {}  # choice -> its tokens already streamed
         self.text_len: dict[int, int] = {}  # choice -> the length of its text already streamed
         self.finals: dict[int, RequestOutput] = {}
@@ -189,11 +198,8 @@ class _Response:
                 "usage": self.usage()}
 
     def chunk(self, choices: list[dict], usage: dict | None = None) -> str:
-        body = {**self.head, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                "choices": choices}
-        if self.body.stream_options and self.body.stream_options.include_usage:
-            body["usage"] = usage
-        return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+        usage = f",\"usage\":{json.dumps(usage, separators=(',', ':'))}" if self.include_usage else ""
+        return f"{self.chunk_head}{json.dumps(choices, separators=(',', ':'))}{usage}}}\n\n"
 
 
 class _AbortOnClose(StreamingResponse):
@@ -332,9 +338,11 @@ class _Server:
                                  stream_text=response.body.stream)
 
     def close(self, stream: RequestStream, request_ids: list[str]) -> None:
-        """Aborts the requests (a no-op for finished ones); counted as aborted if the stream had not finished."""
+        """Aborts the requests unless all have finished; counted as aborted if the stream had not finished."""
         if not stream.finished:
             self.metrics.aborted.inc()
+        if stream.all_finished:  # nothing to abort: no message for the engine loop
+            return
         for request_id in request_ids:
             self.llm.abort(request_id)
 
@@ -427,31 +435,48 @@ def build_app(llm, model_name: str, *, api_key: str | None = None, limits: Serve
 
 
 async def _events(stream: RequestStream, response: _Response, metrics: ServeMetrics):
-    """The stream's events; records finished choices in the response and the metrics."""
-    last: dict[int, float] = {}  # choice -> when its previous event came
-    async for event in stream:
-        i = response.choice_index(event)
+    """The stream's events, a list per wakeup of the event loop holding one event per choice (the events that
+    came meanwhile merged: when the loop falls behind the engine, it sends fewer, larger chunks rather than
+    falling further behind); records finished choices in the response and the metrics."""
+    last: dict[int, float] = {}  # choice -> when its previous events came
+    async for batch in stream.batches():
         now = time.perf_counter()
-        if i in last:
-            metrics.itl.observe(now - last[i])
-        last[i] = now
-        if event.finish_reason is not None:
-            response.finals[i] = event
-            metrics.choice_done(event)
-            if event.choice == 0:
-                metrics.prompt_done(len(event.prompt_token_ids), event.num_cached_tokens)
-        yield event
+        events = _merged(batch, response.choice_index)
+        for event in events:
+            i = response.choice_index(event)
+            if i in last:
+                metrics.itl.observe(now - last[i])
+            last[i] = now
+            if event.finish_reason is not None:
+                response.finals[i] = event
+                metrics.choice_done(event)
+                if event.choice == 0:
+                    metrics.prompt_done(len(event.prompt_token_ids), event.num_cached_tokens)
+        yield events
+
+
+def _merged(events: list[RequestOutput], choice_index) -> list[RequestOutput]:
+    """One event per choice, in the order they came: its last (an event carries all the choice's tokens so far)
+    with the text deltas of all of them."""
+    by_choice: dict[int, list[RequestOutput]] = {}
+    for event in events:
+        by_choice.setdefault(choice_index(event), []).append(event)
+    return [same[-1] if len(same) == 1 else dataclasses.replace(same[-1], delta="".join(e.delta for e in same))
+            for same in by_choice.values()]
 
 
 async def _sse(events, response: _Response):
-    """Server-sent events: a chunk per event, the usage chunk if asked, then [DONE]; an engine error mid-stream is
-    sent as an error event (the status line has gone out already)."""
+    """Server-sent events: a chunk per choice that changed, those of one wakeup sent together; the usage chunk if
+    asked, then [DONE]. An engine error mid-stream is sent as an error event (the status line has gone out
+    already)."""
     try:
-        async for event in events:
-            if event.delta or event.finish_reason or len(event.token_ids) != response.sent.get(
-                    response.choice_index(event)):
-                yield response.chunk([response.choice(event, streamed=True)])
-        if response.body.stream_options and response.body.stream_options.include_usage:
+        async for batch in events:
+            chunks = [response.chunk([response.choice(event, streamed=True)]) for event in batch
+                      if event.delta or event.finish_reason
+                      or len(event.token_ids) != response.sent.get(response.choice_index(event))]
+            if chunks:
+                yield "".join(chunks)
+        if response.include_usage:
             yield response.chunk([], response.usage())
     except Exception as e:  # noqa: BLE001
         kind = "invalid_request_error" if isinstance(e, CapacityError) else "server_error"
