@@ -5,12 +5,14 @@ Against a running server (nanojax's, or any that takes token-id prompts):
     python3 scripts/bench_serving.py --base-url http://127.0.0.1:8000 --scenario 512,128,1000,- --out serving.json
 With the random-weight model built in this process and served on a free port, once per --decode-steps value (each
 compiles once and runs every scenario), beside offline `LLM.generate` on the same engine, then `transformers serve`
-on the same weights (issue 24's rows; on the H100, from the repository root, the git-ignored .whl/ carried: fastapi,
-uvicorn, pydantic, openai 2.x (httpx-based), accelerate and their dependencies missing there):
+on the same weights. The client always runs in a process of its own (as `vllm bench serve`'s does), so the served
+rows' host work is the server's alone, and the offline rows run on the same LLM with no client beside it. Issue 24's
+rows on the H100, from the repository root, the git-ignored .whl/ carried (fastapi, uvicorn, pydantic, openai 2.x
+(httpx-based), accelerate and their dependencies missing there); about 7 minutes:
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && PYTHONPATH=/tmp/site:$PWD \\
     PYTHONUNBUFFERED=1 python3 scripts/bench_serving.py --launch qwen3-0.6b --scenario 512,128,1000,- \\
-    --scenario 128,128,64,1 --scenario 512,128,512,64 --decode-steps 4 8 32 --peer transformers \\
-    --peer-num-prompts 16 --peer-timeout 60 --out $OUT/serving.json > $OUT/serving.log 2>&1; tail -45 $OUT/serving.log
+    --scenario 128,128,32,1 --scenario 512,128,512,64 --decode-steps 8 32 --peer transformers \\
+    --peer-num-prompts 16 --peer-timeout 45 --out $OUT/serving.json > $OUT/serving.log 2>&1; tail -45 $OUT/serving.log
 
 --scenario IN,OUT,NUM,CONCURRENCY[,RATE]: NUM prompts of IN tokens asking for OUT tokens each, at most CONCURRENCY
 in flight (`-`: no cap), arriving at RATE requests/s (default inf: all at once). Without --scenario, --input-len,
@@ -33,12 +35,16 @@ memory (XLA_PYTHON_CLIENT_MEM_FRACTION, unless set), since JAX keeps its pool un
 """
 import argparse
 import asyncio
+import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import gc
 import json
+import multiprocessing
 import os
 import shutil
+import ssl
 import sys
 import tempfile
 import time
@@ -49,6 +55,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 
 from transformers_serve_peer import prompt_text
+
+CONNECTIONS_PER_CLIENT = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,10 +171,18 @@ async def run_requests(base_url: str, model: str | None, prompts, output_len: in
         except TimeoutError:
             return {"error": f"not finished within {time_limit:g} s"}
 
+    # Several clients, each holding few connections: httpx's pool scans all its connections whenever a response
+    # closes, which with 1,000 streams in one pool took most of the client's time (and delayed what it measured).
+    in_flight = min(len(prompts), max_concurrency or len(prompts))
     connections = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=connections, headers=headers) as client:
+    tls = ssl.create_default_context()  # one for all the clients (each would load the CA certificates again)
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [await stack.enter_async_context(httpx.AsyncClient(
+            timeout=httpx.Timeout(None), limits=connections, headers=headers, verify=tls))
+            for _ in range(-(-in_flight // CONNECTIONS_PER_CLIENT))]
         start = time.perf_counter()
-        results = await asyncio.gather(*(send_in_time(client, p, o) for p, o in zip(prompts, offsets)))
+        results = await asyncio.gather(*(send_in_time(clients[i % len(clients)], p, o)
+                                         for i, (p, o) in enumerate(zip(prompts, offsets))))
         return results, time.perf_counter() - start
 
 
@@ -193,17 +209,27 @@ def summarize(results: list[dict], seconds: float, input_len: int) -> dict:
 
 def serve_scenario(url: str, scenario: Scenario, index: int, args, *, as_text: bool = False, cap: int | None = None,
                    time_limit: float | None = None) -> dict:
-    """The scenario's requests (at most `cap`) after --warmup-requests of its shape -> summarize's metrics."""
+    """The scenario's requests (at most `cap`) after --warmup-requests of its shape -> summarize's metrics. The
+    client runs in a process of its own, as `vllm bench serve` does: in this one it would share the GIL with a
+    launched server and its engine loop (issue 24: a quarter of the engine's throughput on the H100)."""
     num = min(scenario.num_prompts, cap or scenario.num_prompts)
     seed = args.seed + 10 * index
-    send = functools.partial(run_requests, url, args.model, output_len=scenario.output_len, api_key=args.api_key,
-                             as_text=as_text, time_limit=time_limit)
-    warmup = random_prompts(args.warmup_requests, scenario.input_len, args.vocab_size, seed + 1)
-    asyncio.run(send(prompts=warmup, offsets=np.zeros(len(warmup)), max_concurrency=None))
-    prompts = random_prompts(num, scenario.input_len, args.vocab_size, seed)
-    offsets = arrival_offsets(num, scenario.request_rate, args.burstiness, seed)
-    results, seconds = asyncio.run(send(prompts=prompts, offsets=offsets, max_concurrency=scenario.max_concurrency))
+    client = functools.partial(run_client, url, args.model, output_len=scenario.output_len, api_key=args.api_key,
+                               as_text=as_text, time_limit=time_limit,
+                               warmup=random_prompts(args.warmup_requests, scenario.input_len, args.vocab_size, seed + 1),
+                               prompts=random_prompts(num, scenario.input_len, args.vocab_size, seed),
+                               offsets=arrival_offsets(num, scenario.request_rate, args.burstiness, seed),
+                               max_concurrency=scenario.max_concurrency)
+    # spawn, not fork: this process runs JAX's and uvicorn's threads
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        results, seconds = pool.submit(client).result()
     return {"num_prompts": num, **summarize(results, seconds, scenario.input_len)}
+
+
+def run_client(url: str, model: str | None, *, warmup, prompts, offsets, max_concurrency, **kwargs):
+    """In the client's process: the warmup requests all at once, then the measured ones -> run_requests'."""
+    asyncio.run(run_requests(url, model, warmup, offsets=np.zeros(len(warmup)), max_concurrency=None, **kwargs))
+    return asyncio.run(run_requests(url, model, prompts, offsets=offsets, max_concurrency=max_concurrency, **kwargs))
 
 
 # ----- offline rows (the same LLM, no server) -----
@@ -301,7 +327,7 @@ def run_nanojax(loaded, decode_steps: int | None, args, scenarios: list[Scenario
     # + 64: room for a multi-step decode's last dispatch, so every request reaches its output length
     max_model_len = max(s.input_len + s.output_len for s in scenarios) + 64
     llm = LLM(loaded, dtype=args.dtype, max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
-              decode_steps=decode_steps, kernels=args.kernels)
+              decode_steps=decode_steps, kernels=args.kernels, warmup=True)  # no compiling in a measurement
     server = BackgroundServer(build_app(llm, args.launch, limits=ServerLimits(max_n=1, max_prompts=1)))
     print(f"served {args.launch} at {server.url} after {time.perf_counter() - start:.1f} s "
           f"(decode_steps={llm.decode_steps})", flush=True)
@@ -372,7 +398,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="a running server (ignored with --launch)")
     p.add_argument("--launch", metavar="MODEL_CONFIG", help="build this random-weight model (scripts/configs) and "
-                   "serve it in this process; also runs offline generate")
+                   "serve it in this process (the client runs in another); also runs offline generate")
     p.add_argument("--model", default=None, help="the `model` field sent (default: none, the server's own)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--scenario", action="append", type=parse_scenario, metavar="IN,OUT,NUM,CONCURRENCY[,RATE]",
