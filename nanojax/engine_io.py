@@ -21,6 +21,8 @@ class RequestOutput:
     choice: int = 0  # which of the request's n choices
     # SamplingParams(logprobs=N): per generated token, (its logprob, {token id: logprob} of the N most likely)
     logprobs: list[tuple[float, dict[int, float]]] | None = None
+    # SamplingParams(prompt_logprobs=N): the same per prompt token, None for the first (nothing precedes it)
+    prompt_logprobs: list[tuple[float, dict[int, float]] | None] | None = None
 
 
 class RequestStream:

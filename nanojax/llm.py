@@ -27,7 +27,7 @@ from nanojax.loader import LoadedModel, load_model
 from nanojax.ops import get_ops
 from nanojax.page_manager import PageManager
 from nanojax.quantize import is_quantized, quantize_params
-from nanojax.runner import ModelRunner
+from nanojax.runner import PREFILL_ROW, ModelRunner
 from nanojax.sampling import BANNED, PROMPT
 from nanojax.sampling_params import SamplingParams
 from nanojax.scheduler import CapacityError, Scheduler, SchedulerConfig
@@ -232,6 +232,8 @@ class LLM:
         seqs = [self._sequence(request_id, index, choice, ids, params, stream, stream_text)
                 for choice in range(params.n)]
         seqs[0].params.siblings, seqs[0].params.pin = seqs[1:], pin
+        for sibling in seqs[1:]:  # one list of prompt logprobs, filled by the first choice's prefill
+            sibling.params.output.prompt_logprobs = seqs[0].params.output.prompt_logprobs
         self._inbox.put(("add", seqs[0]))
         self._start()
         return seqs[0].params
@@ -264,10 +266,13 @@ class LLM:
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
         detok = Detokenizer(self.tokenizer) if self.tokenizer and (stream_text or params.stop) else None
         out = RequestOutput(index, list(ids), [], "", None, request_id=request_id, choice=choice,
-                            logprobs=[] if params.logprobs is not None else None)
+                            logprobs=[] if params.logprobs is not None else None,
+                            prompt_logprobs=None if params.prompt_logprobs is None else [None] * len(ids))
         req = _Request(out, params, stop_ids, stream, time.perf_counter(), detok,
                        stream_tokens=stream_text and self.tokenizer is None)
-        return Sequence(ids, params=req)
+        # The first choice computes the prompt's logprobs over the whole prompt; the others, admitted once its pages
+        # are committed, find it cached and share its list.
+        return Sequence(ids, params=req, reads_prefix_cache=params.prompt_logprobs is None or choice > 0)
 
     # ----- pinned prefixes -----
     def pin_prefix(self, prompt: str | list[int]) -> int:
@@ -407,7 +412,8 @@ class LLM:
 
     def _dispatch(self):
         """Schedules a step and dispatches it: the decodes in one call, the prefill chunks packed in another.
-        -> (chunks, {seq_id: (runner.Pending, row)})."""
+        -> (chunks, {seq_id: (runner.Pending, row)} of the chunks that sample, {seq_id: (runner.Pending, last row)}
+        of the chunks whose prompt logprobs are wanted)."""
         chunks = self.scheduler.schedule(decode_steps=self.decode_steps)
         self._assign_slots(chunks)
         pending = {}
@@ -417,11 +423,25 @@ class LLM:
                                      [c.end for c in decodes], self._sampling(decodes), decodes[0].num_steps)
             pending.update({c.seq.seq_id: (out, i) for i, c in enumerate(decodes)})
         prefills = [c for c in chunks if not (c.num_tokens == 1 and c.sample)]
+        prompt = {}
         if prefills:
+            targets = [self._prompt_targets(c) for c in prefills]
             outs = self.runner.prefill([(c.seq.token_ids[c.start:c.end], c.seq.page_table, c.end,
-                                         self._sampling_row(c.seq.params) if c.sample else None) for c in prefills])
+                                         self._sampling_row(c.seq.params) if c.sample else None, t)
+                                        for c, t in zip(prefills, targets)])
             pending.update({c.seq.seq_id: out for c, out in zip(prefills, outs) if c.sample})
-        return chunks, pending
+            prompt = {c.seq.seq_id: out for c, out, t in zip(prefills, outs, targets) if t}
+        return chunks, pending, prompt
+
+    @staticmethod
+    def _prompt_targets(c) -> list[int] | None:
+        """The prompt token after each of the chunk's positions, -1 past the prompt; None unless its request wants
+        prompt logprobs (and computes its prompt: not a second choice, which finds it cached)."""
+        seq = c.seq
+        if seq.params.params.prompt_logprobs is None or seq.reads_prefix_cache:
+            return None
+        last = seq.num_prompt_tokens - 1
+        return [seq.token_ids[pos + 1] if pos < last else -1 for pos in range(c.start, c.end)]
 
     def _assign_slots(self, chunks) -> None:
         """Gives each scheduled request that uses bias, penalties or min_tokens a token-table slot, written from its
@@ -463,9 +483,12 @@ class LLM:
                     presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
                     logprobs=p.logprobs or 0)
 
-    def _complete(self, chunks, pending) -> list[Sequence]:
+    def _complete(self, chunks, pending, prompt) -> list[Sequence]:
         """Waits for the step's tokens, applies the stop conditions and frees finished requests (before the next
         step is scheduled). -> the sequences that gained tokens."""
+        for c in chunks:
+            if c.seq.seq_id in prompt:
+                self._accept_prompt_logprobs(c, *prompt[c.seq.seq_id])
         accepted = {}
         for c in chunks:
             if c.sample and c.seq.status is not SequenceStatus.FINISHED:
@@ -509,6 +532,18 @@ class LLM:
                 top = {int(i): float(v) for i, v in zip(top_ids[step, row, :n], top_logprobs[step, row, :n])}
                 out.logprobs.append((float(logprobs[step, row]), top))
         return kept
+
+    @staticmethod
+    def _accept_prompt_logprobs(c, pending, last_row: int) -> None:
+        """Fills the request's prompt_logprobs for the positions after the chunk's (a recomputed chunk, after a
+        preemption, fills the same values again)."""
+        req: _Request = c.seq.params
+        n, p = req.params.prompt_logprobs, pending.prompt_logprobs()
+        first_row = last_row - (c.end - c.start - 1) // PREFILL_ROW
+        for pos in range(c.start, min(c.end, c.seq.num_prompt_tokens - 1)):
+            row, col = first_row + (pos - c.start) // PREFILL_ROW, (pos - c.start) % PREFILL_ROW
+            top = {int(i): float(v) for i, v in zip(p.top_ids[row, col, :n], p.top_logprobs[row, col, :n])}
+            req.output.prompt_logprobs[pos + 1] = (float(p.logprobs[row, col]), top)
 
     def _update_text(self, seq: Sequence) -> None:
         """Brings the request's text up to its tokens, and ends it at a stop string."""

@@ -206,7 +206,10 @@ class PageManager:
         return memo
 
     def _match(self, seq: "Sequence") -> list[int]:
-        """Ids of pages holding the longest cached prefix of ``token_ids[:-1]``, one per page."""
+        """Ids of pages holding the longest cached prefix of ``token_ids[:-1]``, one per page (none for a
+        sequence that does not read the cache)."""
+        if not seq.reads_prefix_cache:
+            return []
         ps = self.page_size
         k = (seq.num_tokens - 1) // ps
         hashes = self._page_hashes(seq, k)

@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import os
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -36,13 +37,38 @@ _STATIC = ("config", "ops", "vocab_limit")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnums=(1, 2))
-def prefill_step(params, cache, tables, tokens, batch: Batch, sampling: SamplingBatch, *, config, ops, vocab_limit):
-    """tokens: [R, T] -> (Sampled with a leading [1] step axis, one token per row, cache, tables). Rows that end
-    mid-prompt sample too; the host discards theirs (their slots are the neutral one, so nothing is counted)."""
+def prefill_step(params, cache, tables, tokens, batch: Batch, sampling: SamplingBatch, targets, *, config, ops,
+                 vocab_limit):
+    """tokens: [R, T] -> (Sampled with a leading [1] step axis, one token per row, PromptLogprobs of `targets`, cache,
+    tables). Rows that end mid-prompt sample too; the host discards theirs (their slots are the neutral one, so
+    nothing is counted). targets: [R, T] int32, the prompt token after each position whose logprob is wanted, -1
+    for none."""
     hidden, cache = forward(params, tokens, cache, batch, config=config, ops=ops)
     last = jnp.take_along_axis(hidden, jnp.maximum(batch.q_lens - 1, 0)[:, None, None], axis=1)[:, 0]
     out = sample(ops.full_vocab(lm_logits(params, last, config)), sampling, tables, 0, vocab_limit=vocab_limit)
-    return jax.tree.map(lambda x: x[None], out), cache, tables.count(sampling.slots, out.tokens)
+    prompt = prompt_logprobs(params, hidden, targets, config=config, ops=ops, vocab_limit=vocab_limit)
+    return jax.tree.map(lambda x: x[None], out), prompt, cache, tables.count(sampling.slots, out.tokens)
+
+
+def prompt_logprobs(params, hidden, targets, *, config, ops, vocab_limit) -> "PromptLogprobs":
+    """hidden: [R, T, H]; targets: [R, T] int32 (-1: none) -> PromptLogprobs [R, T](, MAX_LOGPROBS): each target's
+    logprob and the top MAX_LOGPROBS of the model's distribution at its position (no sampling adjustments), as the
+    logits of every position take [T, V] per row: one row at a time, and only in a step where a row wants them."""
+    def row(args):
+        h, target = args
+        logits = ops.full_vocab(lm_logits(params, h, config))
+        logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_limit, logits, -jnp.inf)
+        log_probs = jax.nn.log_softmax(logits, axis=-1)
+        top_logprobs, top_ids = jax.lax.top_k(log_probs, MAX_LOGPROBS)
+        chosen = jnp.take_along_axis(log_probs, jnp.maximum(target, 0)[:, None], axis=-1)[:, 0]
+        return PromptLogprobs(chosen, top_ids.astype(jnp.int32), top_logprobs)
+
+    def none(_):
+        r, t = targets.shape
+        return PromptLogprobs(jnp.zeros((r, t)), jnp.zeros((r, t, MAX_LOGPROBS), jnp.int32),
+                              jnp.zeros((r, t, MAX_LOGPROBS)))
+
+    return jax.lax.cond(jnp.any(targets >= 0), lambda _: jax.lax.map(row, (hidden, targets)), none, None)
 
 
 @functools.partial(jax.jit, static_argnames=(*_STATIC, "num_steps"), donate_argnums=(1, 2))
@@ -98,6 +124,13 @@ _SAMPLING_FILL = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seeds=0, c
                       repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, logprobs=0)
 _SAMPLING_DTYPES = dict(top_k=np.int32, seeds=np.uint32, counters=np.int32, ban_steps=np.int32, logprobs=np.int32,
                         slots=np.int32)
+
+
+class PromptLogprobs(NamedTuple):
+    """Per prompt position: logprobs [R, T] of the next prompt token, top_ids / top_logprobs [R, T, MAX_LOGPROBS]."""
+    logprobs: jax.Array
+    top_ids: jax.Array
+    top_logprobs: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,7 +232,7 @@ class ModelRunner:
         kw = dict(config=self.config, ops=self.ops, vocab_limit=self.vocab_limit)
         if p.num_steps:
             return decode_step, args, {**kw, "num_steps": p.num_steps}
-        return prefill_step, args, kw
+        return prefill_step, (*args, jax.ShapeDtypeStruct((b, t), jnp.int32)), kw
 
     def _key_parts(self, p) -> tuple:
         """What program p's executable depends on besides the environment, read without tracing."""
@@ -217,13 +250,14 @@ class ModelRunner:
         return self._compiled[p]
 
     def _run(self, p: Program, tokens: np.ndarray, page_tables, seq_lens, q_lens, sampling: dict,
-             plan: CascadePlan | None = None) -> Sampled:
+             plan: CascadePlan | None = None, targets: np.ndarray | None = None) -> list:
+        """-> the step's outputs: [Sampled] for a decode, [Sampled, PromptLogprobs] for a prefill."""
         # One transfer for all of the step's host arrays: a jnp.asarray per array costs ~0.3 ms each on the H100
         # machine, which made the host, not the GPU, the bottleneck of a dispatch (docs/perf_notes.md).
-        args = jax.device_put((tokens, *self._inputs(p, page_tables, seq_lens, q_lens, sampling, plan)),
-                              self._inputs_sharding)
-        out, self.cache, self.tables = self._program(p)(self.params, self.cache, self.tables, *args)
-        return out
+        host = (tokens, *self._inputs(p, page_tables, seq_lens, q_lens, sampling, plan))
+        args = jax.device_put(host if targets is None else (*host, targets), self._inputs_sharding)
+        *outs, self.cache, self.tables = self._program(p)(self.params, self.cache, self.tables, *args)
+        return outs
 
     def _inputs(self, p: Program, page_tables, seq_lens, q_lens, sampling: dict,
                 plan: CascadePlan | None = None) -> tuple[Batch, SamplingBatch]:
@@ -263,12 +297,14 @@ class ModelRunner:
                 self.cascade_saved_tokens += plan.saved_tokens * num_steps
             else:
                 plan = None
-        return Pending(self._run(p, tokens, page_tables, seq_lens, [1] * len(last_tokens), sampling, plan))
+        return Pending(*self._run(p, tokens, page_tables, seq_lens, [1] * len(last_tokens), sampling, plan))
 
-    def prefill(self, chunks: list[tuple[list[int], list[int], int, dict | None]]) -> list[tuple["Pending", int]]:
+    def prefill(self, chunks: list[tuple]) -> list[tuple["Pending", int]]:
         """Dispatches prompt chunks (tokens, page_table, seq_len after the chunk, sampling fields of the chunk's
-        request or None when it samples nothing), packed into as few dispatches as the largest bucket allows.
-        Returns each chunk's (Pending, row): its sampled token is Pending.tokens()[0, row]."""
+        request or None when it samples nothing[, targets: per token the next prompt token whose logprob is wanted,
+        -1 for none]), packed into as few dispatches as the largest bucket allows. Returns each chunk's (Pending,
+        row): its sampled token is Pending.tokens()[0, row]; its prompt logprobs fill the PREFILL_ROW-token rows up
+        to that row (Pending.prompt_logprobs)."""
         results, batch = [], []
         rows_in = lambda cs: sum(-(-len(c[0]) // PREFILL_ROW) for c in cs)  # noqa: E731
         for chunk in chunks:
@@ -279,13 +315,14 @@ class ModelRunner:
         return results + self._prefill_packed(batch)
 
     def _prefill_packed(self, chunks) -> list[tuple["Pending", int]]:
-        tokens, tables, lens, q_lens, last_rows = [], [], [], [], []
+        tokens, tables, lens, q_lens, last_rows, targets = [], [], [], [], [], []
         fills = _sampling_fill(self.neutral_slot)
         sampling = {name: [] for name in fills}
-        for ids, table, seq_len, fields in chunks:
+        for ids, table, seq_len, fields, *wanted in chunks:
             start = seq_len - len(ids)
             for r in range(0, len(ids), PREFILL_ROW):
                 row = ids[r:r + PREFILL_ROW]
+                targets.append((wanted[0][r:r + PREFILL_ROW] if wanted and wanted[0] else []) + [-1] * PREFILL_ROW)
                 tokens.append(row + [0] * (PREFILL_ROW - len(row)))
                 tables.append(table)
                 lens.append(start + r + len(row))
@@ -295,9 +332,10 @@ class ModelRunner:
                     sampling[name].append(fields[name] if last and fields else fill)
             last_rows.append(len(tokens) - 1)
         p = Program(bucket(len(tokens), self.prefill_rows), 0)
-        padded = np.zeros((p.rows, PREFILL_ROW), np.int32)
+        padded, wanted = np.zeros((p.rows, PREFILL_ROW), np.int32), np.full((p.rows, PREFILL_ROW), -1, np.int32)
         padded[:len(tokens)] = tokens
-        pending = Pending(self._run(p, padded, tables, lens, q_lens, sampling))
+        wanted[:len(targets)] = [t[:PREFILL_ROW] for t in targets]
+        pending = Pending(*self._run(p, padded, tables, lens, q_lens, sampling, targets=wanted))
         return [(pending, row) for row in last_rows]
 
     def set_slot(self, slot: int, counts: np.ndarray, flags: np.ndarray, bias: np.ndarray) -> None:
@@ -309,8 +347,8 @@ class Pending:
     """A dispatched step's results, still on device: the host goes on (schedules, dispatches more, streams text)
     while the GPU computes, and waits only when it reads them."""
 
-    def __init__(self, out: Sampled):
-        self._out, self._tokens, self._logprobs = out, None, None
+    def __init__(self, out: Sampled, prompt: PromptLogprobs | None = None):
+        self._out, self._prompt, self._tokens, self._logprobs = out, prompt, None, None
 
     def tokens(self) -> np.ndarray:
         """-> [num_steps, rows] int32 (waits for the step; copied to the host once)."""
@@ -324,6 +362,12 @@ class Pending:
         if self._logprobs is None:
             self._logprobs = jax.device_get((self._out.logprobs, self._out.top_ids, self._out.top_logprobs))
         return self._logprobs
+
+    def prompt_logprobs(self) -> PromptLogprobs:
+        """A prefill's PromptLogprobs as numpy ([R, PREFILL_ROW](, MAX_LOGPROBS)), fetched once."""
+        if not isinstance(self._prompt.logprobs, np.ndarray):
+            self._prompt = PromptLogprobs(*jax.device_get(tuple(self._prompt)))
+        return self._prompt
 
 
 def sampling_batch(fields: dict[str, list], rows: int, neutral_slot: int) -> SamplingBatch:

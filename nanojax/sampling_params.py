@@ -14,6 +14,9 @@ class SamplingParams:
     n: independent choices for the prompt (they share its KV pages).
     logprobs: None, or the number (0..20) of most likely tokens whose logprobs come with each generated token, beside
     the generated token's own (RequestOutput.logprobs).
+    prompt_logprobs: None, or the same for every prompt token after the first, from the model's distribution at the
+    position before it (RequestOutput.prompt_logprobs; OpenAI's `echo` with `logprobs`). Such a request computes its
+    whole prompt: it reads nothing from the prefix cache.
     """
 
     temperature: float = 1.0
@@ -32,6 +35,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # OpenAI's: subtracted per occurrence in the output
     n: int = 1
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
@@ -55,6 +59,9 @@ class SamplingParams:
             (isinstance(self.n, int) and self.n >= 1, f"n must be an int >= 1, got {self.n}"),
             (self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
              f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs}"),
+            (self.prompt_logprobs is None
+             or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+             f"prompt_logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"),
             (all(isinstance(t, int) and t >= 0 for t in (self.logit_bias or {})),
              f"logit_bias keys must be non-negative token ids, got {list(self.logit_bias or {})[:4]}"),
         ]

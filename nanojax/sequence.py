@@ -15,6 +15,8 @@ A :class:`Sequence` is created by the engine from a tokenized prompt, handed to
 * ``status``               :class:`SequenceStatus`.
 * ``params``               opaque object for the engine (sampling params, stop strings,
                            ...); the scheduler never looks inside.
+* ``reads_prefix_cache``   False: admission computes the whole prompt, whatever the cache
+                           holds (a request that wants every prompt position's logits).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     _next_id = itertools.count()
 
-    def __init__(self, token_ids: Iterable[int], params: Any = None):
+    def __init__(self, token_ids: Iterable[int], params: Any = None, reads_prefix_cache: bool = True):
         self.token_ids: list[int] = [int(t) for t in token_ids]
         if not self.token_ids:
             raise ValueError("a sequence needs at least one prompt token")
@@ -44,6 +46,7 @@ class Sequence:
         self.page_table: list[int] = []
         self.status: SequenceStatus = SequenceStatus.WAITING
         self.params: Any = params
+        self.reads_prefix_cache = reads_prefix_cache
 
     @property
     def num_tokens(self) -> int:

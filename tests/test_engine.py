@@ -63,7 +63,8 @@ def test_no_compiles_after_warmup_for_any_request_mix(qwen3):
     llm = LLM(folder, dtype="float32", page_size=4, max_model_len=96, max_num_seqs=8, max_num_batched_tokens=64)
     llm.warmup(progress=False)
     compiled = llm.runner.compiles
-    assert compiled == len(llm.runner.programs()) == 4 * 2 + 1 + 1  # decode 1..8 x (1, 8 steps), prefill 1 row, tables
+    # decode 1..8 x (1, 8 steps), the cascade decode at 8 rows x 8 steps, prefill 1 row, the token tables
+    assert compiled == len(llm.runner.programs()) == 4 * 2 + 1 + 1 + 1
     mix = [GREEDY, SamplingParams(temperature=0.7, top_p=0.9, max_tokens=9, seed=1),
            SamplingParams(temperature=1.0, top_k=5, max_tokens=5), SamplingParams(temperature=0.5, min_p=0.1),
            SamplingParams(temperature=0, presence_penalty=0.5, frequency_penalty=0.3, max_tokens=12),
