@@ -163,6 +163,18 @@ def test_prefix_hit_shares_full_pages():
     check_invariants(pm)
 
 
+def test_a_sequence_that_reads_no_cache_computes_its_prompt():
+    pm = PageManager(num_pages=10, page_size=4)
+    a = allocated(pm, list(range(12)) + [99])
+    computed(pm, a)
+    b = Sequence(list(range(12)) + [99], reads_prefix_cache=False)
+    assert pm.num_cached_tokens(b) == 0
+    pm.allocate(b)
+    assert b.num_computed_tokens == 0 and not set(b.page_table) & set(a.page_table)
+    computed(pm, b)  # its pages are committed too: the cache holds two copies of the prefix
+    check_invariants(pm)
+
+
 def test_partial_pages_are_never_cached():
     pm = PageManager(num_pages=10, page_size=4)
     committed(pm, range(7))
