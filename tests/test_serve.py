@@ -234,15 +234,18 @@ def test_api_key_refused_when_missing_or_wrong(server):
 
 def test_logprobs_and_echo(llm, client):
     prompt = random_prompts(97, [7], seed=3)[0]
-    want = offline(llm, [prompt], greedy(max_tokens=6, logprobs=3))[0]
+    want = offline(llm, [prompt], greedy(max_tokens=6, logprobs=3, prompt_logprobs=3))[0]
     got = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0, logprobs=3, echo=True,
                                     extra_body={"ignore_eos": True})
     choice = got.choices[0]
     prompt_text = llm.tokenizer.decode(prompt)
     assert choice.text == prompt_text + want.text
     lp = choice.logprobs
-    # the prompt's tokens come with null logprobs (the engine computes none for prompts)
-    assert lp.token_logprobs[:7] == [None] * 7 and lp.top_logprobs[:7] == [None] * 7
+    # the prompt's tokens with their logprobs (the first has none: nothing precedes it)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:7] == pytest.approx([x for x, _ in want.prompt_logprobs[1:]], abs=1e-5)
+    for top, (_, want_top) in zip(lp.top_logprobs[1:7], want.prompt_logprobs[1:]):
+        assert sorted(top.values()) == pytest.approx(sorted(want_top.values()), abs=1e-5)
     assert lp.token_logprobs[7:] == pytest.approx([x for x, _ in want.logprobs], abs=1e-5)
     for top, (x, want_top) in zip(lp.top_logprobs[7:], want.logprobs):
         assert len(top) <= 3 and max(top.values()) == pytest.approx(x, abs=1e-5)  # greedy: the top one
