@@ -9,9 +9,8 @@ nanojax/ and pallas_kernels/). Files live in `<directory>/<environment hash>/<ke
 an older build sit apart and can be deleted as one folder.
 
 A file that is missing, corrupt, unreadable or from an incompatible build is a miss: the program is compiled again
-and the file replaced. Only executables XLA built in this process are stored: one the persistent compilation cache
-answered does not survive serialization (`compile_and_store`), so with that cache filled the first start of a new
-build stores nothing for programs whose HLO did not change, on the CPU (on the GPU such executables are stored).
+and the file replaced. On the CPU, executables are stored only while JAX's persistent compilation cache is off: one
+that cache answered does not survive serialization there (`compile_and_store`); on the GPU every one is stored.
 Files are written to a temporary name and renamed into place, so a reader never sees half a file. Like the
 persistent compilation cache, files are unpickled: keep the folder as private as your home.
 """
@@ -22,7 +21,6 @@ import os
 import pickle
 import re
 import tempfile
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -161,30 +159,20 @@ def store(directory: Path | None, key: str, compiled: jax.stages.Compiled) -> bo
 
 
 def compile_and_store(directory: Path | None, key: str, lowered: jax.stages.Lowered) -> jax.stages.Compiled:
-    """Compiles `lowered` and stores it, unless on the CPU JAX's persistent compilation cache answered the compile:
-    such an XLA:CPU executable serializes incompletely (jax 0.10.2: loaded again, it fails at run time with
-    'Function broadcast_add_fusion not found'). XLA:GPU ones round-trip (H100, jax 0.11.2: a fused program answered
-    by the persistent cache, serialized and loaded, gave the same values), and are stored, so that the executable
+    """Compiles `lowered` and stores it; on the CPU only while JAX's persistent compilation cache is off. An XLA:CPU
+    executable that came from that cache, directly or through JAX's in-memory cache of it, serializes incompletely
+    (jax 0.10.2: loaded again, it fails at run time with 'Function broadcast_add_fusion not found'), and which
+    compile that was cannot be told reliably. XLA:GPU ones round-trip (H100, jax 0.11.2: a fused program answered by
+    the persistent cache, serialized and loaded, gave the same values), and are always stored, so that the executable
     cache fills on the first start of a new build even where the persistent cache holds its programs. Thread-safe."""
-    _persistent_cache_hit.value = False
-    _listen_for_persistent_cache_hits()
     compiled = lowered.compile()
-    if not _persistent_cache_hit.value or jax.default_backend() == "gpu":
+    if jax.default_backend() == "gpu" or not _persistent_cache_on():
         store(directory, key, compiled)
     return compiled
 
 
-# Set by JAX's monitoring event in the thread whose compile the persistent compilation cache answered.
-_persistent_cache_hit = threading.local()
-
-
-@functools.cache
-def _listen_for_persistent_cache_hits() -> None:
-    def on_event(event: str, **_):
-        if event == "/jax/compilation_cache/cache_hits":
-            _persistent_cache_hit.value = True
-
-    jax.monitoring.register_event_listener(on_event)
+def _persistent_cache_on() -> bool:
+    return bool(jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir)
 
 
 def load_or_compile(key_parts: tuple, lower: Callable[[], jax.stages.Lowered],
