@@ -31,12 +31,17 @@ QUANTIZATIONS = (None, "fp8")
 
 
 def params_from_source(source: Source, dtype: str, progress: bool = False) -> tuple[ModelConfig, dict]:
+    """The whole model in memory; its layers converted on a thread per core (up to 16): the whole model is held
+    anyway, and conversion was most of a warm start of `LLM(hf_folder)` (docs/perf_notes.md, "Start-up")."""
     config = ModelConfig.from_hf_config(source.hf_config)
-    return config, params_from_parts(_parts(source, config, dtype, progress), config.num_layers)
+    threads = min(16, os.cpu_count() or 1)
+    return config, params_from_parts(_parts(source, config, dtype, progress, threads), config.num_layers)
 
 
-def _parts(source: Source, config: ModelConfig, dtype: str, progress: bool):
-    return param_parts(config, source.hf_config["model_type"], source.tensors, DTYPES[dtype], progress, source.label)
+def _parts(source: Source, config: ModelConfig, dtype: str, progress: bool, threads: int = 1):
+    """One layer at a time by default: `convert` holds a part at a time, in bounded memory."""
+    return param_parts(config, source.hf_config["model_type"], source.tensors, DTYPES[dtype], progress, source.label,
+                       threads)
 
 
 def convert(src, dst, dtype: str = "bfloat16", overwrite: bool = False, progress: bool = True,

@@ -9,6 +9,8 @@ projection's weight rows, so the params hold no attn_norm / mlp_norm for RMSNorm
 needs only the norm's statistic (pallas_kernels/rmsnorm_matmul.py says why). GPT-2's LayerNorms, the final norm
 (the LM head after it may be the tied embedding, which must stay unscaled) and Qwen3's q/k norms stay as they are.
 """
+import collections
+import concurrent.futures
 from typing import Callable, Iterator, Mapping
 
 import numpy as np
@@ -113,17 +115,24 @@ def _gpt2_layer(r: _Reader, c: ModelConfig, i: int) -> dict:
 
 
 def param_parts(config: ModelConfig, model_type: str, tensors: Mapping[str, Callable[[], np.ndarray]], dtype,
-                progress: bool = False, label: Callable[[str], str] = repr) -> Iterator[tuple[str, dict]]:
+                progress: bool = False, label: Callable[[str], str] = repr,
+                threads: int = 1) -> Iterator[tuple[str, dict]]:
     """tensors: HF name -> loader of the array; label: how errors name a tensor. Yields ("layers/{i}", layer) for
     each layer, then ("top", the params outside the layers), each in `dtype` (numpy); params_from_parts joins them.
-    Unmapped tensors are an error after the last part."""
+    Unmapped tensors are an error after the last part. threads > 1: that many layers converted at once (numpy's
+    casts and products release the GIL), so that many are held at a time."""
     c, vh = config, (config.vocab_size, config.hidden_size)
     gpt2 = model_type == "gpt2"
     prefix = "transformer." if gpt2 and any(n.startswith("transformer.") for n in tensors) else ""
     r = _Reader(tensors, prefix, label)
-    for i in tqdm(range(c.num_layers), desc="converting layers", disable=not progress):
-        layer = _gpt2_layer(r, c, i) if gpt2 else _llama_layer(r, c, i, ernie=model_type == "ernie4_5")
-        yield f"layers/{i}", _cast(layer, dtype)
+
+    def layer(i: int) -> dict:
+        return _cast(_gpt2_layer(r, c, i) if gpt2 else _llama_layer(r, c, i, ernie=model_type == "ernie4_5"), dtype)
+
+    layers = tqdm(_in_order(layer, c.num_layers, threads), total=c.num_layers, desc="converting layers",
+                  disable=not progress)
+    for i, part in enumerate(layers):
+        yield f"layers/{i}", part
     if gpt2:
         top = {
             "embed": r.get("wte.weight", vh),
@@ -146,6 +155,21 @@ def param_parts(config: ModelConfig, model_type: str, tensors: Mapping[str, Call
         top["lm_head"] = r.get("lm_head.weight", vh).T
     r.check_all_used(ignored)
     yield "top", _cast(top, dtype)
+
+
+def _in_order(fn: Callable[[int], dict], n: int, threads: int) -> Iterator[dict]:
+    """fn(0), ..., fn(n - 1) in order, computed on `threads` threads with at most that many results held."""
+    if threads <= 1:
+        yield from map(fn, range(n))
+        return
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        running = collections.deque()
+        for i in range(n):
+            running.append(pool.submit(fn, i))
+            if len(running) == threads:
+                yield running.popleft().result()
+        while running:
+            yield running.popleft().result()
 
 
 def params_from_parts(parts: Iterator[tuple[str, dict]], num_layers: int) -> dict:

@@ -181,3 +181,32 @@ def test_existing_destination_is_kept(hf_model_dir, tmp_path):
 def test_nonexistent_source(tmp_path, capsys):
     assert cli.main([str(tmp_path / "nothing-here"), str(tmp_path / "out")]) == 1
     assert "no such folder" in capsys.readouterr().err
+
+
+def test_layers_converted_on_threads_come_in_order_and_errors_surface_in_order():
+    """params_from_source converts layers on a thread per core: results keep the layer order, at most `threads`
+    are held, and the first failing layer's error is the one raised."""
+    import threading
+    import time
+
+    from convert.keys import _in_order
+
+    held, most = set(), [0]
+    lock = threading.Lock()
+
+    def layer(i):
+        with lock:
+            held.add(i)
+            most[0] = max(most[0], len(held))
+        time.sleep(0.01 * (i % 3))
+        if i in (5, 7):
+            raise CheckpointError(f"layer {i} is broken")
+        return i
+
+    out = []
+    with pytest.raises(CheckpointError, match="layer 5"):
+        for i in _in_order(layer, 10, threads=3):
+            out.append(i)
+            held.discard(i)
+    assert out == [0, 1, 2, 3, 4] and most[0] <= 4  # 3 running, one done and not yet taken
+    assert list(_in_order(lambda i: i * i, 6, threads=1)) == [0, 1, 4, 9, 16, 25]
