@@ -13,6 +13,12 @@ rows on the H100, from the repository root, the git-ignored .whl/ carried (fasta
     PYTHONUNBUFFERED=1 python3 scripts/bench_serving.py --launch qwen3-0.6b --scenario 512,128,1000,- \\
     --scenario 128,128,32,1 --scenario 512,128,512,64 --decode-steps 8 32 --peer transformers \\
     --peer-num-prompts 16 --peer-timeout 45 --out $OUT/serving.json > $OUT/serving.log 2>&1; tail -45 $OUT/serving.log
+.whl/ is made on the CPU machine (7.6 MB; Python 3.12 wheels, the versions the H100 run used):
+    pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d .whl \
+    accelerate==1.15.0 annotated_doc==0.0.7 annotated_types==0.8.0 anyio==4.16.0 click==8.5.1 distro==1.9.0 \
+    fastapi==0.165.0 jiter==0.19.0 markdown_it_py==4.3.0 mdurl==0.1.2 openai==2.54.0 opentelemetry_api==1.45.2 \
+    psutil==7.2.2 pydantic==2.14.4 pydantic_core==2.50.5 pygments==2.21.0 rich==15.0.0 shellingham==1.5.4 \
+    sniffio==1.3.1 starlette==1.10.0 typer==0.29.2 typing_extensions==4.16.0 typing_inspection==0.4.5 uvicorn==0.54.0
 
 --scenario IN,OUT,NUM,CONCURRENCY[,RATE]: NUM prompts of IN tokens asking for OUT tokens each, at most CONCURRENCY
 in flight (`-`: no cap), arriving at RATE requests/s (default inf: all at once). Without --scenario, --input-len,
@@ -213,10 +219,10 @@ def serve_scenario(url: str, scenario: Scenario, index: int, args, *, as_text: b
     client runs in a process of its own, as `vllm bench serve` does: in this one it would share the GIL with a
     launched server and its engine loop (issue 24: a quarter of the engine's throughput on the H100)."""
     num = min(scenario.num_prompts, cap or scenario.num_prompts)
-    seed = args.seed + 10 * index
+    seed, length = args.seed + 10 * index, scenario.input_len
     client = functools.partial(run_client, url, args.model, output_len=scenario.output_len, api_key=args.api_key,
                                as_text=as_text, time_limit=time_limit,
-                               warmup=random_prompts(args.warmup_requests, scenario.input_len, args.vocab_size, seed + 1),
+                               warmup=random_prompts(args.warmup_requests, length, args.vocab_size, seed + 1),
                                prompts=random_prompts(num, scenario.input_len, args.vocab_size, seed),
                                offsets=arrival_offsets(num, scenario.request_rate, args.burstiness, seed),
                                max_concurrency=scenario.max_concurrency)
