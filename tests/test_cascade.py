@@ -127,7 +127,8 @@ def test_short_shared_run_goes_with_its_nested_groups():
 def test_levels_and_members_rules():
     rows = [([("sys", 3), ("doc", 2), ("q", 2)], 5)] * 2 + [([("sys", 3), ("doc", 2)], 5)] + [([("sys", 3)], 5)]
     tables, lens, _ = batch_of(rows)
-    assert [s.level for s in find_segments(tables, lens, page_size=PAGE, rules=RULES)] == [0, 1]  # two levels by default
+    # two levels by default
+    assert [s.level for s in find_segments(tables, lens, page_size=PAGE, rules=RULES)] == [0, 1]
     three = find_segments(tables, lens, page_size=PAGE, rules=CascadeRules(min_shared_tokens=2 * PAGE, max_levels=3))
     assert [(s.rows, s.level) for s in three] == [((0, 1, 2, 3), 0), ((0, 1, 2), 1), ((0, 1), 2)]
     one = find_segments(tables, lens, page_size=PAGE, rules=CascadeRules(min_shared_tokens=2 * PAGE, max_levels=1))

@@ -455,7 +455,8 @@ def test_synthetic_roundtrip(tmp_path, case):
                 "num_key_value_heads", "max_position_embeddings", "vocab_size", "tie_word_embeddings",
                 "bos_token_id", "eos_token_id"):
         assert hf_cfg[key] == getattr(cfg, key), key
-    assert hf_cfg["model_type"] == arch and hf_cfg["architectures"] == [type(cfg).__name__.replace("Config", "ForCausalLM")]
+    assert hf_cfg["model_type"] == arch
+    assert hf_cfg["architectures"] == [type(cfg).__name__.replace("Config", "ForCausalLM")]
     assert hf_cfg["head_dim"] == hd
     assert hf_cfg["rms_norm_eps"] == cfg.rms_norm_eps and hf_cfg["rope_theta"] == cfg.rope_parameters["rope_theta"]
     assert "rope_scaling" not in hf_cfg and hf_cfg["torch_dtype"] == dtype
@@ -465,7 +466,8 @@ def test_synthetic_roundtrip(tmp_path, case):
 
     # The config + tensors must build the same HF model class and load strictly.
     from transformers import AutoConfig, AutoModelForCausalLM
-    rebuilt = AutoModelForCausalLM.from_config(AutoConfig.for_model(**{k: v for k, v in hf_cfg.items() if k != "architectures"}))
+    fields = {k: v for k, v in hf_cfg.items() if k != "architectures"}
+    rebuilt = AutoModelForCausalLM.from_config(AutoConfig.for_model(**fields))
     missing, unexpected = rebuilt.load_state_dict({k: torch.from_numpy(v) for k, v in tensors.items()}, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}
 
@@ -578,7 +580,8 @@ def test_unknown_type_id_names_the_tensor(tmp_path, good_file):
 
 def test_nan_in_tensor_names_the_tensor(tmp_path, llama_tiny):
     cfg, sd = llama_tiny
-    sd = dict(sd, **{"model.layers.1.mlp.up_proj.weight": np.full_like(sd["model.layers.1.mlp.up_proj.weight"], np.nan)})
+    name = "model.layers.1.mlp.up_proj.weight"
+    sd = dict(sd, **{name: np.full_like(sd[name], np.nan)})
     write_gguf(tmp_path / "m.gguf", "llama", cfg, sd)
     assert "blk.1.ffn_up.weight" in _err(tmp_path / "m.gguf")
 
