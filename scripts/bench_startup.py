@@ -36,6 +36,10 @@ def child(args) -> dict:
     result = {"start_s": time.perf_counter() - t0, "programs": llm.runner.compiles, "loaded": llm.runner.loaded,
               **{f"{k}_s": v for k, v in llm.runner.compile_seconds.items()},
               **{f"startup_{k}_s": v for k, v in llm.startup_seconds.items()}}
+    # The same greedy tokens from programs compiled here and from programs loaded from the executable cache.
+    check = [[(7 * i + 3 * j) % min(1000, llm.config.vocab_size) for j in range(40 + 9 * i)] for i in range(3)]
+    result["check_tokens"] = [o.token_ids for o in llm.generate(
+        check, SamplingParams(temperature=0, ignore_eos=True, max_tokens=24), use_tqdm=False)]
     if not args.workload:
         return result
     from bench_throughput import nano_vllm_workload
@@ -114,6 +118,7 @@ def main():
                "before": BEFORE}
     Path(args.out).write_text(json.dumps(results, indent=2))
     rows = [("start-up to compiled, empty cache (s)", empty["start_s"], BEFORE["start_empty_s"]),
+            ("greedy tokens equal, compiled / loaded programs", empty["check_tokens"] == filled["check_tokens"], ""),
             ("  of which lowering / compiling all (s)", f"{empty['lowering_s']:.1f} / {empty['total_s']:.1f}", ""),
             ("  of which weights read / placed with the KV (s)",
              f"{empty['startup_load_s']:.1f} / {empty['startup_build_s']:.1f}", ""),
