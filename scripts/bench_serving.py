@@ -18,7 +18,10 @@ rows on the H100, from the repository root, the git-ignored .whl/ carried (fasta
     accelerate==1.15.0 annotated_doc==0.0.7 annotated_types==0.8.0 anyio==4.16.0 click==8.5.1 distro==1.9.0 \
     fastapi==0.165.0 jiter==0.19.0 markdown_it_py==4.3.0 mdurl==0.1.2 openai==2.54.0 opentelemetry_api==1.45.2 \
     psutil==7.2.2 pydantic==2.14.4 pydantic_core==2.50.5 pygments==2.21.0 rich==15.0.0 shellingham==1.5.4 \
-    sniffio==1.3.1 starlette==1.10.0 typer==0.29.2 typing_extensions==4.16.0 typing_inspection==0.4.5 uvicorn==0.54.0
+    sniffio==1.3.1 starlette==1.10.0 typer==0.29.2 typing_extensions==4.16.0 typing_inspection==0.4.5 uvicorn==0.54.0 \
+    httptools==0.9.0
+(httptools, not in the first H100 run: uvicorn's C HTTP parser, which it takes over h11 when installed; the GPU
+machine has uvloop.)
 
 --scenario IN,OUT,NUM,CONCURRENCY[,RATE]: NUM prompts of IN tokens asking for OUT tokens each, at most CONCURRENCY
 in flight (`-`: no cap), arriving at RATE requests/s (default inf: all at once). Without --scenario, --input-len,
