@@ -95,6 +95,25 @@ def test_pallas_kernels_per_shard(tp_model):
 
 
 @on_host_devices
+@pytest.mark.parametrize("kernels", ["reference", "interpret"])
+def test_cascade_per_shard(tp_model, kernels):
+    """A pinned shared prefix read once per step by the cascade path (its kernel per shard in interpret mode), at
+    size 2 with 4 KV heads: HF's greedy tokens."""
+    from nanojax.cascade import CascadeRules
+
+    folder, model = tp_model("qwen3")
+    system, doc, *questions = random_prompts(model.config.vocab_size, [18, 9, 1, 3, 5, 2, 4], seed=5)
+    rules = CascadeRules(min_shared_tokens=8, min_piece_tokens=4, min_saved_tokens=1, min_batch=1, num_items=8)
+    llm = LLM(folder, dtype="float32", page_size=4, max_model_len=64, decode_steps=4, kernels=kernels,
+              tensor_parallel_size=2, cascade=rules, progress=False)
+    llm.pin_prefix(system + doc)
+    prompts = [system + doc + q for q in questions]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert llm.runner.cascade_dispatches > 0
+    assert [o.token_ids for o in outs] == [hf_greedy(model, p, 8) for p in prompts]
+
+
+@on_host_devices
 def test_decode_collectives(tp_model):
     """The compiled multi-step decode keeps its collectives inside: per step the embedding's all-reduce, two per
     layer, the logits' all-gather."""
