@@ -27,7 +27,7 @@ from nanojax.loader import LoadedModel, load_model
 from nanojax.ops import get_ops
 from nanojax.page_manager import PageManager
 from nanojax.quantize import is_quantized, quantize_params
-from nanojax.runner import PREFILL_ROW, ModelRunner
+from nanojax.runner import ModelRunner
 from nanojax.sampling import BANNED, PROMPT
 from nanojax.sampling_params import SamplingParams
 from nanojax.scheduler import CapacityError, Scheduler, SchedulerConfig
@@ -528,9 +528,8 @@ class LLM:
         if req.params.logprobs is not None:
             logprobs, top_ids, top_logprobs = pending.logprobs()
             n = req.params.logprobs
-            for step, tok in enumerate(kept):
-                top = {int(i): float(v) for i, v in zip(top_ids[step, row, :n], top_logprobs[step, row, :n])}
-                out.logprobs.append((float(logprobs[step, row]), top))
+            for step in range(len(kept)):
+                out.logprobs.append(_logprob_entry(logprobs[step, row], top_ids[step, row], top_logprobs[step, row], n))
         return kept
 
     @staticmethod
@@ -538,12 +537,10 @@ class LLM:
         """Fills the request's prompt_logprobs for the positions after the chunk's (a recomputed chunk, after a
         preemption, fills the same values again)."""
         req: _Request = c.seq.params
-        n, p = req.params.prompt_logprobs, pending.prompt_logprobs()
-        first_row = last_row - (c.end - c.start - 1) // PREFILL_ROW
-        for pos in range(c.start, min(c.end, c.seq.num_prompt_tokens - 1)):
-            row, col = first_row + (pos - c.start) // PREFILL_ROW, (pos - c.start) % PREFILL_ROW
-            top = {int(i): float(v) for i, v in zip(p.top_ids[row, col, :n], p.top_logprobs[row, col, :n])}
-            req.output.prompt_logprobs[pos + 1] = (float(p.logprobs[row, col]), top)
+        p = pending.prompt_logprobs(last_row, c.end - c.start)
+        for i, pos in enumerate(range(c.start, min(c.end, c.seq.num_prompt_tokens - 1))):
+            req.output.prompt_logprobs[pos + 1] = _logprob_entry(p.logprobs[i], p.top_ids[i], p.top_logprobs[i],
+                                                                 req.params.prompt_logprobs)
 
     def _update_text(self, seq: Sequence) -> None:
         """Brings the request's text up to its tokens, and ends it at a stop string."""
@@ -633,6 +630,12 @@ def _positive(name: str, value: int | None, default: int) -> int:
     if not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be >= 1, got {value!r}")
     return value
+
+
+def _logprob_entry(logprob, top_ids, top_logprobs, n: int) -> tuple[float, dict[int, float]]:
+    """A token's (logprob, {token id: logprob} of the n most likely) from the step's arrays (top_ids, top_logprobs:
+    [MAX_LOGPROBS])."""
+    return float(logprob), {int(i): float(v) for i, v in zip(top_ids[:n], top_logprobs[:n])}
 
 
 def _settle(future: concurrent.futures.Future, fn) -> None:

@@ -227,8 +227,9 @@ class ModelRunner:
             return _set_slot, (self.tables, np.int32(0), row(jnp.int32), row(jnp.int8), row(jnp.float32)), {}
         b, t = p.rows, p.tokens_per_row
         tokens = jax.ShapeDtypeStruct((b,) if p.num_steps else (b, t), jnp.int32)
-        plan = self._plan(p.rows, [], []) if p.cascade else None
-        args = (self.params, self.cache, self.tables, tokens, *self._inputs(p, [], [], [], {}, plan))
+        table = self._page_table(b, [])
+        plan = self._plan(p.rows, table[:0], []) if p.cascade else None
+        args = (self.params, self.cache, self.tables, tokens, *self._inputs(p, table, [], [], {}, plan))
         kw = dict(config=self.config, ops=self.ops, vocab_limit=self.vocab_limit)
         if p.num_steps:
             return decode_step, args, {**kw, "num_steps": p.num_steps}
@@ -249,23 +250,29 @@ class ModelRunner:
             self.compiles += 1
         return self._compiled[p]
 
-    def _run(self, p: Program, tokens: np.ndarray, page_tables, seq_lens, q_lens, sampling: dict,
+    def _run(self, p: Program, tokens: np.ndarray, table: np.ndarray, seq_lens, q_lens, sampling: dict,
              plan: CascadePlan | None = None, targets: np.ndarray | None = None) -> list:
-        """-> the step's outputs: [Sampled] for a decode, [Sampled, PromptLogprobs] for a prefill."""
+        """table: _page_table's. -> the step's outputs: [Sampled] for a decode, [Sampled, PromptLogprobs] for a
+        prefill."""
         # One transfer for all of the step's host arrays: a jnp.asarray per array costs ~0.3 ms each on the H100
         # machine, which made the host, not the GPU, the bottleneck of a dispatch (docs/perf_notes.md).
-        host = (tokens, *self._inputs(p, page_tables, seq_lens, q_lens, sampling, plan))
+        host = (tokens, *self._inputs(p, table, seq_lens, q_lens, sampling, plan))
         args = jax.device_put(host if targets is None else (*host, targets), self._inputs_sharding)
         *outs, self.cache, self.tables = self._program(p)(self.params, self.cache, self.tables, *args)
         return outs
 
-    def _inputs(self, p: Program, page_tables, seq_lens, q_lens, sampling: dict,
-                plan: CascadePlan | None = None) -> tuple[Batch, SamplingBatch]:
-        """Host arrays of a step, padded to the program's rows (padding rows: q_len 0, greedy, neutral slot)."""
-        rows = p.rows
+    def _page_table(self, rows: int, page_tables) -> np.ndarray:
+        """[rows, pages_per_seq] int32: each row's pages, zeros after them and on padding rows."""
         table = np.zeros((rows, self.pages_per_seq), np.int32)
         for i, pages in enumerate(page_tables):
             table[i, :len(pages)] = pages
+        return table
+
+    def _inputs(self, p: Program, table: np.ndarray, seq_lens, q_lens, sampling: dict,
+                plan: CascadePlan | None = None) -> tuple[Batch, SamplingBatch]:
+        """Host arrays of a step, padded to the program's rows (padding rows: q_len 0, greedy, neutral slot);
+        table: _page_table's."""
+        rows = p.rows
         lens, qs = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
         lens[:len(seq_lens)], qs[:len(q_lens)] = seq_lens, q_lens
         batch = Batch(page_table=table, seq_lens=lens, q_lens=qs, cascade=plan and plan.arrays())
@@ -288,16 +295,17 @@ class ModelRunner:
         p = Program(bucket(len(last_tokens), self.decode_rows), num_steps)
         tokens = np.zeros(p.rows, np.int32)
         tokens[:len(last_tokens)] = last_tokens
+        table = self._page_table(p.rows, page_tables)
         plan = None
         if num_steps == self.decode_steps and p.rows in self.cascade_rows:
-            plan = self._plan(p.rows, page_tables, seq_lens)
+            plan = self._plan(p.rows, table[:len(seq_lens)], seq_lens)
             if plan.use_cascade:
                 p = dataclasses.replace(p, cascade=True)
                 self.cascade_dispatches += 1
                 self.cascade_saved_tokens += plan.saved_tokens * num_steps
             else:
                 plan = None
-        return Pending(*self._run(p, tokens, page_tables, seq_lens, [1] * len(last_tokens), sampling, plan))
+        return Pending(*self._run(p, tokens, table, seq_lens, [1] * len(last_tokens), sampling, plan))
 
     def prefill(self, chunks: list[tuple]) -> list[tuple["Pending", int]]:
         """Dispatches prompt chunks (tokens, page_table, seq_len after the chunk, sampling fields of the chunk's
@@ -335,7 +343,8 @@ class ModelRunner:
         padded, wanted = np.zeros((p.rows, PREFILL_ROW), np.int32), np.full((p.rows, PREFILL_ROW), -1, np.int32)
         padded[:len(tokens)] = tokens
         wanted[:len(targets)] = [t[:PREFILL_ROW] for t in targets]
-        pending = Pending(*self._run(p, padded, tables, lens, q_lens, sampling, targets=wanted))
+        pending = Pending(*self._run(p, padded, self._page_table(p.rows, tables), lens, q_lens, sampling,
+                                     targets=wanted))
         return [(pending, row) for row in last_rows]
 
     def set_slot(self, slot: int, counts: np.ndarray, flags: np.ndarray, bias: np.ndarray) -> None:
@@ -363,11 +372,13 @@ class Pending:
             self._logprobs = jax.device_get((self._out.logprobs, self._out.top_ids, self._out.top_logprobs))
         return self._logprobs
 
-    def prompt_logprobs(self) -> PromptLogprobs:
-        """A prefill's PromptLogprobs as numpy ([R, PREFILL_ROW](, MAX_LOGPROBS)), fetched once."""
+    def prompt_logprobs(self, last_row: int, num_tokens: int) -> PromptLogprobs:
+        """A prefill chunk's PromptLogprobs, [num_tokens](, MAX_LOGPROBS) numpy: the chunk packed as the rows up to
+        last_row (prefill's (Pending, row)). The step's are fetched once."""
         if not isinstance(self._prompt.logprobs, np.ndarray):
             self._prompt = PromptLogprobs(*jax.device_get(tuple(self._prompt)))
-        return self._prompt
+        rows = slice(last_row + 1 - -(-num_tokens // PREFILL_ROW), last_row + 1)
+        return PromptLogprobs(*(x[rows].reshape(-1, *x.shape[2:])[:num_tokens] for x in self._prompt))
 
 
 def sampling_batch(fields: dict[str, list], rows: int, neutral_slot: int) -> SamplingBatch:
