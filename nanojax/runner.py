@@ -328,9 +328,10 @@ class ModelRunner:
         sampling = {name: [] for name in fills}
         for ids, table, seq_len, fields, *wanted in chunks:
             start = seq_len - len(ids)
+            if wanted and wanted[0]:  # the chunk's targets, from its first row's first token on
+                targets.append((len(tokens) * PREFILL_ROW, wanted[0]))
             for r in range(0, len(ids), PREFILL_ROW):
                 row = ids[r:r + PREFILL_ROW]
-                targets.append((wanted[0][r:r + PREFILL_ROW] if wanted and wanted[0] else []) + [-1] * PREFILL_ROW)
                 tokens.append(row + [0] * (PREFILL_ROW - len(row)))
                 tables.append(table)
                 lens.append(start + r + len(row))
@@ -340,11 +341,12 @@ class ModelRunner:
                     sampling[name].append(fields[name] if last and fields else fill)
             last_rows.append(len(tokens) - 1)
         p = Program(bucket(len(tokens), self.prefill_rows), 0)
-        padded, wanted = np.zeros((p.rows, PREFILL_ROW), np.int32), np.full((p.rows, PREFILL_ROW), -1, np.int32)
+        padded, flat_targets = np.zeros((p.rows, PREFILL_ROW), np.int32), np.full(p.rows * PREFILL_ROW, -1, np.int32)
         padded[:len(tokens)] = tokens
-        wanted[:len(targets)] = [t[:PREFILL_ROW] for t in targets]
+        for first, values in targets:
+            flat_targets[first:first + len(values)] = values
         pending = Pending(*self._run(p, padded, self._page_table(p.rows, tables), lens, q_lens, sampling,
-                                     targets=wanted))
+                                     targets=flat_targets.reshape(p.rows, PREFILL_ROW)))
         return [(pending, row) for row in last_rows]
 
     def set_slot(self, slot: int, counts: np.ndarray, flags: np.ndarray, bias: np.ndarray) -> None:
