@@ -399,6 +399,7 @@ def _sampling_fill(neutral_slot: int) -> dict:
     return {**_SAMPLING_FILL, "slots": neutral_slot}
 
 
-def greedy_sampling(rows: int) -> dict[str, list]:
-    """Sampling fields for `rows` greedy rows with no adjustments (benchmarks drive the runner with these)."""
-    return {name: [fill] * rows for name, fill in _SAMPLING_FILL.items()}
+def greedy_sampling(rows: int, neutral_slot: int) -> dict[str, list]:
+    """Sampling fields for `rows` greedy rows with no adjustments, each on the runner's neutral token-table slot
+    (benchmarks drive the runner with these)."""
+    return {name: [fill] * rows for name, fill in _sampling_fill(neutral_slot).items()}

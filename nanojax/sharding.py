@@ -120,16 +120,23 @@ class TensorParallel:
                 lambda path, x: self._place_leaf(root + _names(path), x), group))
         return {**placed[0], "layers": tuple(placed[1:])}
 
+    def layout(self, names: tuple[str, ...], shape: tuple[int, ...]):
+        """Where a tensor of `shape` at param path `names` goes: (its placed shape, its sharding, the source index
+        of each position of the split axis or None)."""
+        axis = split_axis(names, len(shape))
+        index = None if axis is None else self._column_index(names, shape[axis])
+        placed = list(shape)
+        if index is not None:
+            placed[axis] = len(index)
+        sharding = NamedSharding(self.mesh, P() if axis is None else P(*([None] * axis), AXIS))
+        return tuple(placed), sharding, index
+
     def _place_leaf(self, names: tuple[str, ...], src) -> jax.Array:
-        axis = split_axis(names, src.ndim)
         if isinstance(src, jax.Array) and getattr(src.sharding, "mesh", None) == self.mesh:
             return src
         src = np.asarray(src)
-        index = None if axis is None else self._column_index(names, src.shape[axis])
-        shape = list(src.shape)
-        if index is not None:
-            shape[axis] = len(index)
-        sharding = NamedSharding(self.mesh, P() if axis is None else P(*([None] * axis), AXIS))
+        shape, sharding, index = self.layout(names, src.shape)
+        axis = split_axis(names, src.ndim)
 
         def block(slices):
             if index is None:
@@ -141,7 +148,7 @@ class TensorParallel:
                 out[(slice(None),) * axis + (pad,)] = 0
             return out[slices[:axis] + (slice(None),) + slices[axis + 1:]]
 
-        return jax.make_array_from_callback(tuple(shape), sharding, block)
+        return jax.make_array_from_callback(shape, sharding, block)
 
     def _column_index(self, names: tuple[str, ...], length: int) -> np.ndarray | None:
         """For a split axis of `length`: the source index of each position of the placed axis (-1: zero padding),

@@ -2,8 +2,10 @@
 
     PYTHONPATH=$PWD python3 scripts/bench_decode.py --model qwen3-0.6b --out $OUT/decode.json
 
-Random bf16 weights of a real architecture (scripts/configs). Before timing, nanojax's greedy tokens are checked
-against HF transformers on the same weights in float32. Each point times the compiled multi-step decode
+Random bf16 weights of a real architecture (scripts/configs): HF's model and its init where an HF peer runs on the
+same weights, else values drawn on the device(s), so that models no single GPU holds build in seconds. Before
+timing (unless --skip-parity), nanojax's greedy tokens are checked against HF transformers on the same weights in
+float32. Each point times the compiled multi-step decode
 (`decode_steps` tokens per dispatch, the engine's steady state) with a full KV context of random values; the
 step's bytes are all weights (LM head included) plus the KV read, against the 2.83 TB/s measured copy ceiling.
 Peers in the same run: `--kernels reference` (the XLA path) and HF transformers (scripts/hf_peers.py: generate
@@ -23,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from random_model import loaded_model, random_hf_model, weight_bytes  # noqa: E402
+from random_model import loaded_model, model_config, random_array, random_hf_model, random_params, weight_bytes  # noqa: E402
 
 from nanojax import LLM, SamplingParams  # noqa: E402
 from nanojax.cascade import CascadeRules  # noqa: E402
@@ -74,7 +76,7 @@ def bench_point(runner: ModelRunner, batch: int, context: int, steps: int) -> di
     tables = [list(range(b * pps, (b + 1) * pps)) for b in range(batch)]
     tokens = np.random.default_rng(batch).integers(0, 1000, batch).tolist()
     lens = [context] * batch
-    samp = greedy_sampling(batch)
+    samp = greedy_sampling(batch, runner.neutral_slot)
     t0 = time.perf_counter()
     runner.decode(tokens, tables, lens, samp, num_steps=steps).tokens()
     compile_s = time.perf_counter() - t0
@@ -92,14 +94,14 @@ def random_cache(runner: ModelRunner, key) -> None:
         for name, kind_key in zip(("k", "v"), jax.random.split(layer_key)):
             shape, dtype, sharding = pools[name][i].shape, pools[name][i].dtype, pools[name][i].sharding
             pools[name][i] = None  # frees the zero pool before its replacement is made (on the same devices)
-            pools[name][i] = jax.jit(lambda k: jax.random.normal(k, shape, dtype), out_shardings=sharding)(kind_key)
+            pools[name][i] = random_array(kind_key, shape, sharding, dtype, scale=1.0)
     runner.cache = KVCache(k=tuple(pools["k"]), v=tuple(pools["v"]))
 
 
 def ttft(runner: ModelRunner, prompt_len: int) -> float:
     table = list(range(runner.pages_per_seq))
     tokens = np.random.default_rng(prompt_len).integers(0, 1000, prompt_len).tolist()
-    fields = {k: v[0] for k, v in greedy_sampling(1).items()}
+    fields = {k: v[0] for k, v in greedy_sampling(1, runner.neutral_slot).items()}
     run = lambda: runner.prefill([(tokens, table, prompt_len, fields)])[0][0].tokens()  # noqa: E731
     run()
     return time_call(run, iters=5)
@@ -141,19 +143,24 @@ def shared_point(runner: ModelRunner, batch: int, prefix: int, levels: int, own:
     """One shared-prefix point: ms/step and the KV tokens per layer and KV head the cascade path did not read."""
     tables, lens = shared_tables(runner, batch, prefix, levels, own, steps)
     tokens = np.random.default_rng(batch).integers(0, 1000, batch).tolist()
-    samp = greedy_sampling(batch)
+    samp = greedy_sampling(batch, runner.neutral_slot)
     runner.decode(tokens, tables, lens, samp, num_steps=steps).tokens()
     saved = runner.cascade_saved_tokens
     seconds = time_call(lambda: runner.decode(tokens, tables, lens, samp, num_steps=steps).tokens(), iters=5)
     return {"ms_per_step": seconds / steps * 1e3, "saved_tokens": (runner.cascade_saved_tokens - saved) / 5 / steps}
 
 
-def variant_params(loaded, quantization: str, tp_size: int):
-    """-> (params on the device(s), TensorParallel or None); tp_size 0: unsharded."""
+def variant_params(model: str, loaded, quantization: str, tp_size: int):
+    """-> (params on the device(s), TensorParallel or None); tp_size 0: unsharded. loaded: HF's weights, or None
+    for random values drawn on the device(s) (random_model.random_params; FP8 only unsharded)."""
+    tp = TensorParallel.create(loaded.config if loaded else model_config(model), tp_size) if tp_size else None
+    if loaded is None:
+        params = random_params(model, tp).params
+        return (quantize_params(params, model_config(model), lm_head=False) if quantization == "fp8"
+                else params), tp
     params = loaded.params
     if quantization == "fp8":
         params = quantize_params(jax.tree.map(jnp.asarray, params), loaded.config, lm_head=False)
-    tp = TensorParallel.create(loaded.config, tp_size) if tp_size else None
     return (tp.place(params, progress=True) if tp else jax.tree.map(jnp.asarray, params)), tp
 
 
@@ -201,20 +208,25 @@ def main():
                 key = kern + (f"-tp{tp_size}" if tp_size else "")
                 results["parity"][key] = check_parity(args.model, kern, tensor_parallel_size=tp_size or None)
         print(f"parity with HF (float32 greedy): {results['parity']}", flush=True)
-    hf = random_hf_model(args.model, "bfloat16")
-    loaded = loaded_model(hf, "bfloat16")
-    c = loaded.config
+    # HF's model only where something reads it: without it, random weights are drawn on the device(s) in seconds.
+    hf = random_hf_model(args.model, "bfloat16") if args.hf_eager_batches or args.hf_compiled_batches else None
+    loaded = loaded_model(hf, "bfloat16") if hf else None
+    c = loaded.config if loaded else model_config(args.model)
     kv_token_bytes = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 2
     for quant in args.quantization:
         for tp_size in args.tensor_parallel_size:
-            params, tp = variant_params(loaded, quant, tp_size)
+            if quant == "fp8" and tp_size and loaded is None:
+                print(f"skipped fp8 at tensor-parallel size {tp_size}: random weights are drawn already sharded")
+                continue
+            params, tp = variant_params(args.model, loaded, quant, tp_size)
             wbytes = weight_bytes(params) - c.vocab_size * c.hidden_size * 2 * (
                 0 if c.tie_word_embeddings else 1)  # untied: the input embedding is read only by row
             for kern in args.kernels:
                 name = kern + ("" if quant == "none" else f"-{quant}") + (f"-tp{tp_size}" if tp_size else "")
                 run_variant(args, name, kern, c, params, tp, wbytes, kv_token_bytes, results, save)
             del params, tp
-    hf_points(hf, args, results["peers"], save)
+    if hf:
+        hf_points(hf, args, results["peers"], save)
     print_tables(args, results)
 
 

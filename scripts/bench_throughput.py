@@ -22,7 +22,7 @@ from pathlib import Path
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_decode import check_parity  # noqa: E402
-from random_model import loaded_model, random_hf_model  # noqa: E402
+from random_model import loaded_model, model_config, random_hf_model, random_params  # noqa: E402
 
 from nanojax import LLM, SamplingParams  # noqa: E402
 
@@ -37,9 +37,19 @@ def nano_vllm_workload(num_seqs: int, max_input_len: int, max_output_len: int):
     return prompts, max_tokens
 
 
+def weights(hf_model, args):
+    """HF's weights where HF runs too; else random values drawn on the device(s), placed as LLM places them."""
+    if hf_model is not None:
+        return loaded_model(hf_model, "bfloat16")
+    from nanojax.sharding import TensorParallel
+
+    size = args.tensor_parallel_size
+    return random_params(args.model, TensorParallel.create(model_config(args.model), size) if size else None)
+
+
 def run_nanojax(hf_model, prompts, max_tokens, args) -> dict:
     t0 = time.perf_counter()
-    llm = LLM(loaded_model(hf_model, "bfloat16"), dtype="bfloat16", kernels=args.kernels, warmup=True,
+    llm = LLM(weights(hf_model, args), dtype="bfloat16", kernels=args.kernels, warmup=True,
               max_model_len=args.max_input_len + args.max_output_len + args.decode_steps,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               chunk_size=args.chunk_size, decode_steps=args.decode_steps,
@@ -81,7 +91,7 @@ def main():
     prompts, max_tokens = nano_vllm_workload(args.num_seqs, args.max_input_len, args.max_output_len)
     results = {"device": str(jax.devices()[0]), "model": args.model, "args": vars(args),
                "requests": len(prompts), "output_tokens": sum(max_tokens)}
-    hf = random_hf_model(args.model, "bfloat16")
+    hf = random_hf_model(args.model, "bfloat16") if args.hf_requests else None
     if args.hf_requests:  # first: JAX takes most of the GPU's memory for itself when it starts
         import torch
         from hf_peers import generate_tok_s

@@ -5,7 +5,8 @@ import re
 
 
 def trace_events(trace_dir: str):
-    """([(name, start_ns, end_ns)] of every kernel on the GPU plane, [(name, duration_ns)] of host events)."""
+    """([(name, start_ns, end_ns)] of every kernel on the first GPU's plane, [(name, duration_ns)] of host events).
+    With several GPUs (tensor parallelism) the others run the same program, so the first one stands for all."""
     from jax.profiler import ProfileData
 
     (path,) = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
@@ -14,10 +15,13 @@ def trace_events(trace_dir: str):
         seen.append((plane.name, [line.name for line in plane.lines]))
         if plane.name.startswith("/host"):
             host += [(ev.name, ev.duration_ns) for line in plane.lines for ev in line.events]
-        if "gpu" not in plane.name.lower():
+        if "gpu" not in plane.name.lower() or re.search(r":\d+$", plane.name) and not plane.name.endswith(":0"):
             continue
         for line in plane.lines:
-            if "compute" not in line.name.lower():  # e.g. 'Stream #14(Compute,MemcpyD2D)'; skip copy-only streams
+            # Streams ('Stream #14(Compute,MemcpyD2D)'; collectives may run on a stream of their own), not the
+            # derived lines ('XLA Ops') that repeat them, nor copy-only streams.
+            kinds = line.name.lower().partition("(")[2]
+            if not line.name.startswith("Stream") or kinds and "compute" not in kinds and "memcpy" in kinds:
                 continue
             kernels += [(ev.name, ev.start_ns, ev.end_ns) for ev in line.events]
     if not kernels:

@@ -6,10 +6,12 @@ Traces the compiled multi-step decode with jax.profiler and reads the GPU plane 
 kernels are grouped by name, so the table shows how many launches and how many microseconds each kind costs per
 decode step. Wall time per step minus summed kernel time is launch and idle overhead: the largest idle gaps
 between kernels are listed with their neighbours, and the host events by total time. `--prefill N` profiles a
-prefill of N tokens (time to first token) instead.
+prefill of N tokens (time to first token) instead. `--tensor-parallel-size N` profiles the model split over N GPUs
+(the first GPU's kernels are read) and prints the all-reduce time per layer.
 """
 import argparse
 import collections
+import re
 import sys
 import tempfile
 import time
@@ -22,10 +24,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_decode import PAGE, random_cache  # noqa: E402
 from gpu_trace import kernel_kind, trace_events  # noqa: E402
-from random_model import loaded_model, random_hf_model  # noqa: E402
+from random_model import model_config, random_params  # noqa: E402
 
 from nanojax.ops import get_ops  # noqa: E402
 from nanojax.runner import ModelRunner, greedy_sampling  # noqa: E402
+from nanojax.sharding import TensorParallel  # noqa: E402
 
 
 def print_gaps(kernels, top: int) -> None:
@@ -58,18 +61,21 @@ def main():
     ap.add_argument("--kernels", default="pallas", choices=["pallas", "reference"])
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--prefill", type=int, default=0, help="profile a prefill of this many tokens instead")
+    ap.add_argument("--tensor-parallel-size", type=int, default=0, help="split over this many GPUs (0: one, unsharded)")
     args = ap.parse_args()
 
-    loaded = loaded_model(random_hf_model(args.model, "bfloat16"), "bfloat16")
-    c, params = loaded.config, jax.tree.map(jnp.asarray, loaded.params)
+    c = model_config(args.model)
+    tp = TensorParallel.create(c, args.tensor_parallel_size) if args.tensor_parallel_size else None
+    params = random_params(args.model, tp).params
     pps = -(-(max(args.context, args.prefill) + args.steps) // PAGE)
     runner = ModelRunner(c, params, num_pages=args.batch * pps, page_size=PAGE, pages_per_seq=pps,
                          dtype=jnp.bfloat16, ops=get_ops(args.kernels, c), vocab_limit=c.vocab_size,
-                         max_num_seqs=args.batch, max_prefill_tokens=max(16, args.prefill), decode_steps=args.steps)
+                         max_num_seqs=args.batch, max_prefill_tokens=max(16, args.prefill), decode_steps=args.steps,
+                         tensor_parallel=tp)
     random_cache(runner, jax.random.key(0))
     tables = [list(range(b * pps, (b + 1) * pps)) for b in range(args.batch)]
     tokens = np.random.default_rng(0).integers(0, 1000, args.batch).tolist()
-    samp = greedy_sampling(args.batch)
+    samp = greedy_sampling(args.batch, runner.neutral_slot)
     if args.prefill:  # one call is one "step": TTFT
         prompt = np.random.default_rng(1).integers(0, 1000, args.prefill).tolist()
         args.steps = 1
@@ -104,6 +110,12 @@ def main():
     print(f"{'kernel':<60} {'per step':>8} {'us/step':>9} {'us each':>8}")
     for kind, (n, us) in sorted(by_kind.items(), key=lambda kv: -kv[1][1])[:args.top]:
         print(f"{kind:<60} {n / steps:>8.1f} {us / steps:>9.1f} {us / n:>8.2f}")
+    # XLA names its own all-reduce kernels after the psum (psum_524_0_fusion); NCCL's are ncclDevKernel_*.
+    collectives = [(n, us) for n, us in events if re.search("psum|all.?reduce|all.?gather|nccl", n, re.I)]
+    if collectives:
+        us = sum(us for _, us in collectives) / steps
+        print(f"\ncollective kernels: {len(collectives) / steps:.1f} per step, {us:.1f} us per step, "
+              f"{us / c.num_layers:.2f} us per layer ({100 * us / 1e3 / wall_ms:.1f}% of the step)")
     print(f"\nGPU span of the {reps} traced calls: {(kernels[-1][2] - kernels[0][1]) / 1e6:.3f} ms")
     print_gaps(kernels, args.top // 2)
     print_host(host, args.top // 2)

@@ -62,3 +62,32 @@ def test_cascade_gives_hf_greedy_tokens(name):
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     assert [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == expected
     assert llm.runner.cascade_dispatches > 0
+
+
+@requires_gpu
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("name", ["qwen3-0.6b", "llama-3.2-1b"])
+def test_tensor_parallel_gives_hf_greedy_tokens(name, size):
+    """The model split over `size` GPUs (nanojax.sharding, NCCL all-reduces inside the compiled steps), the Pallas
+    kernels per shard: HF's greedy tokens, float32, through chunked prefill and a prefix-cache hit."""
+    import jax
+    import torch
+
+    if jax.device_count() < size:
+        pytest.skip(f"needs {size} GPUs, has {jax.device_count()}")
+    hf = random_hf_model(name, "float32")
+    rng = np.random.default_rng(2)
+    shared = rng.integers(0, 10000, 40).tolist()
+    prompts = [shared + rng.integers(0, 10000, n).tolist() for n in (5, 23)] + [rng.integers(0, 10000, 17).tolist()]
+    with torch.no_grad():
+        expected = [hf.generate(torch.tensor([p], device=hf.device), max_new_tokens=12, min_new_tokens=12,
+                                do_sample=False)[0, len(p):].tolist() for p in prompts]
+    loaded = loaded_model(hf, "float32")
+    del hf
+    llm = LLM(loaded, dtype="float32", kernels="pallas", max_model_len=128, max_num_seqs=4, decode_steps=4,
+              chunk_size=16, max_num_batched_tokens=32, tensor_parallel_size=size)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    assert llm.generate(prompts[0], greedy, use_tqdm=False)[0].token_ids == expected[0]
+    outs = llm.generate(prompts, greedy, use_tqdm=False)  # the first two read the cached shared pages
+    assert [o.token_ids for o in outs] == expected
+    assert outs[1].num_cached_tokens >= 32
