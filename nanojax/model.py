@@ -96,7 +96,7 @@ def forward(params, tokens, kv_cache: KVCache, batch: Batch, *, config: ModelCon
     positions = batch.positions(t)
     slots = batch.slots(positions, kv_cache.page_size).reshape(-1)
     positions = positions.reshape(-1)
-    x = params["embed"][tokens.reshape(-1)]
+    x = ops.embed(params["embed"], tokens.reshape(-1))
     if config.rope_theta is None:
         x = x + params["pos_embed"][jnp.maximum(positions, 0)]
     new_k, new_v = [], []
@@ -108,16 +108,23 @@ def forward(params, tokens, kv_cache: KVCache, batch: Batch, *, config: ModelCon
     return hidden, KVCache(k=tuple(new_k), v=tuple(new_v))
 
 
-def lm_logits(params, hidden, config: ModelConfig):
-    """hidden: [..., H] -> float32 logits [..., V]. An FP8 head {w [H, V], scale [V]} (nanojax/quantize.py; beside the
-    embedding when tied) is dequantized in front of XLA's dot: (hidden @ w.astype(hidden.dtype)) * scale in f32."""
+def lm_logits(params, hidden, config: ModelConfig, ops: Ops = Ops()):
+    """hidden: [..., H] -> float32 logits [..., V] (a tensor-parallel Ops computes each device's vocabulary shard
+    there and gathers the logits, never the weights)."""
+    head = {"lm_head": params["lm_head"]} if "lm_head" in params else {"embed": params["embed"]}
+    return ops.vocab_head(head_logits, head, hidden)
+
+
+def head_logits(head, hidden):
+    """head: {lm_head [H, V]}, {embed [V, H]} (tied) or an FP8 {lm_head: {w [H, V], scale [V]}} (nanojax/quantize.py;
+    beside the embedding when tied), dequantized in front of XLA's dot: (hidden @ w.astype(hidden.dtype)) * scale in
+    f32. hidden: [..., H] -> float32 logits [..., V]."""
     precision = jax.lax.Precision.HIGHEST
-    head = params.get("lm_head")
-    if isinstance(head, dict):
-        logits = jnp.dot(hidden, head["w"].astype(hidden.dtype), precision=precision,
-                         preferred_element_type=jnp.float32)
-        return logits * head["scale"]
-    if config.tie_word_embeddings:
-        return jnp.einsum("...h,vh->...v", hidden, params["embed"], precision=precision,
+    w = head.get("lm_head")
+    if isinstance(w, dict):
+        logits = jnp.dot(hidden, w["w"].astype(hidden.dtype), precision=precision, preferred_element_type=jnp.float32)
+        return logits * w["scale"]
+    if w is None:
+        return jnp.einsum("...h,vh->...v", hidden, head["embed"], precision=precision,
                           preferred_element_type=jnp.float32)
-    return jnp.dot(hidden, params["lm_head"], precision=precision, preferred_element_type=jnp.float32)
+    return jnp.dot(hidden, w, precision=precision, preferred_element_type=jnp.float32)

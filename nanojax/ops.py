@@ -62,9 +62,13 @@ class Ops:
         """Runs layer(self, lp, x, ..., config), one decoder layer; a tensor-parallel Ops runs it per shard."""
         return layer(self, lp, x, positions, slots, k_pages, v_pages, batch, config)
 
-    def full_vocab(self, logits):
-        """lm_logits' output -> the logits over the whole vocabulary (a tensor-parallel Ops gathers its shards)."""
-        return logits
+    def embed(self, table, ids):
+        """table: [V, H]; ids: [N] -> rows [N, H] (a tensor-parallel Ops looks each id up on the device holding it)."""
+        return table[ids]
+
+    def vocab_head(self, head_logits, head, hidden):
+        """head_logits(head, hidden) -> logits [..., V] over the whole vocabulary (nanojax.model.lm_logits)."""
+        return head_logits(head, hidden)
 
     def qkv_rope_cache(self, qkv, positions, slots, k_pages, v_pages, inv_freq, q_norm, k_norm, *, eps):
         """qkv: [N, (Hq + 2 Hkv) D]; positions, slots: [N] -> (q [N, Hq, D], k_pages, v_pages)."""
