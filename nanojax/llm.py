@@ -376,17 +376,19 @@ class LLM:
             raise
 
     def _step(self, sampled: list[Sequence]) -> list[Sequence]:
-        """Dispatches a step, streams the previous step's events while the GPU computes, completes the step.
-        -> the sequences that gained tokens."""
+        """Streams the previous step's events, dispatches a step, completes it. -> the sequences that gained tokens.
+        The events go first: on the GPU a multi-step decode's dispatch returns only once its loop has run (XLA
+        drives the while loop from the host), so events streamed after it waited a whole dispatch (a request's
+        first token too: TTFT grew with the steps per dispatch)."""
+        self._emit(sampled)
         try:
             pending = self._dispatch()
         except CapacityError as e:  # this request can never fit: it ends, the others go on
             self._fail([e.seq], e)
-            return sampled
+            return []
         except Exception as e:  # noqa: BLE001 -- a failed step ends its requests, not the engine
             self._step_failed(e)
             return []
-        self._emit(sampled)
         try:
             return self._complete(*pending)
         except Exception as e:  # noqa: BLE001
