@@ -3,7 +3,9 @@
 `add_request` validates a request and hands it to the engine loop, a thread that runs while requests are unfinished:
 each step the scheduler picks what to compute (decodes first, then prefill chunks under the token budget), the
 runner dispatches it, and the sampled tokens are checked against the stop conditions. The host detokenizes and
-streams the previous step's tokens while the GPU computes the next step. `generate` and `stream` are built on
+streams a step's tokens before it dispatches the next step (on the GPU a multi-step decode's dispatch returns only
+once the loop has run), and a step's prefills and decodes are dispatched before any result is read, so the GPU runs
+them back to back. `generate` and `stream` are built on
 `add_request`, and several may run at once from different threads.
 """
 import concurrent.futures
