@@ -169,3 +169,25 @@ def test_each_device_holds_only_its_slices(tp_model):
     assert embed.shape == (104, 64)
     np.testing.assert_array_equal(np.asarray(embed)[:101], params["embed"])
     assert not np.asarray(embed)[101:].any()
+
+
+@on_host_devices
+def test_layout_is_where_place_puts_each_tensor(tp_model):
+    """TensorParallel.layout (what the benchmarks' random weights are drawn by) gives place's shape and sharding."""
+    folder, _ = tp_model("llama")
+    from nanojax.loader import load_model
+    from nanojax.sharding import _names
+
+    loaded = load_model(folder, "float32")
+    tp = TensorParallel.create(loaded.config, 4)
+    placed = tp.place(loaded.params)
+    top = {k: v for k, v in loaded.params.items() if k != "layers"}
+    for root, group, placed_group in [((), top, placed), (("layers",), loaded.params["layers"][0],
+                                                          placed["layers"][0])]:
+        for path, x in jax.tree_util.tree_leaves_with_path(group):
+            names = root + _names(path)
+            out = placed_group
+            for name in _names(path):
+                out = out[name]
+            shape, sharding, _ = tp.layout(names, x.shape)
+            assert (shape, sharding) == (out.shape, out.sharding), names
