@@ -53,7 +53,7 @@ def run_nanojax(hf_model, prompts, max_tokens, args) -> dict:
               max_model_len=args.max_input_len + args.max_output_len + args.decode_steps,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               chunk_size=args.chunk_size, decode_steps=args.decode_steps,
-              tensor_parallel_size=args.tensor_parallel_size)
+              tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization)
     compile_s = time.perf_counter() - t0
     llm.generate([prompts[0][:100]], SamplingParams(temperature=0.6, max_tokens=16), use_tqdm=False)  # warm-up
     compiles = llm.runner.compiles
@@ -83,6 +83,8 @@ def main():
     ap.add_argument("--skip-parity", action="store_true")
     ap.add_argument("--tensor-parallel-size", type=int, default=None,
                     help="split the model over this many GPUs (nanojax.sharding); default: one GPU, unsharded")
+    ap.add_argument("--quantization", choices=["fp8"], default=None,
+                    help="LLM(quantization=...): FP8 projections (the KV pool takes the memory the weights free)")
     ap.add_argument("--out", default="throughput.json")
     args = ap.parse_args()
 
@@ -113,8 +115,10 @@ def main():
     print(f"\n{args.model} on {results['device']}: {len(prompts)} requests, {sum(max_tokens)} output tokens; "
           f"parity {results.get('parity')}")
     r = results["nanojax"]
-    print(f"nanojax ({args.kernels}): {r['tok_s']:,.0f} tok/s ({r['seconds']:.1f} s; start-up compile "
-          f"{r['startup_compile_s']:.0f} s; recompiles during the run {r['recompiles_during_run']})")
+    variant = args.kernels + (f", {args.quantization}" if args.quantization else "")
+    print(f"nanojax ({variant}): {r['tok_s']:,.0f} tok/s ({r['seconds']:.1f} s; start-up compile "
+          f"{r['startup_compile_s']:.0f} s; {r['num_pages']} KV pages; recompiles during the run "
+          f"{r['recompiles_during_run']})")
     if "hf_eager" in results and "error" in results["hf_eager"]:
         print(f"HF transformers generate, eager: {results['hf_eager']['error']}")
     elif "hf_eager" in results:
