@@ -29,7 +29,7 @@ from nanojax.loader import LoadedModel, load_model
 from nanojax.ops import get_ops
 from nanojax.page_manager import PageManager
 from nanojax.quantize import is_quantized, quantize_params
-from nanojax.runner import ModelRunner
+from nanojax.runner import PREFILL_ROW, ModelRunner
 from nanojax.sampling import BANNED, PROMPT
 from nanojax.sampling_params import SamplingParams
 from nanojax.scheduler import CapacityError, Scheduler, SchedulerConfig
@@ -133,7 +133,9 @@ class LLM:
         self.page_manager = PageManager(num_pages, page_size)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=self.max_model_len,
-            chunk_size=chunk_size or budget, page_size=page_size), self.page_manager)
+            chunk_size=chunk_size or budget, page_size=page_size,
+            # a budget below one row (tests force chunking so): a row per dispatch, whatever it holds
+            prefill_row=min(PREFILL_ROW, budget)), self.page_manager)
         self.runner = (DistributedRunner if several else ModelRunner)(
             self.config, params, num_pages=num_pages, page_size=page_size, pages_per_seq=pages_per_seq,
             dtype=params["embed"].dtype, ops=get_ops(kernels, self.config), vocab_limit=vocab_limit,
