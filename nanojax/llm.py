@@ -133,9 +133,7 @@ class LLM:
         self.page_manager = PageManager(num_pages, page_size)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=self.max_model_len,
-            chunk_size=chunk_size or budget, page_size=page_size,
-            # a budget below one row (tests force chunking so): a row per dispatch, whatever it holds
-            prefill_row=min(PREFILL_ROW, budget)), self.page_manager)
+            chunk_size=chunk_size or budget, page_size=page_size, prefill_row=PREFILL_ROW), self.page_manager)
         self.runner = (DistributedRunner if several else ModelRunner)(
             self.config, params, num_pages=num_pages, page_size=page_size, pages_per_seq=pages_per_seq,
             dtype=params["embed"].dtype, ops=get_ops(kernels, self.config), vocab_limit=vocab_limit,

@@ -41,10 +41,10 @@ token budget ``max_num_batched_tokens`` and the free pages:
    new KV slots without preempting anyone.
 
 A prefill chunk is at most ``chunk_size`` tokens and what is left of the budget, and costs the budget its
-length rounded up to whole ``prefill_row``s: the runner packs each chunk into rows of that many tokens, so
-a step's chunks fill one packed dispatch of ``max_num_batched_tokens`` tokens instead of spilling into a
-second, mostly padded one (256 prompts of 100 tokens: 8 dispatches and 39,040 token slots counted by
-length, 4 and 32,768 by rows).  A decode costs one token.  With
+length rounded up to whole ``prefill_row``s (at most what is left): the runner packs each chunk into rows
+of that many tokens, so a step's chunks fill one packed dispatch of ``max_num_batched_tokens`` tokens
+instead of spilling into a second, mostly padded one (256 prompts of 100 tokens: 8 dispatches and 39,040
+token slots counted by length, 5 and 32,896 by rows).  A decode costs one token.  With
 ``chunk_size=None`` a prompt is never split: a waiting prompt is admitted only when all its
 uncached tokens fit in the budget left by that step's decodes (set ``max_num_batched_tokens >=
 max_model_len + max_num_seqs`` to never delay admissions because of decodes); with a
@@ -104,11 +104,6 @@ class SchedulerConfig:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"max_num_seqs ({self.max_num_seqs}) so every running sequence can decode"
-            )
-        if self.max_num_batched_tokens < self.prefill_row:
-            raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= one prefill row "
-                f"({self.prefill_row} tokens)"
             )
         if self.chunk_size is None and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
@@ -252,7 +247,7 @@ class Scheduler:
             n = self._prefill_len(remaining, budget) if remaining > 1 else 0
             if n:
                 chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
-                budget -= self._cost(chunks[-1])
+                budget -= self._cost(chunks[-1], budget)
         return chunks
 
     def _admit(self, budget: int) -> list[ScheduledChunk]:
@@ -269,7 +264,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
-            budget -= self._cost(chunks[-1])
+            budget -= self._cost(chunks[-1], budget)
         return chunks
 
     def _admission_error(self, seq: Sequence) -> CapacityError:
@@ -329,26 +324,24 @@ class Scheduler:
 
     # ------------------------------------------------------------------ internals
     def _budget_left(self, chunks: list[ScheduledChunk]) -> int:
-        return self.config.max_num_batched_tokens - sum(map(self._cost, chunks))
+        left = self.config.max_num_batched_tokens
+        for c in chunks:
+            left -= self._cost(c, left)
+        return left
 
-    def _cost(self, chunk: ScheduledChunk) -> int:
-        """A chunk's share of the budget: one token for a decode (a one-token chunk that samples: the
-        engine runs those as decodes), whole prefill rows for a prefill chunk."""
+    def _cost(self, chunk: ScheduledChunk, budget: int) -> int:
+        """A chunk's share of the ``budget`` left: one token for a decode (a one-token chunk that samples:
+        the engine runs those as decodes), else its length in whole prefill rows, at most the budget (a
+        chunk that fits by length always runs: a small budget never starves prefills)."""
         if chunk.num_tokens == 1 and chunk.sample:
             return 1
-        return self._rows_of(chunk.num_tokens)
-
-    def _rows_of(self, num_tokens: int) -> int:
         row = self.config.prefill_row
-        return -(-num_tokens // row) * row
+        return min(-(-chunk.num_tokens // row) * row, budget)
 
     def _prefill_len(self, remaining: int, budget: int) -> int:
-        if remaining == 1:  # the last token alone (a prompt cached but for it): it runs as a decode
-            return 1 if budget >= 1 else 0
         if self.config.chunk_size is None:
-            return remaining if self._rows_of(remaining) <= budget else 0
-        # whole rows of the budget: a chunk of n <= that costs at most the budget
-        return min(remaining, budget // self.config.prefill_row * self.config.prefill_row, self.config.chunk_size)
+            return remaining if remaining <= budget else 0
+        return min(remaining, budget, self.config.chunk_size)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

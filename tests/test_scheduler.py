@@ -288,8 +288,6 @@ def test_config_validation():
         SchedulerConfig(chunk_size=0)
     with pytest.raises(ValueError, match="page_size"):
         Scheduler(SchedulerConfig(page_size=16), PageManager(10, 8))
-    with pytest.raises(ValueError, match="prefill row"):
-        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8, chunk_size=4, max_model_len=64, prefill_row=16)
 
 
 def test_add_rejects_too_long_prompts():
@@ -325,16 +323,17 @@ def test_chunked_prefill_chunks_cover_prompt_once():
 
 def test_prefill_chunks_cost_whole_rows():
     """With rows of 4 tokens a prefill chunk costs its length rounded up to rows (the runner pads each chunk to
-    whole rows), so a step's chunks fill one packed dispatch of the budget; a chunk cut by the budget ends on a
-    row; a decode costs one token."""
+    whole rows), so a step's chunks fill one packed dispatch of the budget; a chunk that fits by length runs,
+    charged at most what is left; a decode costs one token."""
     cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16, max_model_len=64, chunk_size=16, page_size=4,
                           prefill_row=4)
     d = Driver(cfg, num_pages=64)
     a, b, c, e = (d.add(list(range(10 * i + 1, 10 * i + 6)), max_tokens=3) for i in (1, 2, 4, 5))  # 2 rows each
     chunks = d.step()
     assert [(x.seq, x.num_tokens) for x in chunks] == [(a, 5), (b, 5)]  # 8 + 8 slots: c waits (by length it fit)
-    chunks = d.step()  # 2 decodes, then 14 left: c's 5 tokens (8 slots), e's first row (4 of 6 left)
-    assert [(x.seq, x.start, x.num_tokens) for x in chunks] == [(a, 5, 1), (b, 5, 1), (c, 0, 5), (e, 0, 4)]
+    chunks = d.step()  # 2 decodes, then 14 left: c's 5 tokens (8 slots), e's 5 tokens (the 6 left)
+    assert [(x.seq, x.start, x.num_tokens) for x in chunks] == [(a, 5, 1), (b, 5, 1), (c, 0, 5), (e, 0, 5)]
+    assert d.sched._budget_left(chunks) == 0
     d.run_until_done()
     for s in (a, b, c, e):
         assert d.outputs[s.seq_id] == reference(s.token_ids[: s.num_prompt_tokens], 3, 64)
@@ -695,8 +694,8 @@ def workloads(draw):
     max_model_len = draw(st.integers(6, 40))
     chunk_size = draw(st.sampled_from([None, 1, 3, 8]))
     max_num_seqs = draw(st.integers(1, 5))
-    prefill_row = draw(st.sampled_from([1, 1, 2, 4]))
-    budget = max(draw(st.integers(max_num_seqs, 24)), prefill_row)
+    prefill_row = draw(st.sampled_from([1, 1, 2, 4, 64]))
+    budget = draw(st.integers(max_num_seqs, 24))
     if chunk_size is None:
         budget = max(budget, max_model_len)
     cfg = SchedulerConfig(
