@@ -89,7 +89,9 @@ def random_params(name: str, tensor_parallel=None, seed: int = 0):
         shapes = {n: tuple(t.shape) for n, t in AutoModelForCausalLM.from_config(one_layer).state_dict().items()}
     tensors = {n: (lambda s=s: np.broadcast_to(np.zeros((), np.float32), s)) for n, s in shapes.items()}
     one = hf_to_params(dataclasses.replace(config, num_layers=1), one_layer.model_type, tensors, np.float32)
-    keys = iter(jax.random.split(jax.random.key(seed), 1 + config.num_layers * 64))
+    top_shapes, layer_shapes = {k: v for k, v in one.items() if k != "layers"}, one["layers"][0]
+    count = len(jax.tree.leaves(top_shapes)) + config.num_layers * len(jax.tree.leaves(layer_shapes))
+    keys = iter(jax.random.split(jax.random.key(seed), count))
 
     def leaf(names, x):
         shape = tuple(x.shape)
@@ -104,8 +106,8 @@ def random_params(name: str, tensor_parallel=None, seed: int = 0):
         return jax.tree_util.tree_map_with_path(
             lambda path, x: leaf(root + tuple(k.key for k in path if hasattr(k, "key")), x), tree)
 
-    top = group({k: v for k, v in one.items() if k != "layers"}, ())
-    layers = tuple(group(one["layers"][0], ("layers",)) for _ in range(config.num_layers))
+    top = group(top_shapes, ())
+    layers = tuple(group(layer_shapes, ("layers",)) for _ in range(config.num_layers))
     return LoadedModel(config, {**top, "layers": layers}, None)
 
 
