@@ -108,7 +108,7 @@ def forward(params, tokens, kv_cache: KVCache, batch: Batch, *, config: ModelCon
     return hidden, KVCache(k=tuple(new_k), v=tuple(new_v))
 
 
-def lm_logits(params, hidden, config: ModelConfig, ops: Ops = Ops()):
+def lm_logits(params, hidden, ops: Ops = Ops()):
     """hidden: [..., H] -> float32 logits [..., V] (a tensor-parallel Ops computes each device's vocabulary shard
     there and gathers the logits, never the weights)."""
     head = {"lm_head": params["lm_head"]} if "lm_head" in params else {"embed": params["embed"]}

@@ -45,7 +45,7 @@ def prefill_step(params, cache, tables, tokens, batch: Batch, sampling: Sampling
     for none."""
     hidden, cache = forward(params, tokens, cache, batch, config=config, ops=ops)
     last = jnp.take_along_axis(hidden, jnp.maximum(batch.q_lens - 1, 0)[:, None, None], axis=1)[:, 0]
-    out = sample(lm_logits(params, last, config, ops), sampling, tables, 0, vocab_limit=vocab_limit)
+    out = sample(lm_logits(params, last, ops), sampling, tables, 0, vocab_limit=vocab_limit)
     prompt = prompt_logprobs(params, hidden, targets, config=config, ops=ops, vocab_limit=vocab_limit)
     return jax.tree.map(lambda x: x[None], out), prompt, cache, tables.count(sampling.slots, out.tokens)
 
@@ -56,7 +56,7 @@ def prompt_logprobs(params, hidden, targets, *, config, ops, vocab_limit) -> "Pr
     logits of every position take [T, V] per row: one row at a time, and only in a step where a row wants them."""
     def row(args):
         h, target = args
-        logits = lm_logits(params, h, config, ops)
+        logits = lm_logits(params, h, ops)
         logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_limit, logits, -jnp.inf)
         log_probs = jax.nn.log_softmax(logits, axis=-1)
         top_logprobs, top_ids = jax.lax.top_k(log_probs, MAX_LOGPROBS)
@@ -86,7 +86,7 @@ def decode_step(params, cache, tables, tokens, batch: Batch, sampling: SamplingB
         tokens, cache, tables, seq_lens, out = carry
         hidden, cache = forward(params, tokens[:, None], cache, batch.replace(seq_lens=seq_lens), config=config,
                                 ops=ops)
-        logits = lm_logits(params, hidden[:, 0], config, ops)
+        logits = lm_logits(params, hidden[:, 0], ops)
         new = sample(logits, sampling, tables, i, vocab_limit=vocab_limit)
         out = jax.tree.map(lambda o, n: o.at[i].set(n), out, new)
         return new.tokens, cache, tables.count(sampling.slots, new.tokens), seq_lens + active, out

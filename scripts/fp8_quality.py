@@ -106,7 +106,7 @@ PAGE = 16
 def _step(params, cache, tokens, batch, *, config):
     """tokens [B, T] -> (float32 logits [B, T, V], cache), the reference ops."""
     hidden, cache = forward(params, tokens, cache, batch, config=config, ops=Ops())
-    return lm_logits(params, hidden, config), cache
+    return lm_logits(params, hidden), cache
 
 
 def _pad(rows: list[list[int]], width: int) -> tuple[np.ndarray, np.ndarray]:

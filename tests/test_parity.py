@@ -33,7 +33,7 @@ def test_logits_prefill_and_decode_match_hf(hf_model_dir, name, ops):
     hidden, cache = forward(params, jnp.array(prompts), cache, batch, config=config, ops=ops)
     with torch.no_grad():
         ref = model(torch.tensor(prompts)).logits.numpy()
-    np.testing.assert_allclose(np.asarray(lm_logits(params, hidden, config)), ref, atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(lm_logits(params, hidden)), ref, atol=1e-4, rtol=1e-4)
 
     ids = prompts
     for step in range(3):  # decode through the paged cache
@@ -43,7 +43,7 @@ def test_logits_prefill_and_decode_match_hf(hf_model_dir, name, ops):
         hidden, cache = forward(params, jnp.array(nxt), cache, batch, config=config, ops=ops)
         with torch.no_grad():
             ref = model(torch.tensor(ids)).logits.numpy()
-        np.testing.assert_allclose(np.asarray(lm_logits(params, hidden, config))[:, -1], ref[:, -1],
+        np.testing.assert_allclose(np.asarray(lm_logits(params, hidden))[:, -1], ref[:, -1],
                                    atol=1e-4, rtol=1e-4)
 
     # One row alone: the single-row decode, where every fused projection kernel runs (ops.PALLAS_PROJECTION_MAX_ROWS).
@@ -53,7 +53,7 @@ def test_logits_prefill_and_decode_match_hf(hf_model_dir, name, ops):
     hidden, cache = forward(params, jnp.array(nxt), cache, batch, config=config, ops=ops)
     with torch.no_grad():
         ref = model(torch.tensor(ids)).logits.numpy()
-    np.testing.assert_allclose(np.asarray(lm_logits(params, hidden, config))[:, -1], ref[:, -1], atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(lm_logits(params, hidden))[:, -1], ref[:, -1], atol=1e-4, rtol=1e-4)
 
 
 def test_projection_kernel_rows():

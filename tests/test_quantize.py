@@ -157,7 +157,7 @@ def run_model(params, config, ops):
         b, t = rows.shape
         batch = Batch(page_table=table[:b], seq_lens=jnp.full(b, 40 + step if step else 40), q_lens=jnp.full(b, t))
         hidden, cache = forward(params, jnp.asarray(rows), cache, batch, config=config, ops=ops)
-        logits.append(np.asarray(lm_logits(params, hidden[:, -1], config)))
+        logits.append(np.asarray(lm_logits(params, hidden[:, -1])))
     return np.concatenate(logits)
 
 
