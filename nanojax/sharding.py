@@ -28,7 +28,8 @@ AXIS = "tp"
 _KV_PAGES = P(None, AXIS)  # [num_pages, kv_heads, page_size, head_dim]: split by KV heads
 
 
-def _names(path) -> tuple[str, ...]:
+def param_names(path) -> tuple[str, ...]:
+    """A params leaf's tree path -> its dict keys (the names `split_axis` and `layout` take; layer indices dropped)."""
     return tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
 
 
@@ -50,7 +51,7 @@ def split_axis(names: tuple[str, ...], ndim: int) -> int | None:
 def param_specs(params):
     """The PartitionSpec of each leaf of `params` (the whole tree, or one layer's)."""
     def spec(path, x):
-        axis = split_axis(_names(path), np.ndim(x))
+        axis = split_axis(param_names(path), np.ndim(x))
         return P() if axis is None else P(*([None] * axis), AXIS)
 
     return jax.tree_util.tree_map_with_path(spec, params)
@@ -118,7 +119,7 @@ class TensorParallel:
         placed = []
         for _, group, root in tqdm(groups, desc=f"placing params on {self.size} devices", disable=not progress):
             placed.append(jax.tree_util.tree_map_with_path(
-                lambda path, x: self._place_leaf(root + _names(path), x), group))
+                lambda path, x: self._place_leaf(root + param_names(path), x), group))
         return {**placed[0], "layers": tuple(placed[1:])}
 
     def layout(self, names: tuple[str, ...], shape: tuple[int, ...]):

@@ -150,17 +150,16 @@ def shared_point(runner: ModelRunner, batch: int, prefix: int, levels: int, own:
     return {"ms_per_step": seconds / steps * 1e3, "saved_tokens": (runner.cascade_saved_tokens - saved) / 5 / steps}
 
 
-def variant_params(model: str, loaded, quantization: str, tp_size: int):
+def variant_params(model: str, config, loaded, quantization: str, tp_size: int):
     """-> (params on the device(s), TensorParallel or None); tp_size 0: unsharded. loaded: HF's weights, or None
     for random values drawn on the device(s) (random_model.random_params; FP8 only unsharded)."""
-    tp = TensorParallel.create(loaded.config if loaded else model_config(model), tp_size) if tp_size else None
+    tp = TensorParallel.create(config, tp_size) if tp_size else None
     if loaded is None:
         params = random_params(model, tp).params
-        return (quantize_params(params, model_config(model), lm_head=False) if quantization == "fp8"
-                else params), tp
+        return (quantize_params(params, config, lm_head=False) if quantization == "fp8" else params), tp
     params = loaded.params
     if quantization == "fp8":
-        params = quantize_params(jax.tree.map(jnp.asarray, params), loaded.config, lm_head=False)
+        params = quantize_params(jax.tree.map(jnp.asarray, params), config, lm_head=False)
     return (tp.place(params, progress=True) if tp else jax.tree.map(jnp.asarray, params)), tp
 
 
@@ -218,7 +217,7 @@ def main():
             if quant == "fp8" and tp_size and loaded is None:
                 print(f"skipped fp8 at tensor-parallel size {tp_size}: random weights are drawn already sharded")
                 continue
-            params, tp = variant_params(args.model, loaded, quant, tp_size)
+            params, tp = variant_params(args.model, c, loaded, quant, tp_size)
             wbytes = weight_bytes(params) - c.vocab_size * c.hidden_size * 2 * (
                 0 if c.tie_word_embeddings else 1)  # untied: the input embedding is read only by row
             for kern in args.kernels:

@@ -82,6 +82,7 @@ def random_params(name: str, tensor_parallel=None, seed: int = 0):
 
     from convert.keys import hf_to_params
     from nanojax.loader import LoadedModel
+    from nanojax.sharding import param_names
 
     config = model_config(name)
     one_layer = hf_config(name, num_hidden_layers=1)
@@ -103,8 +104,7 @@ def random_params(name: str, tensor_parallel=None, seed: int = 0):
         return random_array(next(keys), shape, sharding, offset=1.0 if x.ndim == 1 else 0.0)
 
     def group(tree, root):
-        return jax.tree_util.tree_map_with_path(
-            lambda path, x: leaf(root + tuple(k.key for k in path if hasattr(k, "key")), x), tree)
+        return jax.tree_util.tree_map_with_path(lambda path, x: leaf(root + param_names(path), x), tree)
 
     top = group(top_shapes, ())
     layers = tuple(group(layer_shapes, ("layers",)) for _ in range(config.num_layers))

@@ -176,18 +176,15 @@ def test_layout_is_where_place_puts_each_tensor(tp_model):
     """TensorParallel.layout (what the benchmarks' random weights are drawn by) gives place's shape and sharding."""
     folder, _ = tp_model("llama")
     from nanojax.loader import load_model
-    from nanojax.sharding import _names
+    from nanojax.sharding import param_names
 
     loaded = load_model(folder, "float32")
     tp = TensorParallel.create(loaded.config, 4)
     placed = tp.place(loaded.params)
-    top = {k: v for k, v in loaded.params.items() if k != "layers"}
-    for root, group, placed_group in [((), top, placed), (("layers",), loaded.params["layers"][0],
-                                                          placed["layers"][0])]:
-        for path, x in jax.tree_util.tree_leaves_with_path(group):
-            names = root + _names(path)
-            out = placed_group
-            for name in _names(path):
-                out = out[name]
-            shape, sharding, _ = tp.layout(names, x.shape)
-            assert (shape, sharding) == (out.shape, out.sharding), names
+    groups = [((), {k: v for k, v in loaded.params.items() if k != "layers"},
+               {k: v for k, v in placed.items() if k != "layers"}),
+              (("layers",), loaded.params["layers"][0], placed["layers"][0])]
+    for root, group, placed_group in groups:
+        for (path, x), out in zip(jax.tree_util.tree_leaves_with_path(group), jax.tree.leaves(placed_group)):
+            shape, sharding, _ = tp.layout(root + param_names(path), x.shape)
+            assert (shape, sharding) == (out.shape, out.sharding), path
