@@ -69,15 +69,21 @@ def hub_snapshot(model_id: str) -> Path:
 
 
 def normalized_hf_config(raw: dict) -> dict:
-    """Every field filled in by the model's transformers config class (so defaults are not guessed here)."""
-    from transformers import AutoConfig
+    """Every field filled in by the model's transformers config class (so defaults are not guessed here); kept in
+    the cache per config and transformers version, since transformers' config classes import torch."""
+    from nanojax.cache import remembered
 
-    model_type = raw.get("model_type")
-    try:
-        config = AutoConfig.for_model(model_type, **{k: v for k, v in raw.items() if k != "model_type"})
-    except (ValueError, KeyError) as e:
-        raise CheckpointError(f"config.json: unknown or unsupported model_type={model_type!r}: {e}") from None
-    return config.to_dict()
+    def normalize():
+        from transformers import AutoConfig
+
+        model_type = raw.get("model_type")
+        try:
+            config = AutoConfig.for_model(model_type, **{k: v for k, v in raw.items() if k != "model_type"})
+        except (ValueError, KeyError) as e:
+            raise CheckpointError(f"config.json: unknown or unsupported model_type={model_type!r}: {e}") from None
+        return config.to_dict()
+
+    return remembered("hf_config", json.dumps(raw, sort_keys=True).encode(), normalize)
 
 
 def _hf_folder_source(folder: Path) -> Source:
@@ -151,13 +157,43 @@ def has_tokenizer_files(folder) -> bool:
     return any((Path(folder) / f).is_file() for f in TOKENIZER_FILES)
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")  # any one of them
+ALL_TOKENIZER_FILES = (*TOKENIZER_FILES, "special_tokens_map.json", "added_tokens.json", "merges.txt",
+                       "chat_template.jinja")
+# Everything AutoTokenizer reads to pick and build a tokenizer (config.json: the model type, when no class is named).
+_TOKENIZER_INPUTS = (*ALL_TOKENIZER_FILES, "config.json")
+
+
+def load_hf_tokenizer(folder):
+    """The tokenizer AutoTokenizer builds from `folder`, None for a weights-only folder (transformers would
+    otherwise make up an empty one). The class it picks is kept in the cache per the folder's tokenizer files:
+    later loads build that class directly, without importing the auto classes, which import torch."""
+    import importlib
+
+    from nanojax.cache import remembered
+
+    folder = Path(folder)
+    if not has_tokenizer_files(folder):
+        return None
+    built = {}
+
+    def pick_class():
+        from transformers import AutoTokenizer
+
+        built["tokenizer"] = tokenizer = AutoTokenizer.from_pretrained(folder)
+        return [type(tokenizer).__module__, type(tokenizer).__qualname__]
+
+    key = b"".join(name.encode() + b"\0" + (folder / name).read_bytes() + b"\0"
+                   for name in _TOKENIZER_INPUTS if (folder / name).is_file())
+    module, name = remembered("tokenizer_class", key, pick_class)
+    if "tokenizer" in built:
+        return built["tokenizer"]
+    return getattr(importlib.import_module(module), name).from_pretrained(folder)
 
 
 def _save_hf_tokenizer(folder: Path, dst: Path) -> bool:
-    if not has_tokenizer_files(folder):
+    tokenizer = load_hf_tokenizer(folder)
+    if tokenizer is None:
         return False
-    from transformers import AutoTokenizer
-
-    AutoTokenizer.from_pretrained(folder).save_pretrained(dst)
+    tokenizer.save_pretrained(dst)
     return True

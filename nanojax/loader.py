@@ -1,7 +1,7 @@
 """Resolve what the user named into (config, params, tokenizer): a nanojax checkpoint, or any source that
 convert/ reads (HF folder, hub-cache id, GGUF), converted in memory."""
 import dataclasses
-from pathlib import Path
+from concurrent.futures import ThreadPoolExecutor
 
 from nanojax.config import ModelConfig
 
@@ -14,10 +14,11 @@ class LoadedModel:
 
 
 def load_model(model: "str | LoadedModel | None", dtype: str) -> LoadedModel:
-    """Resolve `model` and cast its params to `dtype`."""
+    """Resolve `model` and cast its params to `dtype`. The tokenizer loads on a thread while the weights are read."""
     # convert/ builds on nanojax.config, so it is imported here rather than at module level.
     from convert import is_checkpoint, load_checkpoint, open_source, params_from_source
     from convert.checkpoint import DTYPES
+    from convert.sources import load_hf_tokenizer
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
@@ -27,14 +28,16 @@ def load_model(model: "str | LoadedModel | None", dtype: str) -> LoadedModel:
         from nanojax.default_model import default_checkpoint
 
         model = str(default_checkpoint())
-    if is_checkpoint(model):
-        config, params, manifest = load_checkpoint(model)
-        return LoadedModel(config, _cast(params, DTYPES[dtype]), _tokenizer(model) if manifest["tokenizer"] else None)
-    source = open_source(model)
-    config, params = params_from_source(source, dtype)
-    if source.format == "gguf":
-        return LoadedModel(config, params, _gguf_tokenizer(source.description))
-    return LoadedModel(config, params, _tokenizer(source.description))
+    with ThreadPoolExecutor(1) as pool:
+        if is_checkpoint(model):
+            tokenizer = pool.submit(load_hf_tokenizer, model)  # None where the manifest says it has none
+            config, params, _ = load_checkpoint(model)
+            return LoadedModel(config, _cast(params, DTYPES[dtype]), tokenizer.result())
+        source = open_source(model)
+        tokenizer = pool.submit(_gguf_tokenizer if source.format == "gguf" else load_hf_tokenizer,
+                                source.description)
+        config, params = params_from_source(source, dtype)
+        return LoadedModel(config, params, tokenizer.result())
 
 
 def _cast(params, dtype):
@@ -49,20 +52,12 @@ def _cast(params, dtype):
     return params if params.dtype == dtype else params.astype(dtype)
 
 
-def _tokenizer(folder):
-    """None for a weights-only folder (transformers would otherwise make up an empty tokenizer)."""
-    from transformers import AutoTokenizer
-
-    from convert.sources import has_tokenizer_files
-
-    return AutoTokenizer.from_pretrained(folder) if has_tokenizer_files(folder) else None
-
-
 def _gguf_tokenizer(path):
     import tempfile
 
     from convert.gguf_source import save_gguf_tokenizer
+    from convert.sources import load_hf_tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
         save_gguf_tokenizer(path, tmp)
-        return _tokenizer(Path(tmp))
+        return load_hf_tokenizer(tmp)

@@ -14,6 +14,7 @@ counts the programs compiled after `LLM()` returned. The figures of the build be
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -21,6 +22,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from convert.sources import ALL_TOKENIZER_FILES  # noqa: E402
 
 BEFORE = {"start_empty_s": 109.6, "start_filled_s": 22.9, "first_generate_tok_s": 2481, "second_generate_tok_s": 9683,
           "compiles_after_start": "14-16", "penalized_vs_plain": 0.48, "prefill_256x100_ms": 891,
@@ -97,6 +100,8 @@ def main():
     ap.add_argument("--num-seqs", type=int, default=256)
     ap.add_argument("--max-input-len", type=int, default=1024)
     ap.add_argument("--max-output-len", type=int, default=1024)
+    ap.add_argument("--tokenizer", help="a folder whose tokenizer files go into the model's folder, as a user's "
+                    "download holds them (default: none, a weights-only folder)")
     ap.add_argument("--out", default="startup.json")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--workload", action="store_true", help=argparse.SUPPRESS)
@@ -110,11 +115,15 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         folder, cache = Path(tmp) / args.model, Path(tmp) / "cache"
         random_hf_model(args.model, "bfloat16").save_pretrained(folder)
+        for name in ALL_TOKENIZER_FILES if args.tokenizer else ():
+            if (Path(args.tokenizer) / name).is_file():
+                shutil.copy(Path(args.tokenizer) / name, folder / name)
         empty = run_child(args, folder, cache, workload=False)
         filled = run_child(args, folder, cache, workload=True)
     import jax
 
-    results = {"model": args.model, "device": str(jax.devices()[0]), "empty_cache": empty, "filled_cache": filled,
+    results = {"model": args.model, "tokenizer": args.tokenizer, "device": str(jax.devices()[0]),
+               "empty_cache": empty, "filled_cache": filled,
                "before": BEFORE}
     Path(args.out).write_text(json.dumps(results, indent=2))
     rows = [("start-up to compiled, empty cache (s)", empty["start_s"], BEFORE["start_empty_s"]),

@@ -6,7 +6,8 @@ Each projection of a layer is timed in its fused form (RMSNorm + QKV, o_proj + r
 SiLU-and-mul, down + residual) with bench_kernels' harness (back-to-back calls in one jit, inputs rotated past L2),
 for every config of the grid and for the default that `_default_config` picks. %HBM counts the weight bytes.
 `--fp8`: the weights in FP8 (nanojax.quantize.quantize_weight: E4M3 and a scale per column), which the kernel
-reads as such; the grid then also tries K slices of 512 (an FP8 tile holds half the bytes of a bf16 one).
+reads as such; the grid then also tries K slices of 512 and tiles 128 columns wide (an FP8 tile holds half the
+bytes of a bf16 one). `--block-n`, `--block-k`, `--k-splits`, `--num-stages` replace the grid's values.
 """
 import argparse
 import dataclasses
@@ -46,8 +47,12 @@ def main():
     ap.add_argument("--hbm-bw", type=float, default=2.83e12)
     ap.add_argument("--fp8", action="store_true", help="FP8 weights with per-column scales")
     ap.add_argument("--out")
+    for knob in ("block_n", "block_k", "k_splits", "num_stages"):
+        ap.add_argument(f"--{knob.replace('_', '-')}", type=int, nargs="+", help=f"the grid's {knob} values")
     args = ap.parse_args()
-    grid = dict(GRID, block_k=(128, 256, 512)) if args.fp8 else GRID
+    grid = dict(GRID, block_n=(32, 64, 128), block_k=(128, 256, 512)) if args.fp8 else dict(GRID)
+    grid.update({knob: tuple(v) for knob in ("block_n", "block_k", "k_splits", "num_stages")
+                 if (v := getattr(args, knob)) is not None})
     args.max_rotations = 16
     cfg = json.loads((Path(__file__).parent / "configs" / f"{args.model}.json").read_text())
     rng = np.random.default_rng(0)

@@ -1,0 +1,60 @@
+"""Loading an HF folder: the second start in a fresh process takes config and tokenizer class from the cache,
+without importing transformers' auto classes or torch (3-6 s of a start), and gets the same model and tokenizer."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from nanojax import default_model
+
+CHILD = """
+import json, sys
+from nanojax.loader import load_model
+m = load_model(sys.argv[1], "float32")
+print(json.dumps({"torch": "torch" in sys.modules, "auto": "transformers.models.auto" in sys.modules,
+                  "config": repr(m.config), "class": type(m.tokenizer).__name__, "size": len(m.tokenizer),
+                  "ids": m.tokenizer("The capital of France is Paris. ünï 123").input_ids,
+                  "chat": m.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                                          add_generation_prompt=True),
+                  "eos": m.tokenizer.eos_token_id}))
+"""
+
+
+def test_second_load_needs_no_torch(hf_model_dir, tmp_path):
+    src, _ = hf_model_dir("qwen3")
+    folder = tmp_path / "model"
+    shutil.copytree(src, folder)
+    tokenizer_dir = Path(default_model.default_checkpoint())  # SmolLM2's tokenizer files
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        if (tokenizer_dir / name).is_file():
+            shutil.copy(tokenizer_dir / name, folder / name)
+    env = dict(os.environ, NANOJAX_CACHE=str(tmp_path / "cache"), PYTHONPATH=str(Path(__file__).parents[1]))
+    runs = [json.loads(subprocess.run([sys.executable, "-c", CHILD, str(folder)], env=env, check=True,
+                                      capture_output=True, text=True).stdout.splitlines()[-1]) for _ in range(2)]
+    first, second = runs
+    assert first["auto"], "the first load asks transformers' auto classes"
+    assert not second["torch"] and not second["auto"]
+    assert {k: v for k, v in first.items() if k not in ("torch", "auto")} == \
+        {k: v for k, v in second.items() if k not in ("torch", "auto")}
+    assert len(list((tmp_path / "cache" / "answers").rglob("*.json"))) == 2  # the config and the tokenizer class
+
+
+def test_a_changed_tokenizer_is_asked_again(hf_model_dir, tmp_path, monkeypatch):
+    """The remembered class is keyed by the tokenizer files' contents: another tokenizer is not given a stale one."""
+    from convert.sources import load_hf_tokenizer
+
+    monkeypatch.setenv("NANOJAX_CACHE", str(tmp_path / "cache"))
+    tokenizer_dir = Path(default_model.default_checkpoint())
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, folder / name)
+    first = load_hf_tokenizer(folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["model_max_length"] = 77
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    second = load_hf_tokenizer(folder)
+    assert (first.model_max_length, second.model_max_length) == (first.model_max_length, 77)
+    assert len(list((tmp_path / "cache" / "answers" / "tokenizer_class").glob("*.json"))) == 2
