@@ -164,10 +164,11 @@ ALL_TOKENIZER_FILES = (*TOKENIZER_FILES, "special_tokens_map.json", "added_token
 _TOKENIZER_INPUTS = (*ALL_TOKENIZER_FILES, "config.json")
 
 
-def load_hf_tokenizer(folder):
-    """The tokenizer AutoTokenizer builds from `folder`, None for a weights-only folder (transformers would
-    otherwise make up an empty one). The class it picks is kept in the cache per the folder's tokenizer files:
-    later loads build that class directly, without importing the auto classes, which import torch."""
+def hf_tokenizer(folder) -> "tuple[int, Callable[[], object]] | None":
+    """None for a weights-only folder (transformers would otherwise make up an empty tokenizer), else (the length
+    of the tokenizer AutoTokenizer builds from `folder`, a function returning that tokenizer). The class it picks
+    and the length are kept in the cache per the folder's tokenizer files: on later loads both are known at once,
+    and the function builds that class directly, without importing the auto classes (they import torch)."""
     import importlib
 
     from nanojax.cache import remembered
@@ -181,14 +182,20 @@ def load_hf_tokenizer(folder):
         from transformers import AutoTokenizer
 
         built["tokenizer"] = tokenizer = AutoTokenizer.from_pretrained(folder)
-        return [type(tokenizer).__module__, type(tokenizer).__qualname__]
+        return [type(tokenizer).__module__, type(tokenizer).__qualname__, len(tokenizer)]
 
     key = b"".join(name.encode() + b"\0" + (folder / name).read_bytes() + b"\0"
                    for name in _TOKENIZER_INPUTS if (folder / name).is_file())
-    module, name = remembered("tokenizer_class", key, pick_class)
+    module, name, size = remembered("tokenizer", key, pick_class)
     if "tokenizer" in built:
-        return built["tokenizer"]
-    return getattr(importlib.import_module(module), name).from_pretrained(folder)
+        return size, lambda: built["tokenizer"]
+    return size, lambda: getattr(importlib.import_module(module), name).from_pretrained(folder)
+
+
+def load_hf_tokenizer(folder):
+    """The tokenizer AutoTokenizer builds from `folder` (see hf_tokenizer), or None."""
+    found = hf_tokenizer(folder)
+    return None if found is None else found[1]()
 
 
 def _save_hf_tokenizer(folder: Path, dst: Path) -> bool:

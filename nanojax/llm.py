@@ -105,7 +105,7 @@ class LLM:
             raise ValueError(f"cascade must be True, False or a nanojax.cascade.CascadeRules, got {cascade!r}")
         loaded = load_model(model, self.dtype)
         loaded_at = time.perf_counter()
-        self.config, params, self.tokenizer = loaded.config, loaded.params, loaded.tokenizer
+        self.config, params = loaded.config, loaded.params
         if quantization == "fp8" and not is_quantized(params["layers"][0]["qkv"]):
             # The LM head stays in dtype: in FP8 it changed SmolLM2's answers (docs/benchmarks.md, "FP8 weights").
             params = quantize_params(params, self.config, lm_head=False)
@@ -129,14 +129,13 @@ class LLM:
             kv_heads = self.config.num_kv_heads if tp is None else tp.local_config.num_kv_heads
             num_pages = min_over_processes(
                 self._pages_that_fit(page_size, memory_fraction, max_num_seqs * pages_per_seq, kv_heads))
-        vocab_limit = min(len(self.tokenizer), self.config.vocab_size) if self.tokenizer else self.config.vocab_size
         self.page_manager = PageManager(num_pages, page_size)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=self.max_model_len,
             chunk_size=chunk_size or budget, page_size=page_size, prefill_row=PREFILL_ROW), self.page_manager)
         self.runner = (DistributedRunner if several else ModelRunner)(
             self.config, params, num_pages=num_pages, page_size=page_size, pages_per_seq=pages_per_seq,
-            dtype=params["embed"].dtype, ops=get_ops(kernels, self.config), vocab_limit=vocab_limit,
+            dtype=params["embed"].dtype, ops=get_ops(kernels, self.config), vocab_limit=loaded.vocab_limit(),
             max_num_seqs=max_num_seqs, max_prefill_tokens=budget, decode_steps=self.decode_steps,
             tensor_parallel=tp, cascade_rules=CascadeRules() if cascade is True else cascade or None,
             # Off for several processes: each holds other devices' executables, under keys not yet made per process.
@@ -153,10 +152,12 @@ class LLM:
         built_at = time.perf_counter()
         if warmup if warmup is not None else on_gpu:
             self.warmup(progress)
+        compiled_at = time.perf_counter()
+        self.tokenizer = loaded.resolved().tokenizer  # its load overlapped the steps above
         # Where start-up went (scripts/bench_startup.py prints it): reading / converting the weights, placing them
-        # and the KV pool on the device, compiling or loading the programs.
+        # and the KV pool on the device, compiling or loading the programs, then waiting for the tokenizer.
         self.startup_seconds = {"load": loaded_at - start, "build": built_at - loaded_at,
-                                "compile": time.perf_counter() - built_at}
+                                "compile": compiled_at - built_at, "tokenizer_wait": time.perf_counter() - compiled_at}
 
     def _pages_that_fit(self, page_size: int, fraction: float, wanted: int, kv_heads: int) -> int:
         """kv_heads: the KV heads one device holds."""

@@ -1,7 +1,7 @@
 """Resolve what the user named into (config, params, tokenizer): a nanojax checkpoint, or any source that
 convert/ reads (HF folder, hub-cache id, GGUF), converted in memory."""
 import dataclasses
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from nanojax.config import ModelConfig
 
@@ -10,15 +10,30 @@ from nanojax.config import ModelConfig
 class LoadedModel:
     config: ModelConfig
     params: dict  # numpy arrays, see nanojax.model
-    tokenizer: object | None  # an HF tokenizer, or None for weights-only checkpoints
+    tokenizer: "object | Future | None"  # an HF tokenizer (or a Future of it, while it loads); None: weights only
+    tokenizer_len: int | None = None  # len(tokenizer), known before a Future resolves
+
+    def resolved(self) -> "LoadedModel":
+        """With the tokenizer loaded (waits for its Future)."""
+        if isinstance(self.tokenizer, Future):
+            return dataclasses.replace(self, tokenizer=self.tokenizer.result())
+        return self
+
+    def vocab_limit(self) -> int:
+        """Token ids the model may sample: those the tokenizer knows, at most the embedding's rows."""
+        if self.tokenizer is None:
+            return self.config.vocab_size
+        size = self.tokenizer_len if isinstance(self.tokenizer, Future) else len(self.tokenizer)
+        return min(size if size is not None else len(self.tokenizer.result()), self.config.vocab_size)
 
 
 def load_model(model: "str | LoadedModel | None", dtype: str) -> LoadedModel:
-    """Resolve `model` and cast its params to `dtype`. The tokenizer loads on a thread while the weights are read."""
+    """Resolve `model` and cast its params to `dtype`. The tokenizer of an HF folder or a checkpoint loads on a
+    thread while the weights are read, and may still be loading when this returns (see LoadedModel.resolved)."""
     # convert/ builds on nanojax.config, so it is imported here rather than at module level.
     from convert import is_checkpoint, load_checkpoint, open_source, params_from_source
     from convert.checkpoint import DTYPES
-    from convert.sources import load_hf_tokenizer
+    from convert.sources import hf_tokenizer
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
@@ -28,16 +43,29 @@ def load_model(model: "str | LoadedModel | None", dtype: str) -> LoadedModel:
         from nanojax.default_model import default_checkpoint
 
         model = str(default_checkpoint())
-    with ThreadPoolExecutor(1) as pool:
-        if is_checkpoint(model):
-            tokenizer = pool.submit(load_hf_tokenizer, model)  # None where the manifest says it has none
-            config, params, _ = load_checkpoint(model)
-            return LoadedModel(config, _cast(params, DTYPES[dtype]), tokenizer.result())
-        source = open_source(model)
-        tokenizer = pool.submit(_gguf_tokenizer if source.format == "gguf" else load_hf_tokenizer,
-                                source.description)
+    if is_checkpoint(model):
+        tokenizer = _start_tokenizer(hf_tokenizer(model))
+        config, params, _ = load_checkpoint(model)
+        return LoadedModel(config, _cast(params, DTYPES[dtype]), *tokenizer)
+    source = open_source(model)
+    if source.format == "gguf":
         config, params = params_from_source(source, dtype)
-        return LoadedModel(config, params, tokenizer.result())
+        return LoadedModel(config, params, _gguf_tokenizer(source.description))
+    tokenizer = _start_tokenizer(hf_tokenizer(source.description))
+    config, params = params_from_source(source, dtype)
+    return LoadedModel(config, params, *tokenizer)
+
+
+def _start_tokenizer(found) -> tuple:
+    """-> (tokenizer Future, its length), or (None, None): hf_tokenizer's build runs on a thread of its own, since
+    it imports transformers (with torch, on some versions) while the weights are read, placed and compiled."""
+    if found is None:
+        return None, None
+    size, build = found
+    pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+    tokenizer = pool.submit(build)
+    pool.shutdown(wait=False)
+    return tokenizer, size
 
 
 def _cast(params, dtype):

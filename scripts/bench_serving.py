@@ -380,17 +380,21 @@ def run_launched(args, scenarios: list[Scenario], report: Report) -> None:
         os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(args.mem_fraction))
     import jax
     import torch
-    from random_model import loaded_model, random_hf_model
+    from random_model import loaded_model, random_hf_model, random_params
     from transformers_serve_peer import save_peer_folder
 
-    # Built by torch before JAX starts (JAX takes most of the GPU's memory for itself when it does).
     args.dtype = args.dtype or ("bfloat16" if torch.cuda.is_available() else "float32")
-    hf = random_hf_model(args.launch, args.dtype)
-    loaded = loaded_model(hf, args.dtype)
+    folder = None
+    if args.peer or args.dtype != "bfloat16":
+        # Built by torch before JAX starts (JAX takes most of the GPU's memory for itself when it does).
+        hf = random_hf_model(args.launch, args.dtype)
+        loaded = loaded_model(hf, args.dtype)
+        folder = save_peer_folder(hf, Path(tempfile.mkdtemp(prefix="bench-serving-"))) if args.peer else None
+        del hf
+        torch.cuda.empty_cache()
+    else:  # no peer: bf16 weights drawn on the device, no HF model and no host copy (Qwen3-8B in seconds)
+        loaded = random_params(args.launch)
     report.data["device"] = str(jax.devices()[0])
-    folder = save_peer_folder(hf, Path(tempfile.mkdtemp(prefix="bench-serving-"))) if args.peer else None
-    del hf
-    torch.cuda.empty_cache()
     for decode_steps in args.decode_steps:
         run_nanojax(loaded, decode_steps, args, scenarios, report)
         gc.collect()  # the LLM and its KV pages go before the next one is built

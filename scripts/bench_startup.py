@@ -135,6 +135,7 @@ def main():
             ("  of which weights read / placed with the KV (s)",
              f"{filled['startup_load_s']:.1f} / {filled['startup_build_s']:.1f}", ""),
             ("  of which lowering / compiling all (s)", f"{filled['lowering_s']:.1f} / {filled['total_s']:.1f}", ""),
+            ("  of which waiting for the tokenizer after (s)", filled["startup_tokenizer_wait_s"], ""),
             ("programs compiled at start-up, empty cache", empty["programs"], 46),
             ("  with a filled cache: compiled / loaded", f"{filled['programs']} / {filled['loaded']}", ""),
             ("nano-vllm workload, first generate (tok/s)", filled["first_generate_tok_s"],

@@ -207,7 +207,7 @@ def main():
     args = ap.parse_args()
 
     t0 = time.perf_counter()
-    loaded = load_model(None, "bfloat16")
+    loaded = load_model(None, "bfloat16").resolved()
     config, tok, bf16 = loaded.config, loaded.tokenizer, loaded.params
     models = {"bf16": bf16, "f32": load_model(None, "float32").params, "fp8": quantize_params(bf16, config),
               "fp8_bf16_head": quantize_params(bf16, config, lm_head=False)}

@@ -1,5 +1,6 @@
-"""Loading an HF folder: the second start in a fresh process takes config and tokenizer class from the cache,
-without importing transformers' auto classes or torch (3-6 s of a start), and gets the same model and tokenizer."""
+"""Loading an HF folder: the second start in a fresh process takes the normalized config and the tokenizer's class
+and length from the cache, without importing transformers' auto classes (they import torch: 3-6 s of a start), and
+gets the same model and tokenizer."""
 import json
 import os
 import shutil
@@ -12,8 +13,9 @@ from nanojax import default_model
 CHILD = """
 import json, sys
 from nanojax.loader import load_model
-m = load_model(sys.argv[1], "float32")
-print(json.dumps({"torch": "torch" in sys.modules, "auto": "transformers.models.auto" in sys.modules,
+loaded = load_model(sys.argv[1], "float32")
+m = loaded.resolved()
+print(json.dumps({"auto": "transformers.models.auto" in sys.modules, "vocab_limit": loaded.vocab_limit(),
                   "config": repr(m.config), "class": type(m.tokenizer).__name__, "size": len(m.tokenizer),
                   "ids": m.tokenizer("The capital of France is Paris. ünï 123").input_ids,
                   "chat": m.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
@@ -22,7 +24,7 @@ print(json.dumps({"torch": "torch" in sys.modules, "auto": "transformers.models.
 """
 
 
-def test_second_load_needs_no_torch(hf_model_dir, tmp_path):
+def test_second_load_needs_no_auto_classes(hf_model_dir, tmp_path):
     src, _ = hf_model_dir("qwen3")
     folder = tmp_path / "model"
     shutil.copytree(src, folder)
@@ -35,10 +37,10 @@ def test_second_load_needs_no_torch(hf_model_dir, tmp_path):
                                       capture_output=True, text=True).stdout.splitlines()[-1]) for _ in range(2)]
     first, second = runs
     assert first["auto"], "the first load asks transformers' auto classes"
-    assert not second["torch"] and not second["auto"]
-    assert {k: v for k, v in first.items() if k not in ("torch", "auto")} == \
-        {k: v for k, v in second.items() if k not in ("torch", "auto")}
-    assert len(list((tmp_path / "cache" / "answers").rglob("*.json"))) == 2  # the config and the tokenizer class
+    assert not second["auto"]
+    assert {k: v for k, v in first.items() if k != "auto"} == {k: v for k, v in second.items() if k != "auto"}
+    assert first["vocab_limit"] == min(first["size"], 97)  # the tiny qwen3's embedding rows
+    assert len(list((tmp_path / "cache" / "answers").rglob("*.json"))) == 2  # the config, the tokenizer's class
 
 
 def test_a_changed_tokenizer_is_asked_again(hf_model_dir, tmp_path, monkeypatch):
@@ -57,4 +59,4 @@ def test_a_changed_tokenizer_is_asked_again(hf_model_dir, tmp_path, monkeypatch)
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     second = load_hf_tokenizer(folder)
     assert (first.model_max_length, second.model_max_length) == (first.model_max_length, 77)
-    assert len(list((tmp_path / "cache" / "answers" / "tokenizer_class").glob("*.json"))) == 2
+    assert len(list((tmp_path / "cache" / "answers" / "tokenizer").glob("*.json"))) == 2
