@@ -25,6 +25,7 @@ from nanojax.cascade import CascadeRules
 from nanojax.detokenizer import Detokenizer
 from nanojax.distributed import DistributedRunner, min_over_processes
 from nanojax.engine_io import RequestOutput, RequestStream, find_stop
+from nanojax.front import EngineLimits, EngineStats, RequestFront
 from nanojax.loader import LoadedModel, load_model
 from nanojax.ops import get_ops
 from nanojax.page_manager import PageManager
@@ -58,7 +59,7 @@ class _Request:
         return bool(p.logit_bias) or p.penalized or p.min_tokens > 0
 
 
-class LLM:
+class LLM(RequestFront):
     """An inference engine over one model.
 
     model: a nanojax checkpoint folder, an HF folder, an 'org/name' on the Hugging Face Hub, a .gguf file, None for
@@ -112,11 +113,11 @@ class LLM:
         if max_model_len and max_model_len > self.config.max_position_embeddings:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
                              f"{self.config.max_position_embeddings}")
-        self.max_model_len = min(max_model_len or 4096, self.config.max_position_embeddings)
+        max_model_len = min(max_model_len or 4096, self.config.max_position_embeddings)
         self.decode_steps = _positive("decode_steps", decode_steps, 32 if on_gpu else 8)
         max_num_seqs = _positive("max_num_seqs", max_num_seqs, 256 if on_gpu else 64)
         budget = _positive("max_num_batched_tokens", max_num_batched_tokens, 8192 if on_gpu else 2048)
-        pages_per_seq = -(-self.max_model_len // page_size)
+        pages_per_seq = -(-max_model_len // page_size)
         tp = None
         several = jax.process_count() > 1  # a jax.distributed job: one model over every process's devices
         if tensor_parallel_size is not None or several:
@@ -130,8 +131,9 @@ class LLM:
             num_pages = min_over_processes(
                 self._pages_that_fit(page_size, memory_fraction, max_num_seqs * pages_per_seq, kv_heads))
         self.page_manager = PageManager(num_pages, page_size)
+        self.limits = EngineLimits(max_model_len, page_size, num_pages, max_num_seqs)
         self.scheduler = Scheduler(SchedulerConfig(
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=self.max_model_len,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len,
             chunk_size=chunk_size or budget, page_size=page_size, prefill_row=PREFILL_ROW), self.page_manager)
         self.runner = (DistributedRunner if several else ModelRunner)(
             self.config, params, num_pages=num_pages, page_size=page_size, pages_per_seq=pages_per_seq,
@@ -171,6 +173,12 @@ class LLM:
             budget = 2 << 30
         return int(max(1, min(wanted, budget // page_bytes)))
 
+    def stats(self) -> EngineStats:
+        """The engine's load now (read from any thread: a snapshot for metrics, not a consistent one)."""
+        pages = self.page_manager
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), pages.num_pages,
+                           pages.num_pages - pages.num_free_pages)
+
     def warmup(self, progress: bool = True) -> None:
         """Compiles every program the engine runs (any sampling mix, any batch up to max_num_seqs, any prompt up
         to max_model_len), so that no request compiles anything."""
@@ -191,24 +199,6 @@ class LLM:
             self.runner.stop()
 
     # ----- requests -----
-    def encode(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this checkpoint has no tokenizer: pass prompts as lists of token ids")
-            return self.tokenizer.encode(prompt, add_special_tokens=True)
-        ids = [int(t) for t in prompt]
-        if not ids:
-            raise ValueError("empty prompt")
-        if min(ids) < 0 or max(ids) >= self.config.vocab_size:
-            raise ValueError(f"token ids must be in [0, {self.config.vocab_size}), got {min(ids)}..{max(ids)}")
-        return ids
-
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        if self.tokenizer is None or not self.tokenizer.chat_template:
-            raise ValueError("this model's tokenizer has no chat template")
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                  return_dict=False)
-
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None, index: int = 0, stream: RequestStream | None = None,
                     stream_text: bool = True) -> RequestStream:
@@ -220,7 +210,7 @@ class LLM:
         stop strings)."""
         params = params or SamplingParams()
         ids = self.encode(prompt)
-        self._check(index, ids, params)
+        self.check(index, ids, params)
         request_id = str(next(self._ids)) if request_id is None else request_id
         stream = stream or RequestStream()
         self._enqueue(ids, params, request_id, index, stream, stream_text)
@@ -245,23 +235,6 @@ class LLM:
         """Ends a request (all its choices) with finish_reason "abort"; its KV pages are freed in the next step."""
         self._inbox.put(("abort", request_id))
         self._start()
-
-    def _check(self, index: int, ids: list[int], params: SamplingParams) -> None:
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt {index} has {len(ids)} tokens; max_model_len={self.max_model_len} "
-                             "leaves no room to generate")
-        total = min(len(ids) + params.max_tokens, self.max_model_len)
-        pages = -(-total // self.page_manager.page_size)
-        if pages > self.page_manager.num_pages:
-            raise ValueError(f"prompt {index} needs up to {pages} KV pages ({total} tokens) but the pool has only "
-                             f"{self.page_manager.num_pages}: lower max_tokens or raise num_pages")
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer, and this checkpoint has none: use stop_token_ids")
-        if params.n > self.scheduler.config.max_num_seqs:
-            raise ValueError(f"n={params.n} is more than max_num_seqs={self.scheduler.config.max_num_seqs}")
-        bad = [t for t in (params.logit_bias or {}) if t >= self.config.vocab_size]
-        if bad:
-            raise ValueError(f"logit_bias token ids must be < vocab_size={self.config.vocab_size}, got {bad[:4]}")
 
     def _sequence(self, request_id, index, choice, ids, params, stream, stream_text) -> Sequence:
         seed = params.seed + choice if params.seed is not None else int(self._rng.integers(2**32))
@@ -289,7 +262,7 @@ class LLM:
             raise ValueError(f"the prefix has {len(ids)} tokens, less than one KV page ({page_size} tokens): "
                              "nothing to pin")
         once = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-        self._check(0, ids, once)
+        self.check(0, ids, once)
         stream = RequestStream()
         req = self._enqueue(ids, once, str(next(self._ids)), 0, stream, stream_text=False, pin=True)
         for _ in stream:
@@ -339,7 +312,7 @@ class LLM:
         params = [sp or SamplingParams() for sp in params]
         ids = [self.encode(p) for p in prompts]
         for i, (p, sp) in enumerate(zip(ids, params)):  # all of them before any runs
-            self._check(i, p, sp)
+            self.check(i, p, sp)
         stream, request_ids = RequestStream(), []
         try:
             for i, (p, sp) in enumerate(zip(ids, params)):

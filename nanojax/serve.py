@@ -392,7 +392,8 @@ class _Server:
         return Response(status_code=200)
 
     async def prometheus(self):
-        return Response(self.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(await asyncio.to_thread(self.metrics.exposition),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def tokenize(self, body: TokenizeRequest):
         self.check_model(body.model)
@@ -569,6 +570,8 @@ def parse_args(argv=None):
     p.add_argument("--max-n", type=int, default=limits.max_n)
     p.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens (default: max_model_len)")
     p.add_argument("--max-prompts", type=int, default=limits.max_prompts, help="prompts per completions request")
+    p.add_argument("--engine-in-process", action="store_true", help="run the engine loop in the server's process "
+                   "(default: a process of its own, so that HTTP work and the loop do not share one GIL)")
     p.add_argument("--log-level", default="info")
     return p.parse_args(argv)
 
@@ -576,15 +579,21 @@ def parse_args(argv=None):
 def main(argv=None) -> None:
     import uvicorn
 
+    from nanojax.engine_process import EngineProcess
     from nanojax.llm import LLM
 
     args = parse_args(argv)
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, num_pages=args.num_pages,
-              decode_steps=args.decode_steps, kernels=args.kernels)
+    engine = (LLM if args.engine_in_process else EngineProcess)(
+        args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, num_pages=args.num_pages, decode_steps=args.decode_steps,
+        kernels=args.kernels)
     limits = ServerLimits(args.max_body_bytes, args.max_n, args.max_tokens_limit, args.max_prompts)
-    app = build_app(llm, args.served_model_name or served_name(args.model), api_key=args.api_key, limits=limits)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    app = build_app(engine, args.served_model_name or served_name(args.model), api_key=args.api_key, limits=limits)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        if isinstance(engine, EngineProcess):
+            engine.close()
 
 
 if __name__ == "__main__":

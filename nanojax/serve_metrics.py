@@ -1,7 +1,7 @@
 """The server's Prometheus metrics, in a registry of its own (several servers may live in one process, as in tests).
 
-Engine state (running / waiting requests, KV pages) is read when /metrics is scraped; token counts, the prefix-cache
-hit rate and latencies are accumulated from the events the server hands to its clients.
+Engine state (running / waiting requests, KV pages: the engine's `stats()`) is read when /metrics is scraped; token
+counts, the prefix-cache hit rate and latencies are accumulated from the events the server hands to its clients.
 """
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -11,15 +11,12 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.
 class ServeMetrics:
     def __init__(self, llm):
         self.registry = r = CollectorRegistry()
+        self.llm = llm
         self._queried = self._hits = 0  # prompt tokens, and those of them found in the prefix cache
-        pages = llm.page_manager
-        Gauge("nanojax_requests_running", "Sequences being computed", registry=r).set_function(
-            lambda: len(llm.scheduler.running))
-        Gauge("nanojax_requests_waiting", "Sequences waiting for KV pages or a batch slot", registry=r).set_function(
-            lambda: len(llm.scheduler.waiting))
-        Gauge("nanojax_kv_pages_total", "KV pages in the pool", registry=r).set(pages.num_pages)
-        Gauge("nanojax_kv_pages_used", "KV pages held by running sequences", registry=r).set_function(
-            lambda: pages.num_pages - pages.num_free_pages)
+        self._running = Gauge("nanojax_requests_running", "Sequences being computed", registry=r)
+        self._waiting = Gauge("nanojax_requests_waiting", "Sequences waiting for KV pages or a batch slot", registry=r)
+        self._pages_total = Gauge("nanojax_kv_pages_total", "KV pages in the pool", registry=r)
+        self._pages_used = Gauge("nanojax_kv_pages_used", "KV pages held by running sequences", registry=r)
         self.prompt_tokens = Counter("nanojax_prompt_tokens", "Prompt tokens admitted", registry=r)
         self.cached_tokens = Counter("nanojax_prefix_cache_hit_tokens",
                                      "Prompt tokens whose KV came from the prefix cache", registry=r)
@@ -54,4 +51,10 @@ class ServeMetrics:
             self.ttft.observe(event.time_to_first_token)
 
     def exposition(self) -> bytes:
+        """The metrics with the engine's load asked now (LLM.stats, or EngineProcess.stats: a message to its
+        process; call from a worker thread)."""
+        stats = self.llm.stats()
+        for gauge, value in ((self._running, stats.running), (self._waiting, stats.waiting),
+                             (self._pages_total, stats.kv_pages_total), (self._pages_used, stats.kv_pages_used)):
+            gauge.set(value)
         return generate_latest(self.registry)

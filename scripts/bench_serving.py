@@ -217,27 +217,38 @@ def summarize(results: list[dict], seconds: float, input_len: int) -> dict:
 
 
 def serve_scenario(url: str, scenario: Scenario, index: int, args, *, as_text: bool = False, cap: int | None = None,
-                   time_limit: float | None = None) -> dict:
+                   time_limit: float | None = None, client_processes: int = 1) -> dict:
     """The scenario's requests (at most `cap`) after --warmup-requests of its shape -> summarize's metrics. The
-    client runs in a process of its own, as `vllm bench serve` does: in this one it would share the GIL with a
-    launched server and its engine loop (issue 24: a quarter of the engine's throughput on the H100)."""
+    client runs in processes of its own, as `vllm bench serve` does: in this one it would share the GIL with a
+    launched server and its engine loop (issue 24: a quarter of the engine's throughput on the H100). Without a
+    concurrency cap the requests are dealt round-robin to client_processes processes, which start together."""
     num = min(scenario.num_prompts, cap or scenario.num_prompts)
     seed, length = args.seed + 10 * index, scenario.input_len
     client = functools.partial(run_client, url, args.model, output_len=scenario.output_len, api_key=args.api_key,
-                               as_text=as_text, time_limit=time_limit,
-                               warmup=random_prompts(args.warmup_requests, length, args.vocab_size, seed + 1),
-                               prompts=random_prompts(num, scenario.input_len, args.vocab_size, seed),
-                               offsets=arrival_offsets(num, scenario.request_rate, args.burstiness, seed),
-                               max_concurrency=scenario.max_concurrency)
+                               as_text=as_text, time_limit=time_limit)
+    warmup = random_prompts(args.warmup_requests, length, args.vocab_size, seed + 1)
+    prompts = random_prompts(num, scenario.input_len, args.vocab_size, seed)
+    offsets = arrival_offsets(num, scenario.request_rate, args.burstiness, seed)
+    procs = 1 if scenario.max_concurrency is not None else max(1, min(client_processes, num))
     # spawn, not fork: this process runs JAX's and uvicorn's threads
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        results, seconds = pool.submit(client).result()
-    return {"num_prompts": num, **summarize(results, seconds, scenario.input_len)}
+    with concurrent.futures.ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        pool.submit(client, prompts=warmup, offsets=np.zeros(len(warmup)), max_concurrency=None).result()
+        list(pool.map(time.sleep, [0.5] * procs))  # every process spawned and idle before the clock starts
+        start_at = time.time() + 0.2
+        shares = [pool.submit(client, prompts=prompts[i::procs], offsets=offsets[i::procs],
+                              max_concurrency=scenario.max_concurrency, start_at=start_at) for i in range(procs)]
+        done = [f.result() for f in shares]
+    results = [r for share, _ in done for r in share]
+    return {"num_prompts": num, "client_processes": procs,
+            **summarize(results, max(seconds for _, seconds in done), scenario.input_len)}
 
 
-def run_client(url: str, model: str | None, *, warmup, prompts, offsets, max_concurrency, **kwargs):
-    """In the client's process: the warmup requests all at once, then the measured ones -> run_requests'."""
-    asyncio.run(run_requests(url, model, warmup, offsets=np.zeros(len(warmup)), max_concurrency=None, **kwargs))
+def run_client(url: str, model: str | None, *, prompts, offsets, max_concurrency, start_at: float | None = None,
+               **kwargs):
+    """In a client process: the prompts at their offsets from start_at (time.time(); default now) ->
+    run_requests'."""
+    if start_at is not None:
+        time.sleep(max(0.0, start_at - time.time()))
     return asyncio.run(run_requests(url, model, prompts, offsets=offsets, max_concurrency=max_concurrency, **kwargs))
 
 
@@ -327,26 +338,55 @@ def cell(row: dict, key: str, fmt: str) -> str:
 
 
 # ----- the launched servers -----
-def run_nanojax(loaded, decode_steps: int | None, args, scenarios: list[Scenario], report: Report) -> None:
-    """One LLM (compiled once) served on a free port; every scenario through it, each with its offline row."""
+def run_nanojax(model, decode_steps: int | None, args, scenarios: list[Scenario], report: Report) -> None:
+    """One engine (compiled once) served on a free port; every scenario through it, each with its offline row.
+    model: a LoadedModel, or a picklable function returning one (called where the engine runs). The engine runs in
+    a process of its own, as `python -m nanojax.serve` runs it, unless --engine-in-process."""
     from nanojax import LLM
+    from nanojax.engine_process import EngineProcess
     from nanojax.serve import BackgroundServer, ServerLimits, build_app
 
     start = time.perf_counter()
     # + 64: room for a multi-step decode's last dispatch, so every request reaches its output length
     max_model_len = max(s.input_len + s.output_len for s in scenarios) + 64
-    llm = LLM(loaded, dtype=args.dtype, max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
-              decode_steps=decode_steps, kernels=args.kernels, warmup=True)  # no compiling in a measurement
-    server = BackgroundServer(build_app(llm, args.launch, limits=ServerLimits(max_n=1, max_prompts=1)))
+    knobs = dict(dtype=args.dtype, max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
+                 decode_steps=decode_steps, kernels=args.kernels, warmup=True)  # no compiling in a measurement
+    if args.engine_in_process:
+        engine = LLM(model() if callable(model) else model, **knobs)
+    else:
+        engine = EngineProcess(model, **knobs)
+    on_engine = (lambda fn, *a: fn(engine, *a)) if isinstance(engine, LLM) else engine.call
+    report.data["device"] = on_engine(_device_name)
+    server = BackgroundServer(build_app(engine, args.launch, limits=ServerLimits(max_n=1, max_prompts=1)))
     print(f"served {args.launch} at {server.url} after {time.perf_counter() - start:.1f} s "
-          f"(decode_steps={llm.decode_steps})", flush=True)
+          f"(decode_steps={engine.decode_steps}, engine {'in process' if args.engine_in_process else 'process'})",
+          flush=True)
+    default_interval = sys.getswitchinterval()
     try:
-        for index, scenario in enumerate(scenarios):
-            report.add("nanojax", llm.decode_steps, scenario, serve_scenario(server.url, scenario, index, args))
-            if not args.no_offline:
-                report.add("offline", llm.decode_steps, scenario, offline_row(llm, scenario, index, args))
+        for interval in args.switch_interval or [default_interval]:
+            # How long a thread holding the GIL keeps it while another waits: the engine loop's thread against
+            # uvicorn's (the served row, with --engine-in-process) or against nothing (the offline row).
+            sys.setswitchinterval(interval)
+            for procs in args.client_processes:
+                name = "nanojax" + (f"@{interval * 1e3:g}ms" if args.switch_interval else "") + (
+                    f" c{procs}" if len(args.client_processes) > 1 else "")
+                for index, scenario in enumerate(scenarios):
+                    report.add(name, engine.decode_steps, scenario,
+                               serve_scenario(server.url, scenario, index, args, client_processes=procs))
+                    if not args.no_offline:
+                        report.add("offline", engine.decode_steps, scenario,
+                                   on_engine(offline_row, scenario, index, args))
     finally:
+        sys.setswitchinterval(default_interval)
         server.stop()
+        if isinstance(engine, EngineProcess):
+            engine.close()
+
+
+def _device_name(llm) -> str:
+    import jax
+
+    return str(jax.devices()[0])
 
 
 def run_peer(folder: Path, args, scenarios: list[Scenario], report: Report) -> None:
@@ -378,7 +418,6 @@ def run_launched(args, scenarios: list[Scenario], report: Report) -> None:
     """The random-weight model: nanojax served once per --decode-steps value, then the peer."""
     if args.peer:  # before JAX starts: the peer needs what JAX's pool would keep until the process ends
         os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(args.mem_fraction))
-    import jax
     import torch
     from random_model import loaded_model, random_hf_model, random_params
     from transformers_serve_peer import save_peer_folder
@@ -392,9 +431,8 @@ def run_launched(args, scenarios: list[Scenario], report: Report) -> None:
         folder = save_peer_folder(hf, Path(tempfile.mkdtemp(prefix="bench-serving-"))) if args.peer else None
         del hf
         torch.cuda.empty_cache()
-    else:  # no peer: bf16 weights drawn on the device, no HF model and no host copy (Qwen3-8B in seconds)
-        loaded = random_params(args.launch)
-    report.data["device"] = str(jax.devices()[0])
+    else:  # no peer: bf16 weights drawn on the engine's device, no HF model and no host copy (Qwen3-8B in seconds)
+        loaded = functools.partial(random_params, args.launch)
     for decode_steps in args.decode_steps:
         run_nanojax(loaded, decode_steps, args, scenarios, report)
         gc.collect()  # the LLM and its KV pages go before the next one is built
@@ -433,6 +471,14 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"])
     p.add_argument("--kernels", default="auto")
     p.add_argument("--no-offline", action="store_true", help="--launch without the offline rows")
+    p.add_argument("--client-processes", type=int, nargs="+", default=[1], help="client processes sharing a "
+                   "scenario without a concurrency cap (one Python process may not keep up with 1,000 streams); "
+                   "--launch: the scenarios run once per value")
+    p.add_argument("--engine-in-process", action="store_true", help="--launch: the engine loop in the server's "
+                   "process (default: a process of its own, as `python -m nanojax.serve` runs it)")
+    p.add_argument("--switch-interval", type=float, nargs="+", default=None, metavar="SECONDS",
+                   help="--launch: run the scenarios once per value of sys.setswitchinterval in the server's process "
+                   "(default: Python's, 0.005)")
     p.add_argument("--peer", choices=["transformers"], default=None, help="--launch: then serve the same weights "
                    "with `transformers serve --continuous-batching` and run the scenarios against it")
     p.add_argument("--peer-num-prompts", type=int, default=None, help="at most this many requests per scenario "
@@ -458,7 +504,8 @@ def main(argv=None) -> dict:
         run_launched(args, scenarios, report)
     else:
         for index, scenario in enumerate(scenarios):
-            report.add("server", None, scenario, serve_scenario(args.base_url, scenario, index, args))
+            report.add("server", None, scenario, serve_scenario(args.base_url, scenario, index, args,
+                                                                client_processes=args.client_processes[0]))
     report.print_table()
     return report.data
 

@@ -1,0 +1,242 @@
+"""An `LLM` in a process of its own, seen from the server's process through LLM's request surface.
+
+The server's process spends its time on HTTP: parsing requests, validating them, formatting server-sent events.
+In one process that work and the engine loop take turns on one GIL, and the GPU waits whenever the loop waits; a
+served 1,000-request workload ran at 0.74-0.76x the offline throughput on the H100 that way (docs/perf_notes.md,
+"Serving"). Here the engine loop runs in a child process (vLLM's layout): requests go down a pipe, each step's
+events come back in one message, and `RequestStream`s in the server's process deliver them as before.
+
+    engine = EngineProcess("Qwen/Qwen3-0.6B", max_num_seqs=256)   # returns once the child has compiled
+    stream = engine.add_request(ids, SamplingParams(max_tokens=8))
+    for event in stream: ...
+
+Prompts are encoded and requests checked here (`RequestFront`, shared with LLM), so a bad request fails at once in
+the caller's thread; the child checks them again when it adds them.
+"""
+import dataclasses
+import itertools
+import multiprocessing
+import queue
+import threading
+from concurrent.futures import Future
+
+from nanojax.engine_io import RequestOutput, RequestStream
+from nanojax.front import EngineStats, RequestFront
+from nanojax.sampling_params import SamplingParams
+
+
+class EngineProcess(RequestFront):
+    def __init__(self, model=None, **llm_kwargs):
+        """model: what LLM takes (a name, a path, None for the default model, a LoadedModel of numpy arrays), or a
+        picklable function returning it, called in the child (e.g. random weights drawn on its device).
+        llm_kwargs: LLM's. Returns once the child's LLM is built (and, on a GPU, compiled); its errors are raised
+        here."""
+        context = multiprocessing.get_context("spawn")  # the parent may run threads (uvicorn's, JAX's)
+        self._conn, child_conn = context.Pipe()
+        self._process = context.Process(target=_child, args=(child_conn, model, llm_kwargs), daemon=True,
+                                        name="nanojax-engine")
+        self._process.start()
+        child_conn.close()
+        try:
+            kind, info = self._conn.recv()
+        except EOFError:
+            self._process.join()
+            raise RuntimeError(f"the engine process exited while starting (code {self._process.exitcode})") from None
+        if kind == "failed":
+            self._process.join()
+            raise info
+        self.config, self.limits, self.tokenizer, self.decode_steps = (
+            info["config"], info["limits"], info["tokenizer"], info["decode_steps"])
+        self.dead: str | None = None  # why the engine stopped, once it has
+        self._send_lock = threading.Lock()
+        self._lock = threading.Lock()  # guards the tables below (the caller's threads and the reader)
+        self._streams: dict[str, list] = {}  # request id -> [stream, prompt ids, choices not finished]
+        self._replies: dict[int, Future] = {}
+        self._ids = itertools.count()
+        threading.Thread(target=self._read, name="nanojax-engine-reader", daemon=True).start()
+
+    # ----- requests (LLM's surface) -----
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
+                    request_id: str | None = None, index: int = 0, stream: RequestStream | None = None,
+                    stream_text: bool = True) -> RequestStream:
+        """As LLM.add_request."""
+        params = params or SamplingParams()
+        ids = self.encode(prompt)
+        self.check(index, ids, params)
+        if self.dead is not None:
+            raise RuntimeError(f"the engine has stopped: {self.dead}")
+        request_id = f"p{next(self._ids)}" if request_id is None else request_id
+        stream = stream or RequestStream()
+        stream.expect(params.n)
+        with self._lock:
+            self._streams[request_id] = [stream, ids, params.n]
+        self._send(("add", ids, params, request_id, index, stream_text))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        self._send(("abort", request_id))
+
+    def stats(self, timeout: float = 10.0) -> EngineStats:
+        """As LLM.stats (asked of the child)."""
+        return self.call(_stats, timeout=timeout)
+
+    def call(self, fn, *args, timeout: float | None = None):
+        """fn(llm, *args) run in the child's command thread -> its result (its exception raised here); fn and the
+        arguments must be picklable (benchmarks run offline generates this way)."""
+        token, reply = next(self._ids), Future()
+        with self._lock:
+            self._replies[token] = reply
+        self._send(("call", token, fn, args))
+        return reply.result(timeout)
+
+    def close(self) -> None:
+        """Stops the child (its requests end); idempotent."""
+        if self._process.is_alive():
+            try:
+                self._send(("stop",))
+            except (OSError, RuntimeError):
+                pass
+            self._process.join(30)
+        if self._process.is_alive():
+            self._process.kill()
+
+    # ----- the pipe -----
+    def _send(self, message) -> None:
+        try:
+            with self._send_lock:
+                self._conn.send(message)
+        except (OSError, ValueError) as e:  # the child has gone
+            raise RuntimeError(f"the engine has stopped: {self.dead or e}") from None
+
+    def _read(self) -> None:
+        """The reader thread: each message from the child is a list of items, in the order the child made them."""
+        while True:
+            try:
+                items = self._conn.recv()
+            except (EOFError, OSError):
+                self._stopped(self.dead or f"the engine process exited (code {self._process.exitcode})")
+                return
+            for item in items:
+                getattr(self, f"_on_{item[0]}")(*item[1:])
+
+    def _on_event(self, request_id: str, event: RequestOutput, error: BaseException | None) -> None:
+        with self._lock:
+            entry = self._streams.get(request_id)
+            if entry is None:
+                return
+            stream, ids, _ = entry
+            if event.finish_reason is not None:
+                entry[2] -= 1
+                if entry[2] == 0 or error is not None:
+                    del self._streams[request_id]
+        event.prompt_token_ids = ids  # not sent back: the child's copy is the same list
+        stream.put(event, error)
+
+    def _on_refused(self, request_id: str, index: int, choices: int, error: BaseException) -> None:
+        """The child's add_request raised (after this side's checks passed): the request ends with that error."""
+        with self._lock:
+            entry = self._streams.pop(request_id, None)
+        if entry is not None:
+            event = RequestOutput(index, entry[1], [], "", "error", request_id=request_id)
+            entry[0].put(event, error)
+
+    def _on_reply(self, token: int, result, error: BaseException | None) -> None:
+        with self._lock:
+            reply = self._replies.pop(token)
+        reply.set_exception(error) if error is not None else reply.set_result(result)
+
+    def _on_dead(self, reason: str) -> None:
+        self.dead = reason
+
+    def _stopped(self, reason: str) -> None:
+        """The child is gone: every open request and call ends with an error."""
+        self.dead = reason
+        with self._lock:
+            streams, self._streams = self._streams, {}
+            replies, self._replies = self._replies, {}
+        error = RuntimeError(f"the engine has stopped: {reason}")
+        for request_id, (stream, ids, _) in streams.items():
+            stream.put(RequestOutput(0, ids, [], "", "error", request_id=request_id), error)
+        for reply in replies.values():
+            reply.set_exception(error)
+
+
+def _stats(llm) -> EngineStats:
+    return llm.stats()
+
+
+class _Sink:
+    """Stands in for a RequestStream in the child: the LLM's events for one request go to the sender's queue."""
+
+    def __init__(self, request_id: str, out: queue.SimpleQueue):
+        self.request_id, self.out = request_id, out
+
+    def expect(self, choices: int) -> None:
+        pass
+
+    def put(self, event: RequestOutput, error: BaseException | None = None) -> None:
+        self.out.put(("event", self.request_id, dataclasses.replace(event, prompt_token_ids=None), error))
+
+
+def _child(conn, model, llm_kwargs) -> None:
+    """The child process: builds the LLM, then runs commands from the parent until told to stop or the parent
+    goes away. A sender thread ships everything queued since its last message as one message."""
+    try:
+        from nanojax.llm import LLM
+
+        llm = LLM(model() if callable(model) else model, **llm_kwargs)
+    except BaseException as e:  # noqa: BLE001 -- raised in the parent
+        conn.send(("failed", e))
+        return
+    conn.send(("ready", {"config": llm.config, "limits": llm.limits, "tokenizer": llm.tokenizer,
+                         "decode_steps": llm.decode_steps}))
+    out: queue.SimpleQueue = queue.SimpleQueue()
+    sender = threading.Thread(target=_send_items, args=(conn, out, llm), name="nanojax-engine-sender", daemon=True)
+    sender.start()
+    while True:
+        try:
+            command = conn.recv()
+        except (EOFError, OSError):
+            break
+        kind = command[0]
+        if kind == "add":
+            ids, params, request_id, index, stream_text = command[1:]
+            try:
+                llm.add_request(ids, params, request_id=request_id, index=index, stream=_Sink(request_id, out),
+                                stream_text=stream_text)
+            except Exception as e:  # noqa: BLE001 -- the request ends with it, the engine goes on
+                out.put(("refused", request_id, index, params.n, e))
+        elif kind == "abort":
+            llm.abort(command[1])
+        elif kind == "call":
+            token, fn, args = command[1:]
+            try:
+                out.put(("reply", token, fn(llm, *args), None))
+            except Exception as e:  # noqa: BLE001
+                out.put(("reply", token, None, e))
+        elif kind == "stop":
+            break
+    out.put(None)
+    sender.join(30)
+
+
+def _send_items(conn, out: queue.SimpleQueue, llm) -> None:
+    dead_sent = False
+    while True:
+        items = [out.get()]
+        while True:
+            try:
+                items.append(out.get_nowait())
+            except queue.Empty:
+                break
+        done = items[-1] is None
+        items = [i for i in items if i is not None]
+        if llm.dead is not None and not dead_sent:
+            items.append(("dead", repr(llm.dead)))
+            dead_sent = True
+        try:
+            conn.send(items)
+        except (OSError, ValueError):
+            return
+        if done:
+            return

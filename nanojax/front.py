@@ -1,0 +1,68 @@
+"""What every way into the engine does before a request reaches its loop: prompts encoded, the chat template
+applied, requests checked against the engine's limits. Shared by `LLM` and `EngineProcess` (an LLM in another
+process, as the server sees it), so each check is written once."""
+import dataclasses
+
+from nanojax.sampling_params import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineLimits:
+    max_model_len: int
+    page_size: int
+    num_pages: int  # KV pages in the pool
+    max_num_seqs: int
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    """The engine's load when asked (the server's /metrics)."""
+    running: int  # sequences being computed
+    waiting: int  # sequences waiting for KV pages or a batch slot
+    kv_pages_total: int
+    kv_pages_used: int
+
+
+class RequestFront:
+    """Needs `config` (a ModelConfig), `tokenizer` (or None) and `limits` (EngineLimits)."""
+
+    @property
+    def max_model_len(self) -> int:
+        return self.limits.max_model_len
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this checkpoint has no tokenizer: pass prompts as lists of token ids")
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("empty prompt")
+        if min(ids) < 0 or max(ids) >= self.config.vocab_size:
+            raise ValueError(f"token ids must be in [0, {self.config.vocab_size}), got {min(ids)}..{max(ids)}")
+        return ids
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        if self.tokenizer is None or not self.tokenizer.chat_template:
+            raise ValueError("this model's tokenizer has no chat template")
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False)
+
+    def check(self, index: int, ids: list[int], params: SamplingParams) -> None:
+        """ValueError naming what is wrong when prompt `index` (encoded) cannot run with `params`."""
+        limits = self.limits
+        if len(ids) >= limits.max_model_len:
+            raise ValueError(f"prompt {index} has {len(ids)} tokens; max_model_len={limits.max_model_len} "
+                             "leaves no room to generate")
+        total = min(len(ids) + params.max_tokens, limits.max_model_len)
+        pages = -(-total // limits.page_size)
+        if pages > limits.num_pages:
+            raise ValueError(f"prompt {index} needs up to {pages} KV pages ({total} tokens) but the pool has only "
+                             f"{limits.num_pages}: lower max_tokens or raise num_pages")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer, and this checkpoint has none: use stop_token_ids")
+        if params.n > limits.max_num_seqs:
+            raise ValueError(f"n={params.n} is more than max_num_seqs={limits.max_num_seqs}")
+        bad = [t for t in (params.logit_bias or {}) if t >= self.config.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias token ids must be < vocab_size={self.config.vocab_size}, got {bad[:4]}")

@@ -1,0 +1,154 @@
+"""The engine in a process of its own (nanojax.engine_process), directly and behind the server: the same greedy
+tokens as the in-process engine, requests refused at once in the caller, aborts that free the child's KV pages,
+metrics asked of the child, and a dead child reported by /health while the server goes on answering."""
+import asyncio
+import dataclasses
+import time
+
+import httpx
+import openai
+import pytest
+from conftest import random_prompts
+from test_sampling import byte_tokenizer
+from test_serve import CHAT_TEMPLATE, KEY, LIMITS, greedy, metric
+
+from nanojax import LLM, SamplingParams
+from nanojax.engine_process import EngineProcess
+from nanojax.loader import load_model
+from nanojax.serve import BackgroundServer, build_app
+
+ENGINE = dict(dtype="float32", page_size=4, max_model_len=256, max_num_seqs=32)
+
+
+@pytest.fixture(scope="module")
+def model(hf_model_dir):
+    folder, _ = hf_model_dir("qwen3")
+    tokenizer = byte_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return dataclasses.replace(load_model(str(folder), "float32").resolved(), tokenizer=tokenizer)
+
+
+@pytest.fixture(scope="module")
+def llm(model):
+    return LLM(model, **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    engine = EngineProcess(model, **ENGINE)  # the LoadedModel (numpy weights, the tokenizer) pickled to the child
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    server = BackgroundServer(build_app(engine, "tiny", api_key=KEY, limits=LIMITS))
+    yield server
+    server.stop()
+
+
+def test_requests_equal_the_in_process_engine(llm, engine):
+    prompts = random_prompts(97, [5, 13, 30], seed=3)
+    params = [greedy(max_tokens=9), SamplingParams(temperature=0.8, seed=7, max_tokens=11, logprobs=2),
+              greedy(max_tokens=14, n=2)]
+    want = llm.generate(prompts, params, use_tqdm=False)
+    streams = [engine.add_request(p, sp, index=i) for i, (p, sp) in enumerate(zip(prompts, params))]
+    got = [[e for e in s if e.finish_reason is not None] for s in streams]
+    for out, finals in zip(want, got):
+        assert finals[0].token_ids == out.token_ids and finals[0].text == out.text
+        assert finals[0].prompt_token_ids == out.prompt_token_ids and finals[0].finish_reason == "length"
+    assert got[1][0].logprobs == pytest.approx(want[1].logprobs)
+    assert len(got[2]) == 2  # both choices of n=2
+    assert engine.stats().kv_pages_used == 0 and engine.stats().running == 0
+
+
+def test_bad_requests_fail_in_the_caller(engine):
+    with pytest.raises(ValueError, match="max_model_len=256"):
+        engine.add_request([1] * 256, greedy(max_tokens=2))
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 97\)"):
+        engine.add_request([1, 97], greedy(max_tokens=2))
+    with pytest.raises(ValueError, match="logit_bias"):
+        engine.add_request([1], SamplingParams(max_tokens=2, logit_bias={99: 1.0}))
+    assert [e.token_ids for e in engine.add_request([1, 2], greedy(max_tokens=3))][-1]  # and it goes on
+
+
+def _slow_decode(llm, seconds: float):
+    """In the child: each decode dispatch sleeps first (the tiny model would finish before a client went away)."""
+    decode = type(llm.runner).decode
+
+    def slow(*args, **kw):
+        time.sleep(seconds)
+        return decode(llm.runner, *args, **kw)
+
+    llm.runner.decode = slow
+
+
+def _plain_decode(llm):
+    del llm.runner.decode
+
+
+def test_abort_and_a_disconnected_client_free_the_childs_pages(engine, server):
+    engine.call(_slow_decode, 0.02)
+    try:
+        stream = engine.add_request([5, 6, 7], greedy(max_tokens=200), request_id="to-abort")
+        first = next(iter(stream))
+        engine.abort("to-abort")
+        assert [e for e in stream][-1].finish_reason == "abort" and first.finish_reason is None
+        aborted = metric(server, "nanojax_requests_aborted_total")
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120)
+        chunks = client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=200, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})
+        next(iter(chunks))
+        chunks.close()
+        deadline = time.time() + 30
+        while (stats := engine.stats()).running or stats.kv_pages_used:
+            assert time.time() < deadline, "the disconnected client's request still holds the child's KV pages"
+            time.sleep(0.05)
+        assert metric(server, "nanojax_requests_aborted_total") == aborted + 1
+    finally:
+        engine.call(_plain_decode)
+
+
+def test_served_32_concurrent_clients_equal_offline_generate(llm, engine, server):
+    prompts = random_prompts(97, [3 + (7 * i) % 40 for i in range(32)], seed=4)
+    max_tokens = [8 + (5 * i) % 25 for i in range(32)]
+    want = llm.generate(prompts, [greedy(max_tokens=m) for m in max_tokens], use_tqdm=False)
+
+    async def one(client, prompt, m, stream):
+        kw = dict(model="tiny", prompt=prompt, max_tokens=m, temperature=0, extra_body={"ignore_eos": True})
+        if not stream:
+            return (await client.completions.create(**kw)).choices[0].text
+        return "".join([c.choices[0].text async for c in await client.completions.create(stream=True, **kw)])
+
+    async def all_clients():
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120) as c:
+            return await asyncio.gather(*(one(c, p, m, i % 2) for i, (p, m) in enumerate(zip(prompts, max_tokens))))
+
+    assert asyncio.run(all_clients()) == [out.text for out in want]
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120)
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+                                          temperature=0)
+    ids = llm.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert chat.choices[0].message.content == llm.generate([ids], greedy(max_tokens=5), use_tqdm=False)[0].text
+    assert httpx.post(f"{server.url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                      json={"prompt": [1], "top_p": 0}).json()["error"]["param"] == "top_p"
+    assert metric(server, "nanojax_kv_pages_total") == engine.limits.num_pages
+
+
+def test_a_dead_engine_process_answers_503_and_the_server_goes_on(model):
+    engine = EngineProcess(model, **ENGINE)
+    server = BackgroundServer(build_app(engine, "tiny", api_key=KEY, limits=LIMITS))
+    try:
+        assert httpx.get(f"{server.url}/health").status_code == 200
+        engine._process.kill()
+        deadline = time.time() + 30
+        while httpx.get(f"{server.url}/health").status_code != 503:
+            assert time.time() < deadline
+            time.sleep(0.05)
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=30)
+        with pytest.raises(openai.InternalServerError):
+            client.completions.create(model="tiny", prompt=[1], max_tokens=2)
+        assert client.models.list().data[0].id == "tiny"
+    finally:
+        server.stop()
+        engine.close()
