@@ -116,20 +116,25 @@ class EngineProcess(RequestFront):
             except (EOFError, OSError):
                 self._stopped(self.dead or f"the engine process exited (code {self._process.exitcode})")
                 return
-            for item in items:
-                getattr(self, f"_on_{item[0]}")(*item[1:])
+            try:
+                for item in items:
+                    getattr(self, f"_on_{item[0]}")(*item[1:])
+            except Exception as e:  # a bug here would otherwise leave every open request waiting forever
+                self._stopped(f"the server's side of the engine failed: {e!r}")
+                self.close()
+                raise
 
-    def _on_event(self, request_id: str, event: RequestOutput, error: BaseException | None) -> None:
+    def _on_event(self, request_id: str, values: tuple, error: BaseException | None) -> None:
         with self._lock:
             entry = self._streams.get(request_id)
             if entry is None:
                 return
             stream, ids, _ = entry
+            event = RequestOutput(prompt_token_ids=ids, **dict(zip(_SENT_FIELDS, values)))
             if event.finish_reason is not None:
                 entry[2] -= 1
                 if entry[2] == 0 or error is not None:
                     del self._streams[request_id]
-        event.prompt_token_ids = ids  # not sent back: the child's copy is the same list
         stream.put(event, error)
 
     def _on_refused(self, request_id: str, index: int, choices: int, error: BaseException) -> None:
@@ -165,6 +170,11 @@ def _stats(llm) -> EngineStats:
     return llm.stats()
 
 
+# A RequestOutput crosses the pipe as a tuple of these fields (a tuple of plain values pickles several times faster
+# than the dataclass); the prompt's ids stay behind, the parent has them.
+_SENT_FIELDS = tuple(f.name for f in dataclasses.fields(RequestOutput) if f.name != "prompt_token_ids")
+
+
 class _Sink:
     """Stands in for a RequestStream in the child: the LLM's events for one request go to the sender's queue."""
 
@@ -175,7 +185,7 @@ class _Sink:
         pass
 
     def put(self, event: RequestOutput, error: BaseException | None = None) -> None:
-        self.out.put(("event", self.request_id, dataclasses.replace(event, prompt_token_ids=None), error))
+        self.out.put(("event", self.request_id, tuple(getattr(event, f) for f in _SENT_FIELDS), error))
 
 
 def _child(conn, model, llm_kwargs) -> None:

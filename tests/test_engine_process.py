@@ -1,7 +1,6 @@
 """The engine in a process of its own (nanojax.engine_process), directly and behind the server: the same greedy
 tokens as the in-process engine, requests refused at once in the caller, aborts that free the child's KV pages,
 metrics asked of the child, and a dead child reported by /health while the server goes on answering."""
-import asyncio
 import dataclasses
 import time
 
@@ -10,7 +9,7 @@ import openai
 import pytest
 from conftest import random_prompts
 from test_sampling import byte_tokenizer
-from test_serve import CHAT_TEMPLATE, KEY, LIMITS, greedy, metric
+from test_serve import CHAT_TEMPLATE, KEY, LIMITS, concurrent_clients, greedy, metric
 
 from nanojax import LLM, SamplingParams
 from nanojax.engine_process import EngineProcess
@@ -113,18 +112,7 @@ def test_served_32_concurrent_clients_equal_offline_generate(llm, engine, server
     prompts = random_prompts(97, [3 + (7 * i) % 40 for i in range(32)], seed=4)
     max_tokens = [8 + (5 * i) % 25 for i in range(32)]
     want = llm.generate(prompts, [greedy(max_tokens=m) for m in max_tokens], use_tqdm=False)
-
-    async def one(client, prompt, m, stream):
-        kw = dict(model="tiny", prompt=prompt, max_tokens=m, temperature=0, extra_body={"ignore_eos": True})
-        if not stream:
-            return (await client.completions.create(**kw)).choices[0].text
-        return "".join([c.choices[0].text async for c in await client.completions.create(stream=True, **kw)])
-
-    async def all_clients():
-        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120) as c:
-            return await asyncio.gather(*(one(c, p, m, i % 2) for i, (p, m) in enumerate(zip(prompts, max_tokens))))
-
-    assert asyncio.run(all_clients()) == [out.text for out in want]
+    assert concurrent_clients(server, prompts, max_tokens) == [out.text for out in want]
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120)
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5,
                                           temperature=0)

@@ -97,7 +97,11 @@ def test_32_concurrent_clients_equal_offline_generate(llm, server):
     prompts = random_prompts(97, [3 + (7 * i) % 40 for i in range(32)], seed=2)
     max_tokens = [8 + (5 * i) % 25 for i in range(32)]
     want = offline(llm, prompts, [greedy(max_tokens=m) for m in max_tokens])
+    assert concurrent_clients(server, prompts, max_tokens) == [out.text for out in want]
 
+
+def concurrent_clients(server, prompts, max_tokens) -> list[str]:
+    """One client per prompt at once, every other one streamed -> their greedy texts."""
     async def one(client, prompt, m, stream):
         kw = dict(model="tiny", prompt=prompt, max_tokens=m, temperature=0, extra_body={"ignore_eos": True})
         if not stream:
@@ -108,7 +112,7 @@ def test_32_concurrent_clients_equal_offline_generate(llm, server):
         async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120) as c:
             return await asyncio.gather(*(one(c, p, m, i % 2) for i, (p, m) in enumerate(zip(prompts, max_tokens))))
 
-    assert asyncio.run(all_clients()) == [out.text for out in want]
+    return asyncio.run(all_clients())
 
 
 def metric(server, name: str) -> float:
