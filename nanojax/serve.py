@@ -7,6 +7,7 @@ exists (tests, the serving benchmark).
 """
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -416,10 +417,19 @@ class _Server:
         return {"prompt": self.llm.tokenizer.decode(body.tokens)}
 
 
-def build_app(llm, model_name: str, *, api_key: str | None = None, limits: ServerLimits = ServerLimits()) -> FastAPI:
-    """The FastAPI app serving `llm` under `model_name`; with api_key, /v1 routes need `Authorization: Bearer`."""
+def build_app(llm, model_name: str, *, api_key: str | None = None, limits: ServerLimits = ServerLimits(),
+              on_shutdown=None) -> FastAPI:
+    """The FastAPI app serving `llm` (an LLM or an EngineProcess) under `model_name`; with api_key, /v1 routes need
+    `Authorization: Bearer`. on_shutdown() runs when the server shuts down (uvicorn then re-raises the signal)."""
     server = _Server(llm, model_name, limits, api_key)
-    app = FastAPI(title="nanojax", docs_url=None, redoc_url=None)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_):
+        yield
+        if on_shutdown is not None:
+            await asyncio.to_thread(on_shutdown)
+
+    app = FastAPI(title="nanojax", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.add_middleware(_Guard, max_bytes=limits.max_body_bytes, api_key=api_key)
     app.add_exception_handler(RequestError, _refused)
     app.add_exception_handler(HTTPException, _http_error)
@@ -588,12 +598,9 @@ def main(argv=None) -> None:
         max_num_batched_tokens=args.max_num_batched_tokens, num_pages=args.num_pages, decode_steps=args.decode_steps,
         kernels=args.kernels)
     limits = ServerLimits(args.max_body_bytes, args.max_n, args.max_tokens_limit, args.max_prompts)
-    app = build_app(engine, args.served_model_name or served_name(args.model), api_key=args.api_key, limits=limits)
-    try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
-    finally:
-        if isinstance(engine, EngineProcess):
-            engine.close()
+    app = build_app(engine, args.served_model_name or served_name(args.model), api_key=args.api_key, limits=limits,
+                    on_shutdown=engine.close if isinstance(engine, EngineProcess) else None)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 
 
 if __name__ == "__main__":

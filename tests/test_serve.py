@@ -369,14 +369,35 @@ def test_serving_benchmark_client_against_the_server(server):
 
 
 def test_default_model_answers_through_chat_completions():
-    from nanojax.default_model import MODEL_NAME
+    """The launch command as a user runs it (the engine in a process of its own), with the embedded default model."""
+    import signal
+    import socket
+    import subprocess
 
-    llm = LLM(None, dtype="float32", max_model_len=256, max_num_seqs=2)
-    server = BackgroundServer(build_app(llm, MODEL_NAME))
+    from nanojax.default_model import MODEL_NAME, default_checkpoint
+
+    default_checkpoint()  # converted here, not in the server's child (kept in the cache for both)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "nanojax.serve", "--port", str(port), "--dtype", "float32",
+                               "--max-model-len", "256", "--max-num-seqs", "2", "--log-level", "warning"],
+                              cwd=Path(__file__).parents[1])
+    url = f"http://127.0.0.1:{port}"
     try:
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=300)
+        deadline = time.time() + 300
+        while True:  # the port opens once the engine is built
+            assert server.poll() is None, "the server exited"
+            assert time.time() < deadline, "the server did not answer /health"
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.5)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
         reply = client.chat.completions.create(model=MODEL_NAME, temperature=0, max_tokens=24, messages=[
             {"role": "user", "content": "What is the capital of France?"}])
         assert "Paris" in reply.choices[0].message.content
     finally:
-        server.stop()
+        server.terminate()  # uvicorn shuts down (stopping the engine's process), then re-raises the signal
+        assert server.wait(60) in (0, -signal.SIGTERM)
