@@ -137,7 +137,7 @@ class EngineProcess(RequestFront):
                     del self._streams[request_id]
         stream.put(event, error)
 
-    def _on_refused(self, request_id: str, index: int, choices: int, error: BaseException) -> None:
+    def _on_refused(self, request_id: str, index: int, error: BaseException) -> None:
         """The child's add_request raised (after this side's checks passed): the request ends with that error."""
         with self._lock:
             entry = self._streams.pop(request_id, None)
@@ -215,7 +215,7 @@ def _child(conn, model, llm_kwargs) -> None:
                 llm.add_request(ids, params, request_id=request_id, index=index, stream=_Sink(request_id, out),
                                 stream_text=stream_text)
             except Exception as e:  # noqa: BLE001 -- the request ends with it, the engine goes on
-                out.put(("refused", request_id, index, params.n, e))
+                out.put(("refused", request_id, index, e))
         elif kind == "abort":
             llm.abort(command[1])
         elif kind == "call":

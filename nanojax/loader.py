@@ -11,7 +11,7 @@ class LoadedModel:
     config: ModelConfig
     params: dict  # numpy arrays, see nanojax.model
     tokenizer: "object | Future | None"  # an HF tokenizer (or a Future of it, while it loads); None: weights only
-    tokenizer_len: int | None = None  # len(tokenizer), known before a Future resolves
+    tokenizer_len: int | None = None  # len(tokenizer): set with a Future, whose tokenizer is not there yet
 
     def resolved(self) -> "LoadedModel":
         """With the tokenizer loaded (waits for its Future)."""
@@ -24,7 +24,7 @@ class LoadedModel:
         if self.tokenizer is None:
             return self.config.vocab_size
         size = self.tokenizer_len if isinstance(self.tokenizer, Future) else len(self.tokenizer)
-        return min(size if size is not None else len(self.tokenizer.result()), self.config.vocab_size)
+        return min(size, self.config.vocab_size)
 
 
 def load_model(model: "str | LoadedModel | None", dtype: str) -> LoadedModel:

@@ -361,23 +361,15 @@ def run_nanojax(model, decode_steps: int | None, args, scenarios: list[Scenario]
     print(f"served {args.launch} at {server.url} after {time.perf_counter() - start:.1f} s "
           f"(decode_steps={engine.decode_steps}, engine {'in process' if args.engine_in_process else 'process'})",
           flush=True)
-    default_interval = sys.getswitchinterval()
     try:
-        for interval in args.switch_interval or [default_interval]:
-            # How long a thread holding the GIL keeps it while another waits: the engine loop's thread against
-            # uvicorn's (the served row, with --engine-in-process) or against nothing (the offline row).
-            sys.setswitchinterval(interval)
-            for procs in args.client_processes:
-                name = "nanojax" + (f"@{interval * 1e3:g}ms" if args.switch_interval else "") + (
-                    f" c{procs}" if len(args.client_processes) > 1 else "")
-                for index, scenario in enumerate(scenarios):
-                    report.add(name, engine.decode_steps, scenario,
-                               serve_scenario(server.url, scenario, index, args, client_processes=procs))
-                    if not args.no_offline:
-                        report.add("offline", engine.decode_steps, scenario,
-                                   on_engine(offline_row, scenario, index, args))
+        for procs in args.client_processes:
+            name = "nanojax" + (f" c{procs}" if len(args.client_processes) > 1 else "")
+            for index, scenario in enumerate(scenarios):
+                report.add(name, engine.decode_steps, scenario,
+                           serve_scenario(server.url, scenario, index, args, client_processes=procs))
+                if not args.no_offline:
+                    report.add("offline", engine.decode_steps, scenario, on_engine(offline_row, scenario, index, args))
     finally:
-        sys.setswitchinterval(default_interval)
         server.stop()
         if isinstance(engine, EngineProcess):
             engine.close()
@@ -476,9 +468,6 @@ def parse_args(argv=None):
                    "--launch: the scenarios run once per value")
     p.add_argument("--engine-in-process", action="store_true", help="--launch: the engine loop in the server's "
                    "process (default: a process of its own, as `python -m nanojax.serve` runs it)")
-    p.add_argument("--switch-interval", type=float, nargs="+", default=None, metavar="SECONDS",
-                   help="--launch: run the scenarios once per value of sys.setswitchinterval in the server's process "
-                   "(default: Python's, 0.005)")
     p.add_argument("--peer", choices=["transformers"], default=None, help="--launch: then serve the same weights "
                    "with `transformers serve --continuous-batching` and run the scenarios against it")
     p.add_argument("--peer-num-prompts", type=int, default=None, help="at most this many requests per scenario "
