@@ -174,7 +174,8 @@ class ModelRunner:
         self.page_size, self.cascade_rules = page_size, cascade_rules
         self.cascade_members = cascade_members_per_item(config.num_heads, config.num_kv_heads)
         local_kv_heads = config.num_kv_heads if tp is None else tp.local_config.num_kv_heads
-        self.cascade_wave = -(-num_sms() // local_kv_heads)  # items whose programs fill the SMs once
+        # Items whose programs fill the SMs twice (two waves beat one with the 64-row tiles: CASCADE_CONFIG).
+        self.cascade_wave = 2 * -(-num_sms() // local_kv_heads)
         self.cascade_rows = () if cascade_rules is None else tuple(
             b for b in self.decode_rows if b >= cascade_rules.min_batch)
         self.cascade_dispatches = self.cascade_saved_tokens = 0  # saved: KV tokens per layer and KV head, all steps

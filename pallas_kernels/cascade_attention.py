@@ -43,9 +43,9 @@ class CascadeConfig:
         cascade_members_per_item gives the planner the members that fill it.
     block_k: KV tokens per inner-loop step, a power of two >= 16 (halved for f32, see _default_config).
     """
-    block_m: int = 128
+    block_m: int = 64
     block_k: int = 64
-    num_warps: int = 8
+    num_warps: int = 4
     num_stages: int = 3
 
     def __post_init__(self):
@@ -53,8 +53,10 @@ class CascadeConfig:
             raise ValueError(f"block_m and block_k must be powers of two >= 16, got {self}")
 
 
-# A shared prefix is long and its items have many rows: compute per tile is prefill-like (128 rows), and the loop
-# streams KV as decode's does.
+# A shared prefix is long and its items have many rows: compute per tile is prefill-like, and the loop streams KV as
+# decode's does. Measured on the H100 (Qwen3-0.6B, batch 64, docs/perf_notes.md "Cascade attention"): 64 rows and 4
+# warps, with two waves of items (nanojax/runner.py), beat 128 rows and 8 warps by 3% over a 4,000-token prefix and
+# 11% over 16,000; 32 rows, block_k 32 or 128, and 2 or 4 stages were slower.
 CASCADE_CONFIG = CascadeConfig()
 
 
@@ -65,9 +67,10 @@ def _default_config(dtype):
     return dataclasses.replace(CASCADE_CONFIG, block_k=CASCADE_CONFIG.block_k // 2)
 
 
-def cascade_members_per_item(num_q_heads: int, num_kv_heads: int, config: CascadeConfig = CASCADE_CONFIG) -> int:
-    """Member rows per work item that fill the kernel's block_m rows (the planner's members_per_item)."""
-    return config.block_m // pl.next_power_of_2(num_q_heads // num_kv_heads)
+def cascade_members_per_item(num_q_heads: int, num_kv_heads: int, config: CascadeConfig | None = None) -> int:
+    """Member rows per work item that fill the kernel's block_m rows (the planner's members_per_item); config None:
+    CASCADE_CONFIG."""
+    return (config or CASCADE_CONFIG).block_m // pl.next_power_of_2(num_q_heads // num_kv_heads)
 
 
 def _attend_reference(q, k, v, valid, scale):

@@ -7,7 +7,8 @@ kernels are grouped by name, so the table shows how many launches and how many m
 decode step. Wall time per step minus summed kernel time is launch and idle overhead: the largest idle gaps
 between kernels are listed with their neighbours, and the host events by total time. `--prefill N` profiles a
 prefill of N tokens (time to first token) instead. `--tensor-parallel-size N` profiles the model split over N GPUs
-(the first GPU's kernels are read) and prints the all-reduce time per layer.
+(the first GPU's kernels are read) and prints the all-reduce time per layer. `--shared-prefix N` puts every row's
+first N tokens on the same pages: the cascade path's kernels (or, with `--no-cascade`, the plain path's).
 """
 import argparse
 import collections
@@ -26,6 +27,7 @@ from bench_decode import PAGE, random_cache  # noqa: E402
 from gpu_trace import kernel_kind, trace_events  # noqa: E402
 from random_model import model_config, random_params  # noqa: E402
 
+from nanojax.cascade import CascadeRules  # noqa: E402
 from nanojax.ops import get_ops  # noqa: E402
 from nanojax.runner import ModelRunner, greedy_sampling  # noqa: E402
 from nanojax.sharding import TensorParallel  # noqa: E402
@@ -62,18 +64,26 @@ def main():
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--prefill", type=int, default=0, help="profile a prefill of this many tokens instead")
     ap.add_argument("--tensor-parallel-size", type=int, default=0, help="split over this many GPUs (0: one, unsharded)")
+    ap.add_argument("--shared-prefix", type=int, default=0,
+                    help="the rows' first N tokens (whole pages) on the same pages; --context counts them")
+    ap.add_argument("--no-cascade", action="store_true", help="with --shared-prefix: the non-cascade path")
     args = ap.parse_args()
 
     c = model_config(args.model)
     tp = TensorParallel.create(c, args.tensor_parallel_size) if args.tensor_parallel_size else None
     params = random_params(args.model, tp).params
     pps = -(-(max(args.context, args.prefill) + args.steps) // PAGE)
-    runner = ModelRunner(c, params, num_pages=args.batch * pps, page_size=PAGE, pages_per_seq=pps,
+    shared = args.shared_prefix // PAGE  # pages every row's table starts with
+    if shared and args.context < shared * PAGE:
+        raise SystemExit(f"--context {args.context} must count the {shared * PAGE} shared tokens")
+    own = pps - shared
+    rules = CascadeRules() if shared and not args.no_cascade else None
+    runner = ModelRunner(c, params, num_pages=shared + args.batch * own, page_size=PAGE, pages_per_seq=pps,
                          dtype=jnp.bfloat16, ops=get_ops(args.kernels, c), vocab_limit=c.vocab_size,
                          max_num_seqs=args.batch, max_prefill_tokens=max(16, args.prefill), decode_steps=args.steps,
-                         tensor_parallel=tp)
+                         tensor_parallel=tp, cascade_rules=rules)
     random_cache(runner, jax.random.key(0))
-    tables = [list(range(b * pps, (b + 1) * pps)) for b in range(args.batch)]
+    tables = [list(range(shared)) + list(range(shared + b * own, shared + (b + 1) * own)) for b in range(args.batch)]
     tokens = np.random.default_rng(0).integers(0, 1000, args.batch).tolist()
     samp = greedy_sampling(args.batch, runner.neutral_slot)
     if args.prefill:  # one call is one "step": TTFT
@@ -104,7 +114,8 @@ def main():
         by_kind[kernel_kind(name)][0] += 1
         by_kind[kernel_kind(name)][1] += us
     total_us = sum(us for _, us in events) / steps
-    print(f"\n{args.model} batch {args.batch} context {args.context} kernels {args.kernels}: "
+    print(f"\n{args.model} batch {args.batch} context {args.context} shared {shared * PAGE} "
+          f"(cascade dispatches {runner.cascade_dispatches}) kernels {args.kernels}: "
           f"{wall_ms:.3f} ms/step wall, {total_us / 1e3:.3f} ms/step in {len(events) / steps:.0f} kernels "
           f"({100 * total_us / 1e3 / wall_ms:.0f}% of wall busy)")
     print(f"{'kernel':<60} {'per step':>8} {'us/step':>9} {'us each':>8}")

@@ -173,8 +173,8 @@ def test_hand_built_items():
 def test_array_fields_follow_the_wrapper():
     params = list(inspect.signature(cascade_decode_attention).parameters)
     assert tuple(params[5:5 + len(ARRAY_FIELDS)]) == ARRAY_FIELDS
-    assert cascade_members_per_item(16, 8) == 64 and cascade_members_per_item(32, 8) == 32
-    assert cascade_members_per_item(7, 1) == 16 and CASCADE_CONFIG.block_m == 128
+    assert cascade_members_per_item(16, 8) == 32 and cascade_members_per_item(32, 8) == 16
+    assert cascade_members_per_item(7, 1) == 8 and CASCADE_CONFIG.block_m == 64
 
 
 def _bad_input_args():

@@ -1,0 +1,112 @@
+"""Where an empty-cache start's compiling goes, program by program, and what an XLA flag costs in step time.
+
+    NANOJAX_CACHE=$(mktemp -d) PYTHONPATH=$PWD python3 scripts/profile_compile.py --model qwen3-0.6b --mode serial
+    NANOJAX_CACHE=$(mktemp -d) XLA_FLAGS=--xla_gpu_autotune_level=0 PYTHONPATH=$PWD python3 \\
+        scripts/profile_compile.py --mode compile_all --timings
+
+A random-weight model saved as an HF folder, `LLM(folder, warmup=False)`, then every program of
+`runner.programs()`: `serial` traces, lowers and compiles each in turn (seconds and the process's CPU seconds per
+program); `pool` lowers all, then compiles them on --threads threads; `compile_all` runs the engine's own
+`compile_all` (lowering one by one, compiling on a thread per core). JAX's persistent compilation cache is off in the
+first two and empty in the third (give a fresh NANOJAX_CACHE). `--timings` then times decode at batch 1 and 64 (256
+tokens over 32-token prompts, a 1-token run subtracted) and prefill (256 prompts of 100 tokens; one of 4,000).
+"""
+import argparse
+import concurrent.futures
+import json
+import os
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1]))
+
+
+def cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def serial(runner) -> dict:
+    rows = []
+    for p in runner.programs():
+        fn, args, kw = runner._call(p)
+        t0 = time.perf_counter()
+        traced = fn.trace(*args, **kw)
+        t1 = time.perf_counter()
+        lowered = traced.lower()
+        t2, c0 = time.perf_counter(), cpu_seconds()
+        lowered.compile()
+        rows.append({"program": str(p), "trace_s": t1 - t0, "lower_s": t2 - t1, "compile_s": time.perf_counter() - t2,
+                     "compile_cpu_s": cpu_seconds() - c0})
+        print(json.dumps(rows[-1]), flush=True)
+    return {"programs": rows, **{f"{k}_total": sum(r[k] for r in rows)
+                                 for k in ("trace_s", "lower_s", "compile_s", "compile_cpu_s")}}
+
+
+def pool(runner, threads: int) -> dict:
+    t0 = time.perf_counter()
+    lowered = [runner._lower(p) for p in runner.programs()]
+    t1, c0 = time.perf_counter(), cpu_seconds()
+    with concurrent.futures.ThreadPoolExecutor(threads) as executor:
+        list(executor.map(lambda x: x.compile(), lowered))
+    return {"programs": len(lowered), "lower_s": t1 - t0, "compile_s": time.perf_counter() - t1,
+            "compile_cpu_s": cpu_seconds() - c0, "threads": threads}
+
+
+def timings(llm) -> dict:
+    from nanojax import SamplingParams
+
+    prompts = [[(7 * i + 3 * j) % 10000 + 5 for j in range(100)] for i in range(256)]
+
+    def seconds(batch, max_tokens):
+        times = []
+        for shift in range(3):  # other tokens each time: no prefix-cache hits; the median counts
+            fresh = [[(t + 101 * shift) % 10000 for t in p] for p in batch]
+            start = time.perf_counter()
+            llm.generate(fresh, SamplingParams(temperature=0, ignore_eos=True, max_tokens=max_tokens), use_tqdm=False)
+            times.append(time.perf_counter() - start)
+        return sorted(times)[1]
+
+    step = {b: (seconds([p[:32] for p in prompts[:b]], 257) - seconds([p[:32] for p in prompts[:b]], 1)) / 256
+            for b in (1, 64)}
+    return {"decode_b1_ms": 1e3 * step[1], "decode_b64_ms": 1e3 * step[64], "prefill_256x100_ms": 1e3 * seconds(
+        prompts, 1), "prefill_1x4000_ms": 1e3 * seconds([sum(prompts, [])[:4000]], 1)}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen3-0.6b")
+    ap.add_argument("--mode", default="serial", choices=["serial", "pool", "compile_all"])
+    ap.add_argument("--threads", type=int, default=16)
+    ap.add_argument("--timings", action="store_true")
+    ap.add_argument("--out", default="profile_compile.json")
+    args = ap.parse_args()
+    import jax
+    from random_model import random_hf_model
+
+    from nanojax import LLM
+
+    with tempfile.TemporaryDirectory() as tmp:
+        random_hf_model(args.model, "bfloat16").save_pretrained(tmp)
+        llm = LLM(tmp, warmup=False, progress=False, num_pages=8192)
+    if args.mode == "compile_all":
+        c0 = cpu_seconds()
+        llm.runner.compile_all(progress=False)
+        result = {**llm.runner.compile_seconds, "cpu_s": cpu_seconds() - c0, "programs": llm.runner.compiles}
+    else:
+        jax.config.update("jax_enable_compilation_cache", False)
+        result = serial(llm.runner) if args.mode == "serial" else pool(llm.runner, args.threads)
+    if args.timings:
+        result.update(timings(llm))
+    result.update(model=args.model, mode=args.mode, xla_flags=os.environ.get("XLA_FLAGS", ""),
+                  device=str(jax.devices()[0]))
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(json.dumps({k: v for k, v in result.items() if k != "programs"}))
+
+
+if __name__ == "__main__":
+    main()
