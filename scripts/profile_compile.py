@@ -60,12 +60,13 @@ def pool(runner, threads: int) -> dict:
 def timings(llm) -> dict:
     from nanojax import SamplingParams
 
-    prompts = [[(7 * i + 3 * j) % 10000 + 5 for j in range(100)] for i in range(256)]
+    vocab = min(10000, llm.config.vocab_size)
+    prompts = [[(7 * i + 3 * j + 5) % vocab for j in range(100)] for i in range(256)]
 
     def seconds(batch, max_tokens):
         times = []
         for shift in range(3):  # other tokens each time: no prefix-cache hits; the median counts
-            fresh = [[(t + 101 * shift) % 10000 for t in p] for p in batch]
+            fresh = [[(t + 101 * shift) % vocab for t in p] for p in batch]
             start = time.perf_counter()
             llm.generate(fresh, SamplingParams(temperature=0, ignore_eos=True, max_tokens=max_tokens), use_tqdm=False)
             times.append(time.perf_counter() - start)
