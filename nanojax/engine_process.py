@@ -142,8 +142,7 @@ class EngineProcess(RequestFront):
         with self._lock:
             entry = self._streams.pop(request_id, None)
         if entry is not None:
-            event = RequestOutput(index, entry[1], [], "", "error", request_id=request_id)
-            entry[0].put(event, error)
+            entry[0].put(_error_event(request_id, index, entry[1]), error)
 
     def _on_reply(self, token: int, result, error: BaseException | None) -> None:
         with self._lock:
@@ -161,9 +160,14 @@ class EngineProcess(RequestFront):
             replies, self._replies = self._replies, {}
         error = RuntimeError(f"the engine has stopped: {reason}")
         for request_id, (stream, ids, _) in streams.items():
-            stream.put(RequestOutput(0, ids, [], "", "error", request_id=request_id), error)
+            stream.put(_error_event(request_id, 0, ids), error)
         for reply in replies.values():
             reply.set_exception(error)
+
+
+def _error_event(request_id: str, index: int, prompt_ids: list[int]) -> RequestOutput:
+    """The last event of a request that ended with an error on this side of the pipe."""
+    return RequestOutput(index, prompt_ids, [], "", "error", request_id=request_id)
 
 
 def _stats(llm) -> EngineStats:

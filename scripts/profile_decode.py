@@ -19,17 +19,14 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_decode import PAGE, random_cache  # noqa: E402
+from bench_decode import PAGE, make_runner, random_cache, shared_tables  # noqa: E402
 from gpu_trace import kernel_kind, trace_events  # noqa: E402
 from random_model import model_config, random_params  # noqa: E402
 
-from nanojax.cascade import CascadeRules  # noqa: E402
-from nanojax.ops import get_ops  # noqa: E402
-from nanojax.runner import ModelRunner, greedy_sampling  # noqa: E402
+from nanojax.runner import greedy_sampling  # noqa: E402
 from nanojax.sharding import TensorParallel  # noqa: E402
 
 
@@ -72,18 +69,16 @@ def main():
     c = model_config(args.model)
     tp = TensorParallel.create(c, args.tensor_parallel_size) if args.tensor_parallel_size else None
     params = random_params(args.model, tp).params
-    pps = -(-(max(args.context, args.prefill) + args.steps) // PAGE)
-    shared = args.shared_prefix // PAGE  # pages every row's table starts with
-    if shared and args.context < shared * PAGE:
-        raise SystemExit(f"--context {args.context} must count the {shared * PAGE} shared tokens")
-    own = pps - shared
-    rules = CascadeRules() if shared and not args.no_cascade else None
-    runner = ModelRunner(c, params, num_pages=shared + args.batch * own, page_size=PAGE, pages_per_seq=pps,
-                         dtype=jnp.bfloat16, ops=get_ops(args.kernels, c), vocab_limit=c.vocab_size,
-                         max_num_seqs=args.batch, max_prefill_tokens=max(16, args.prefill), decode_steps=args.steps,
-                         tensor_parallel=tp, cascade_rules=rules)
+    shared = args.shared_prefix // PAGE * PAGE  # whole pages that every row's table starts with
+    if args.context < shared:
+        raise SystemExit(f"--context {args.context} must count the {shared} shared tokens")
+    own = max(args.context, args.prefill) - shared  # each row's own tokens, in pages of its own
+    pps = -(-(shared + own + args.steps) // PAGE)
+    runner = make_runner(c, params, tp, args.kernels, batch=args.batch, prefill=max(16, args.prefill),
+                         num_pages=shared // PAGE + args.batch * -(-(own + args.steps) // PAGE), pages_per_seq=pps,
+                         steps=args.steps, cascade=bool(shared) and not args.no_cascade)
     random_cache(runner, jax.random.key(0))
-    tables = [list(range(shared)) + list(range(shared + b * own, shared + (b + 1) * own)) for b in range(args.batch)]
+    tables, _ = shared_tables(runner, args.batch, shared, 1, own, args.steps)
     tokens = np.random.default_rng(0).integers(0, 1000, args.batch).tolist()
     samp = greedy_sampling(args.batch, runner.neutral_slot)
     if args.prefill:  # one call is one "step": TTFT
@@ -114,7 +109,7 @@ def main():
         by_kind[kernel_kind(name)][0] += 1
         by_kind[kernel_kind(name)][1] += us
     total_us = sum(us for _, us in events) / steps
-    print(f"\n{args.model} batch {args.batch} context {args.context} shared {shared * PAGE} "
+    print(f"\n{args.model} batch {args.batch} context {args.context} shared {shared} "
           f"(cascade dispatches {runner.cascade_dispatches}) kernels {args.kernels}: "
           f"{wall_ms:.3f} ms/step wall, {total_us / 1e3:.3f} ms/step in {len(events) / steps:.0f} kernels "
           f"({100 * total_us / 1e3 / wall_ms:.0f}% of wall busy)")

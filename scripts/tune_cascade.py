@@ -1,5 +1,6 @@
 """Sweep the cascade kernel's tiling and the planner's items per wave: ms per multi-step decode step of a batch over
-one shared prefix (16 tokens of each row's own), the whole step as the engine runs it. CASCADE_CONFIG and the
+one shared prefix (16 tokens of each row's own), the whole step as the engine runs it (bench_decode's shared-prefix
+point: the median of 5 dispatches). CASCADE_CONFIG and the
 runner's two waves (nanojax/runner.py) come from this sweep (docs/perf_notes.md, "Cascade attention").
 
     PYTHONPATH=$PWD python3 scripts/tune_cascade.py --model qwen3-0.6b --batch 64 --prefixes 4000 16000
@@ -11,23 +12,18 @@ over the KV heads. Random weights and KV (bench_decode's), one process; prints a
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from bench_decode import PAGE, random_cache  # noqa: E402
+from bench_decode import PAGE, make_runner, random_cache, shared_point  # noqa: E402
 from random_model import model_config, random_params  # noqa: E402
 
 import pallas_kernels.cascade_attention as cascade_attention  # noqa: E402
-from nanojax.cascade import CascadeRules  # noqa: E402
-from nanojax.ops import get_ops  # noqa: E402
-from nanojax.runner import ModelRunner, greedy_sampling  # noqa: E402
 
+OWN_TOKENS = 16  # each row's own tokens after the shared prefix
 VARIANTS = ["128,64,8,3,1", "128,32,8,3,1", "128,64,4,3,1", "128,64,8,2,1", "128,64,8,4,1", "128,128,8,2,1",
             "128,64,8,3,2", "64,64,4,3,1", "64,64,4,3,2", "64,128,4,2,1", "64,64,8,3,1", "32,64,4,3,1"]
 
@@ -37,27 +33,13 @@ def step_ms(config, params, prefix: int, variant: tuple, args) -> tuple[float, i
     block_m, block_k, warps, stages, waves = variant
     jax.clear_caches()  # the kernel reads the preset while tracing
     cascade_attention.CASCADE_CONFIG = cascade_attention.CascadeConfig(block_m, block_k, warps, stages)
-    context, shared = prefix + 16, prefix // PAGE
-    pages_per_seq = -(-(context + args.steps) // PAGE)
-    own = pages_per_seq - shared
-    runner = ModelRunner(config, params, num_pages=shared + args.batch * own, page_size=PAGE,
-                         pages_per_seq=pages_per_seq, dtype=jnp.bfloat16, ops=get_ops(args.kernels, config),
-                         vocab_limit=config.vocab_size, max_num_seqs=args.batch, max_prefill_tokens=16,
-                         decode_steps=args.steps, cascade_rules=CascadeRules())
+    own_pages = -(-(OWN_TOKENS + args.steps) // PAGE)
+    runner = make_runner(config, params, None, args.kernels, batch=args.batch, prefill=16, steps=args.steps,
+                         num_pages=prefix // PAGE + args.batch * own_pages, pages_per_seq=prefix // PAGE + own_pages,
+                         cascade=True)
     runner.cascade_wave = runner.cascade_wave // 2 * waves  # the runner's rule: two waves
     random_cache(runner, jax.random.key(0))
-    tables = [list(range(shared)) + list(range(shared + b * own, shared + (b + 1) * own)) for b in range(args.batch)]
-    tokens = np.random.default_rng(0).integers(0, 1000, args.batch).tolist()
-    sampling = greedy_sampling(args.batch, runner.neutral_slot)
-
-    def run():
-        return runner.decode(tokens, tables, [context] * args.batch, sampling, num_steps=args.steps).tokens()
-
-    run(), run()
-    start = time.perf_counter()
-    for _ in range(args.reps):
-        run()
-    return (time.perf_counter() - start) / args.reps / args.steps * 1e3, runner.cascade_dispatches
+    return shared_point(runner, args.batch, prefix, 1, OWN_TOKENS, args.steps)["ms_per_step"], runner.cascade_dispatches
 
 
 def main():
@@ -67,7 +49,6 @@ def main():
     ap.add_argument("--prefixes", type=int, nargs="+", default=[4000, 16000])
     ap.add_argument("--variants", nargs="+", default=VARIANTS, help="BLOCK_M,BLOCK_K,NUM_WARPS,NUM_STAGES,WAVES")
     ap.add_argument("--steps", type=int, default=32)
-    ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--kernels", default="pallas")
     ap.add_argument("--out", default="tune_cascade.json")
     args = ap.parse_args()

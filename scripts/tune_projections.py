@@ -27,6 +27,7 @@ from nanojax.quantize import quantize_weight  # noqa: E402
 from pallas_kernels.rmsnorm_matmul import _default_config, rmsnorm_matmul  # noqa: E402
 
 GRID = {"block_n": (16, 32, 64), "block_k": (128, 256), "k_splits": (1, 2, 4, 8)}
+GRID_KNOBS = ("block_n", "block_k", "k_splits", "num_stages")  # the config fields a command line may set
 
 
 def projections(cfg: dict) -> dict:
@@ -47,12 +48,11 @@ def main():
     ap.add_argument("--hbm-bw", type=float, default=2.83e12)
     ap.add_argument("--fp8", action="store_true", help="FP8 weights with per-column scales")
     ap.add_argument("--out")
-    for knob in ("block_n", "block_k", "k_splits", "num_stages"):
+    for knob in GRID_KNOBS:
         ap.add_argument(f"--{knob.replace('_', '-')}", type=int, nargs="+", help=f"the grid's {knob} values")
     args = ap.parse_args()
     grid = dict(GRID, block_n=(32, 64, 128), block_k=(128, 256, 512)) if args.fp8 else dict(GRID)
-    grid.update({knob: tuple(v) for knob in ("block_n", "block_k", "k_splits", "num_stages")
-                 if (v := getattr(args, knob)) is not None})
+    grid.update({knob: tuple(v) for knob in GRID_KNOBS if (v := getattr(args, knob)) is not None})
     args.max_rotations = 16
     cfg = json.loads((Path(__file__).parent / "configs" / f"{args.model}.json").read_text())
     rng = np.random.default_rng(0)
