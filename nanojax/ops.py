@@ -13,6 +13,7 @@ import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels.cascade_attention import cascade_decode_attention, cascade_decode_attention_reference
 from pallas_kernels.paged_attention import paged_attention_reference, paged_decode_attention, paged_prefill_attention
@@ -28,9 +29,14 @@ PALLAS_PROJECTION_MAX_ROWS = 1
 # With a norm (QKV, gate/up) the fused kernel replaces XLA's two kernels (the norm, then the GEMM) by one, and stays
 # ahead up to batched decode sizes (docs/perf_notes.md, "Fused projections: which rows take the kernel").
 PALLAS_NORMED_PROJECTION_MAX_ROWS = 64
-# FP8 weights (nanojax/quantize.py), with or without a norm: the kernel reads E4M3 tiles, half the bytes, where XLA's
-# path dequantizes in front of its dot. Not measured yet: the H100 sets this, as it set the two above.
-PALLAS_FP8_PROJECTION_MAX_ROWS = 64
+# FP8 weights (nanojax/quantize.py): XLA fuses the upcast of the E4M3 weight into its dot's operand load (one kernel
+# reading the FP8 bytes), and on the H100 that beat the fused kernel's FP8 path at every row count of Qwen3-8B's
+# projections (1, 8, 64 rows: 0.7-0.9x its time) and in the decode step (batch 1 5.64 vs 6.69 ms, batch 8 4.89 vs
+# 15.65; docs/perf_notes.md, "FP8 weights"), so the kernel takes none.
+PALLAS_FP8_PROJECTION_MAX_ROWS = 0
+# XLA runs a one-row dot as a reduction fusion, which read FP8 slower than its GEMM on two rows (Qwen3-8B batch 1:
+# 5.67 vs 4.48 ms per step, padded to 8 rows 4.58), so fewer rows are padded to this many.
+FP8_XLA_MIN_ROWS = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +56,11 @@ class Ops:
             max_rows = PALLAS_PROJECTION_MAX_ROWS if norm_eps is None else PALLAS_NORMED_PROJECTION_MAX_ROWS
         kw = {"w_scale": p.get("scale"), "norm_eps": norm_eps, "residual": residual, "activation": activation}
         if not self.pallas or x.shape[0] > max_rows:
+            rows = x.shape[0]
+            if "scale" in p and rows < FP8_XLA_MIN_ROWS:
+                pad = lambda a: jnp.pad(a, ((0, FP8_XLA_MIN_ROWS - rows), (0, 0)))  # noqa: E731
+                kw["residual"] = None if residual is None else pad(residual)
+                return rmsnorm_matmul_reference(pad(x), p["w"], p.get("b"), **kw)[:rows]
             return rmsnorm_matmul_reference(x, p["w"], p.get("b"), **kw)
         return rmsnorm_matmul(x, p["w"], p.get("b"), interpret=self.interpret, **kw)
 

@@ -11,8 +11,9 @@ from conftest import random_prompts
 from convert import open_source, params_from_source
 from nanojax.kv_cache import Batch, KVCache
 from nanojax.model import forward, lm_logits
-from nanojax.ops import PALLAS_FP8_PROJECTION_MAX_ROWS, Ops
+from nanojax.ops import FP8_XLA_MIN_ROWS, PALLAS_FP8_PROJECTION_MAX_ROWS, Ops
 from nanojax.quantize import CLIP_RATIOS, FP8_MAX, PROJECTIONS, dequantize, quantize_params, quantize_weight
+from pallas_kernels.rmsnorm_matmul import rmsnorm_matmul_reference
 
 # E4M3 keeps 3 mantissa bits: a normal value rounds to within 2^-4 of itself (half a unit in the last place); below
 # 2^-6 (subnormals, steps of 2^-9) the error is at most 2^-10 absolute, in units of the column's scale.
@@ -146,9 +147,8 @@ def dequantized(params, config):
 
 def run_model(params, config, ops):
     """Logits [rows, V] of three steps on a paged cache (page size 4, shuffled pages): a 2 x 40-token prefill (80
-    rows, above PALLAS_FP8_PROJECTION_MAX_ROWS: XLA's dequantize-then-dot), a 2-row decode and a 1-row decode (the
-    FP8 kernel). The logits of each step's last tokens, concatenated."""
-    assert 80 > PALLAS_FP8_PROJECTION_MAX_ROWS >= 2
+    rows), a 2-row decode and a 1-row decode (padded to FP8_XLA_MIN_ROWS for XLA's dot). The logits of each step's
+    last tokens, concatenated."""
     tokens = np.array(random_prompts(config.vocab_size, [40, 40], seed=3))
     table = jnp.asarray(np.random.default_rng(0).permutation(24).reshape(2, 12), jnp.int32)
     cache = KVCache.create(config, 24, 4, jnp.float32)
@@ -187,14 +187,21 @@ def test_fp8_kernels_match_reference(hf_model_dir, name):
                                rtol=1e-4, atol=1e-4)
 
 
-def test_fp8_projection_kernel_rows():
-    """An FP8 projection takes the kernel up to PALLAS_FP8_PROJECTION_MAX_ROWS, with or without a norm; above, XLA's
-    dot on the dequantized weight."""
-    ops, p = Ops(pallas=True, interpret=True), quantize_weight(jnp.ones((32, 48)))
-    for rows in (1, 2, PALLAS_FP8_PROJECTION_MAX_ROWS, PALLAS_FP8_PROJECTION_MAX_ROWS + 1):
-        for norm_eps in (None, 1e-6):
-            jaxpr = str(jax.make_jaxpr(lambda x: ops.project(x, p, norm_eps=norm_eps))(jnp.ones((rows, 32))))
-            assert ("pallas_call" in jaxpr) == (rows <= PALLAS_FP8_PROJECTION_MAX_ROWS), (rows, norm_eps)
+def test_fp8_projection_rows():
+    """An FP8 projection takes the kernel up to PALLAS_FP8_PROJECTION_MAX_ROWS (none: XLA measured faster), with or
+    without a norm; fewer rows than FP8_XLA_MIN_ROWS are padded for XLA's dot, which changes no value."""
+    rng = np.random.default_rng(0)
+    w, x, residual = (jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in ((32, 48), (3, 32), (3, 48)))
+    ops, p = Ops(pallas=True, interpret=True), quantize_weight(w)
+    for rows in (1, 2, 3):
+        for kw in ({}, {"norm_eps": 1e-6}, {"residual": residual[:rows]}):
+            jaxpr = str(jax.make_jaxpr(lambda x: ops.project(x, p, **kw))(x[:rows]))
+            assert ("pallas_call" in jaxpr) == (rows <= PALLAS_FP8_PROJECTION_MAX_ROWS), (rows, kw)
+            out = ops.project(x[:rows], p, **kw)
+            ref = rmsnorm_matmul_reference(x[:rows], p["w"], w_scale=p["scale"], **kw)
+            assert out.shape == ref.shape
+            np.testing.assert_allclose(out, ref, rtol=1e-6, atol=1e-6)
+    assert PALLAS_FP8_PROJECTION_MAX_ROWS < FP8_XLA_MIN_ROWS  # the padding is for XLA's rows only
 
 
 def test_llm_quantizes_at_load_and_rejects_unknown_formats(hf_model_dir):
