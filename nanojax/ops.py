@@ -49,7 +49,8 @@ class Ops:
     def project(self, x, p, *, norm_eps=None, residual=None, activation=None):
         """x: [N, K]; p: {w [K, N'], b [N']?} (an RMSNorm's scale folded into w), or FP8 {w float8_e4m3fn [K, N'],
         scale [N'], b?} (nanojax/quantize.py) -> [N, N_out]; see rmsnorm_matmul_reference. Above the kernel's row
-        limit an FP8 projection is dequantized in front of XLA's dot, (x @ w.astype(x.dtype)) * scale in f32."""
+        limit an FP8 projection is dequantized in front of XLA's dot, (x @ w.astype(x.dtype)) * scale in f32, its rows
+        padded to FP8_XLA_MIN_ROWS."""
         if "scale" in p:
             max_rows = PALLAS_FP8_PROJECTION_MAX_ROWS
         else:
