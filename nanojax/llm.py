@@ -109,10 +109,7 @@ class LLM(RequestFront):
         self.config, params = loaded.config, loaded.params
         if quantization == "fp8" and not is_quantized(params["layers"][0]["qkv"]):
             # The LM head stays in dtype: in FP8 it changed SmolLM2's answers (docs/benchmarks.md, "FP8 weights").
-            # Through the host: quantizing on the device leaves the freed bf16 weights as holes between the FP8 ones,
-            # too small for the steps' large buffers once the KV pool has taken the rest (Qwen3-8B: its first
-            # 8,192-token prefill ran out of memory); placed anew from the host, the FP8 weights lie together.
-            params = jax.device_get(quantize_params(params, self.config, lm_head=False))
+            params = quantize_params(params, self.config, lm_head=False)
         if max_model_len and max_model_len > self.config.max_position_embeddings:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
                              f"{self.config.max_position_embeddings}")

@@ -40,21 +40,17 @@ def nano_vllm_workload(num_seqs: int, max_input_len: int, max_output_len: int):
 
 def weights(hf_model, args):
     """HF's weights where HF runs too; else random values drawn on the device(s), placed as LLM places them, and with
-    --quantization fp8 quantized here and brought to the host, so that the bf16 copy is gone before LLM sizes its KV
-    pool from free memory and places the FP8 weights (LLM would quantize the device arrays it is given while the
-    caller still holds them)."""
+    --quantization fp8 quantized here, so that the bf16 copy is gone before LLM sizes its KV pool from free memory
+    (LLM would quantize the device arrays it is given while the caller still holds them)."""
     if hf_model is not None:
         return loaded_model(hf_model, "bfloat16")
-    import jax
-
     from nanojax.quantize import quantize_params
     from nanojax.sharding import TensorParallel
 
     size = args.tensor_parallel_size
     loaded = random_params(args.model, TensorParallel.create(model_config(args.model), size) if size else None)
     if args.quantization == "fp8":
-        fp8 = jax.device_get(quantize_params(loaded.params, loaded.config, lm_head=False))
-        return dataclasses.replace(loaded, params=fp8)
+        return dataclasses.replace(loaded, params=quantize_params(loaded.params, loaded.config, lm_head=False))
     return loaded
 
 
