@@ -10,7 +10,6 @@ counts it. Random bf16 weights of the real architecture; before timing, nanojax'
 checked against HF's (scripts/bench_decode.check_parity).
 """
 import argparse
-import dataclasses
 import json
 import os
 import random
@@ -39,19 +38,13 @@ def nano_vllm_workload(num_seqs: int, max_input_len: int, max_output_len: int):
 
 
 def weights(hf_model, args):
-    """HF's weights where HF runs too; else random values drawn on the device(s), placed as LLM places them, and with
-    --quantization fp8 quantized here, so that the bf16 copy is gone before LLM sizes its KV pool from free memory
-    (LLM would quantize the device arrays it is given while the caller still holds them)."""
+    """HF's weights where HF runs too; else random values drawn on the device(s), placed as LLM places them."""
     if hf_model is not None:
         return loaded_model(hf_model, "bfloat16")
-    from nanojax.quantize import quantize_params
     from nanojax.sharding import TensorParallel
 
     size = args.tensor_parallel_size
-    loaded = random_params(args.model, TensorParallel.create(model_config(args.model), size) if size else None)
-    if args.quantization == "fp8":
-        return dataclasses.replace(loaded, params=quantize_params(loaded.params, loaded.config, lm_head=False))
-    return loaded
+    return random_params(args.model, TensorParallel.create(model_config(args.model), size) if size else None)
 
 
 def run_nanojax(hf_model, prompts, max_tokens, args) -> dict:
