@@ -126,6 +126,8 @@ class LLM(RequestFront):
             size = jax.device_count() if tensor_parallel_size is None else tensor_parallel_size
             tp = TensorParallel.create(self.config, size)
             params = tp.place(params, progress)  # before sizing the KV pool: the weights' share is in use
+        else:  # likewise: a checkpoint's weights arrive as numpy arrays, and the pool must not count their share free
+            params = jax.device_put(params)
         if num_pages is None:
             kv_heads = self.config.num_kv_heads if tp is None else tp.local_config.num_kv_heads
             num_pages = min_over_processes(

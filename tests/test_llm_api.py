@@ -195,3 +195,20 @@ def test_closing_a_stream_early_aborts_its_requests_and_others_run_meanwhile(qwe
     assert llm.page_manager.num_free_pages == llm.page_manager.num_pages
     outs = llm.generate(prompts[::-1], GREEDY, use_tqdm=False)  # the aborted requests do not come back
     assert [o.token_ids for o in outs] == [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts[::-1]]
+
+
+def test_weights_are_on_the_device_before_the_kv_pool_is_sized(qwen3, monkeypatch):
+    """A checkpoint's weights arrive as numpy arrays; the pool is sized from the device memory left free, so they must
+    be placed first, or a large model's pool takes the memory its weights then need."""
+    import jax
+
+    seen = []
+    size_pool = LLM._pages_that_fit
+
+    def spy(self, *args, **kwargs):
+        seen.append(sum(x.nbytes for x in jax.live_arrays()))
+        return size_pool(self, *args, **kwargs)
+
+    monkeypatch.setattr(LLM, "_pages_that_fit", spy)
+    llm = LLM(qwen3[0], warmup=False, progress=False)
+    assert len(seen) == 1 and seen[0] >= sum(x.nbytes for x in jax.tree.leaves(llm.runner.params))
