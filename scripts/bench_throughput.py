@@ -10,6 +10,7 @@ counts it. Random bf16 weights of the real architecture; before timing, nanojax'
 checked against HF's (scripts/bench_decode.check_parity).
 """
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -38,13 +39,23 @@ def nano_vllm_workload(num_seqs: int, max_input_len: int, max_output_len: int):
 
 
 def weights(hf_model, args):
-    """HF's weights where HF runs too; else random values drawn on the device(s), placed as LLM places them."""
+    """HF's weights where HF runs too; else random values drawn on the device(s), placed as LLM places them. With
+    --quantization fp8 they are quantized here and handed over as host arrays, as a checkpoint's are: LLM would
+    quantize device arrays while this frame still holds the bf16 ones (their share of memory lost to the KV pool),
+    and freed here on the device they would leave holes between the FP8 weights."""
     if hf_model is not None:
         return loaded_model(hf_model, "bfloat16")
+    import jax
+
+    from nanojax.quantize import quantize_params
     from nanojax.sharding import TensorParallel
 
     size = args.tensor_parallel_size
-    return random_params(args.model, TensorParallel.create(model_config(args.model), size) if size else None)
+    loaded = random_params(args.model, TensorParallel.create(model_config(args.model), size) if size else None)
+    if args.quantization == "fp8":
+        fp8 = jax.device_get(quantize_params(loaded.params, loaded.config, lm_head=False))
+        return dataclasses.replace(loaded, params=fp8)
+    return loaded
 
 
 def run_nanojax(hf_model, prompts, max_tokens, args) -> dict:
