@@ -91,3 +91,30 @@ def test_tensor_parallel_gives_hf_greedy_tokens(name, size):
     outs = llm.generate(prompts, greedy, use_tqdm=False)  # the first two read the cached shared pages
     assert [o.token_ids for o in outs] == expected
     assert outs[1].num_cached_tokens >= 32
+
+
+@requires_gpu
+@pytest.mark.parametrize("name", ["qwen3-0.6b", "llama-3.2-1b"])
+def test_fp8_gives_the_dequantized_models_greedy_tokens(name):
+    """LLM(quantization="fp8") on the GPU (FP8 projections through XLA's dequantize-dot, one row padded; the Pallas
+    kernels elsewhere) gives the greedy tokens of the same engine on the dequantized weights, float32, at one row and
+    at three."""
+    import dataclasses
+
+    import jax
+
+    from nanojax.quantize import dequantize
+
+    loaded = loaded_model(random_hf_model(name, "float32"), "float32")
+    kw = dict(dtype="float32", kernels="pallas", max_model_len=128, max_num_seqs=4, decode_steps=4)
+    llm = LLM(loaded, quantization="fp8", **kw)
+    layers = tuple({k: {"w": dequantize(v), **({"b": v["b"]} if "b" in v else {})}
+                    if isinstance(v, dict) and "scale" in v else v for k, v in lp.items()}
+                   for lp in llm.runner.params["layers"])
+    params = jax.tree.map(np.asarray, {**llm.runner.params, "layers": layers})
+    reference = LLM(dataclasses.replace(loaded, params=params), **kw)
+    prompts = np.random.default_rng(3).integers(0, 10000, (3, 29)).tolist()
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    for batch in (prompts[:1], prompts):
+        assert ([o.token_ids for o in llm.generate(batch, greedy, use_tqdm=False)]
+                == [o.token_ids for o in reference.generate(batch, greedy, use_tqdm=False)])
