@@ -77,7 +77,9 @@ class LLM(RequestFront):
     compile on first use). Compiled programs are kept on disk as executables (nanojax.executable_cache), which the
     next start loads without tracing, and in the persistent compilation cache (`nanojax.cache`).
     quantization: None, or "fp8": every projection's weights in FP8 (E4M3) with per-output-channel scales, quantized
-    at load (nanojax.quantize); embeddings, norms and the LM head stay in `dtype`.
+    at load (nanojax.quantize); embeddings, norms and the LM head stay in `dtype`. A `LoadedModel` whose weights are
+    device arrays keeps its bf16 copy in use while the KV pool is sized (the caller holds it): hand over host
+    arrays, or quantize first (nanojax.quantize.quantize_params), to give that memory to the pool.
     tensor_parallel_size: run the model split over this many local devices (nanojax.sharding; 1 runs the sharded
     code on one device); None: one device, unsharded, or in a multi-process job (nanojax.distributed) every device
     of every process, process 0 running the engine and the others `follow()`ing it.
