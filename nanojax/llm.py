@@ -78,8 +78,9 @@ class LLM(RequestFront):
     next start loads without tracing, and in the persistent compilation cache (`nanojax.cache`).
     quantization: None, or "fp8": every projection's weights in FP8 (E4M3) with per-output-channel scales, quantized
     at load (nanojax.quantize); embeddings, norms and the LM head stay in `dtype`. A `LoadedModel` whose weights are
-    device arrays keeps its bf16 copy in use while the KV pool is sized (the caller holds it): hand over host
-    arrays, or quantize first (nanojax.quantize.quantize_params), to give that memory to the pool.
+    device arrays keeps its bf16 copy in use while the KV pool is sized (the caller holds it); to give that memory to
+    the pool, hand over host arrays (quantized first with nanojax.quantize.quantize_params and `jax.device_get`, as
+    scripts/bench_throughput.py does: weights freed on the device leave holes the pool cannot use).
     tensor_parallel_size: run the model split over this many local devices (nanojax.sharding; 1 runs the sharded
     code on one device); None: one device, unsharded, or in a multi-process job (nanojax.distributed) every device
     of every process, process 0 running the engine and the others `follow()`ing it.
