@@ -102,15 +102,12 @@ def test_fp8_gives_the_dequantized_models_greedy_tokens(name):
     import dataclasses
 
     import jax
-
-    from nanojax.quantize import dequantize
+    from test_quantize import dequantized_layers
 
     loaded = loaded_model(random_hf_model(name, "float32"), "float32")
     kw = dict(dtype="float32", kernels="pallas", max_model_len=128, max_num_seqs=4, decode_steps=4)
     llm = LLM(loaded, quantization="fp8", **kw)
-    layers = tuple({k: {"w": dequantize(v), **({"b": v["b"]} if "b" in v else {})}
-                    if isinstance(v, dict) and "scale" in v else v for k, v in lp.items()}
-                   for lp in llm.runner.params["layers"])
+    layers = dequantized_layers(llm.runner.params["layers"])
     params = jax.tree.map(np.asarray, {**llm.runner.params, "layers": layers})
     reference = LLM(dataclasses.replace(loaded, params=params), **kw)
     prompts = np.random.default_rng(3).integers(0, 10000, (3, 29)).tolist()

@@ -134,15 +134,19 @@ def test_params_layout(hf_model_dir, name):
         jnp.float8_e4m3fn)
 
 
-def dequantized(params, config):
-    """(params, config) of what the FP8 model stands for: every projection's {w, scale} and the LM head replaced by
-    their f32 weights, the head untied from the embedding (which keeps its own, unquantized rows)."""
+def dequantized_layers(layers):
+    """Every FP8 projection's {w, scale, b?} replaced by its f32 weight {w, b?}."""
     def weight(p):
         return {key: v for key, v in p.items() if key != "scale"} | {"w": dequantize(p)}
 
-    layers = tuple(lp | {name: weight(lp[name]) for name in PROJECTIONS} for lp in params["layers"])
+    return tuple(lp | {name: weight(lp[name]) for name in PROJECTIONS} for lp in layers)
+
+
+def dequantized(params, config):
+    """(params, config) of what the FP8 model stands for: every projection's {w, scale} and the LM head replaced by
+    their f32 weights, the head untied from the embedding (which keeps its own, unquantized rows)."""
     untied = dataclasses.replace(config, tie_word_embeddings=False)
-    return params | {"layers": layers, "lm_head": dequantize(params["lm_head"])}, untied
+    return params | {"layers": dequantized_layers(params["layers"]), "lm_head": dequantize(params["lm_head"])}, untied
 
 
 def run_model(params, config, ops):
@@ -217,9 +221,7 @@ def test_llm_quantizes_at_load_and_rejects_unknown_formats(hf_model_dir):
     assert "lm_head" not in llm.runner.params or not isinstance(llm.runner.params["lm_head"], dict)
     loaded = load_model(str(folder), "float32")
     quantized = llm.runner.params
-    dequantized = {**loaded.params, "layers": tuple(
-        {k: ({"w": dequantize(v), **({"b": v["b"]} if "b" in v else {})} if isinstance(v, dict) and "scale" in v
-             else v) for k, v in lp.items()} for lp in quantized["layers"])}
+    dequantized = {**loaded.params, "layers": dequantized_layers(quantized["layers"])}
     reference = LLM(dataclasses.replace(loaded, params=jax.tree.map(np.asarray, dequantized)), dtype="float32",
                     page_size=4, max_model_len=64)
     prompts = random_prompts(97, [5, 17], seed=3)
