@@ -105,7 +105,7 @@ def test_fp8_gives_the_dequantized_models_greedy_tokens(name):
     from test_quantize import dequantized_layers
 
     loaded = loaded_model(random_hf_model(name, "float32"), "float32")
-    kw = dict(dtype="float32", kernels="pallas", max_model_len=128, max_num_seqs=4, decode_steps=4)
+    kw = dict(dtype="float32", kernels="pallas", max_model_len=128, max_num_seqs=4, decode_steps=4, warmup=False)
     llm = LLM(loaded, quantization="fp8", **kw)
     layers = dequantized_layers(llm.runner.params["layers"])
     params = jax.tree.map(np.asarray, {**llm.runner.params, "layers": layers})
