@@ -37,12 +37,6 @@ PALLAS_FP8_PROJECTION_MAX_ROWS = 0
 # XLA runs a one-row dot as a reduction fusion, which read FP8 slower than its GEMM on two rows (Qwen3-8B batch 1:
 # 5.67 vs 4.48 ms per step, padded to 8 rows 4.58), so fewer rows are padded to this many.
 FP8_XLA_MIN_ROWS = 2
-# From this many rows on, an FP8 projection quantizes its input rows to E4M3 as well and takes XLA's FP8 x FP8 dot
-# (W8A8, the tensor cores' FP8 rate): on Qwen3-8B's projections it beat the dequantize-dot and bf16 weights from 64
-# rows to prefill sizes (gate/up 64 rows 50.8 vs 60.5 us, bf16 75.9; 2048 rows 410 vs 715 us, bf16 644;
-# docs/benchmarks.md, "FP8 weights"). Float32 models keep the weight-only dot: f32 is the precision the parity tests
-# and references ask for, and activation rounding to E4M3 is not.
-FP8_W8A8_MIN_ROWS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +50,7 @@ class Ops:
         """x: [N, K]; p: {w [K, N'], b [N']?} (an RMSNorm's scale folded into w), or FP8 {w float8_e4m3fn [K, N'],
         scale [N'], b?} (nanojax/quantize.py) -> [N, N_out]; see rmsnorm_matmul_reference. Above the kernel's row
         limit an FP8 projection is dequantized in front of XLA's dot, (x @ w.astype(x.dtype)) * scale in f32, its rows
-        padded to FP8_XLA_MIN_ROWS; from FP8_W8A8_MIN_ROWS rows on (not in float32) x is quantized too (W8A8)."""
+        padded to FP8_XLA_MIN_ROWS."""
         if "scale" in p:
             max_rows = PALLAS_FP8_PROJECTION_MAX_ROWS
         else:
@@ -68,8 +62,6 @@ class Ops:
                 pad = lambda a: jnp.pad(a, ((0, FP8_XLA_MIN_ROWS - rows), (0, 0)))  # noqa: E731
                 kw["residual"] = None if residual is None else pad(residual)
                 return rmsnorm_matmul_reference(pad(x), p["w"], p.get("b"), **kw)[:rows]
-            if "scale" in p and rows >= FP8_W8A8_MIN_ROWS and x.dtype != jnp.float32:
-                kw["fp8_rows"] = True
             return rmsnorm_matmul_reference(x, p["w"], p.get("b"), **kw)
         return rmsnorm_matmul(x, p["w"], p.get("b"), interpret=self.interpret, **kw)
 

@@ -29,21 +29,10 @@ from pallas_kernels._compat import dot, is_power_of_2, load, store, num_sms, tri
 from pallas_kernels.rms_norm import rms_normalize
 
 ACTIVATIONS = (None, "silu_mul")
-FP8_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)  # 448
 NORM_STATS = (None, "rows", "gram")
 
 
-def quantize_rows_fp8(h):
-    """h: [..., K] -> (E4M3 [..., K], f32 scales [..., 1]): each row over its largest magnitude / 448 (E4M3's largest
-    finite value), rounded to nearest even; an all-zero row (padding) gets scale 1."""
-    hf = h.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(hf), axis=-1, keepdims=True)
-    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
-    return jnp.clip(hf / scale, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn), scale
-
-
-def rmsnorm_matmul_reference(x, w, bias=None, *, w_scale=None, norm_eps=None, residual=None, activation=None,
-                             fp8_rows=False):
+def rmsnorm_matmul_reference(x, w, bias=None, *, w_scale=None, norm_eps=None, residual=None, activation=None):
     """The semantics of rmsnorm_matmul, in plain jnp with the decoder's rounding (RMSNorm, linear, SwiGLU and
     residual add), so that the fused kernel is a drop-in for those steps:
 
@@ -57,22 +46,14 @@ def rmsnorm_matmul_reference(x, w, bias=None, *, w_scale=None, norm_eps=None, re
     RMSNorm(x) @ w_hf up to where the scale is rounded (once, into w, instead of onto each normalized x).
     x: [..., K]; w: [K, N] in x.dtype, or float8_e4m3fn with w_scale [N] float32 its per-column scales (upcast to
     x.dtype for the dot, scaled in f32 after it: dequantize-then-dot); bias: [N] or None; residual: [..., N]
-    ([..., N/2] with silu_mul) -> x.dtype. fp8_rows (FP8 w only): h is quantized too, per row (quantize_rows_fp8),
-    and the dot is FP8 x FP8 with both scales applied to its f32 result (W8A8: the tensor cores' FP8 rate, for many
-    rows; nanojax/ops.py). The kernel
+    ([..., N/2] with silu_mul) -> x.dtype. The kernel
     scales the f32 dot of raw x by rstd, keeps the activation and the residual add in f32 and rounds once at the end,
     so it can differ from this by about one rounding of x.dtype (nothing for f32).
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     h = x if norm_eps is None else rms_normalize(x, norm_eps)
-    if fp8_rows:
-        if w_scale is None:
-            raise ValueError("fp8_rows needs FP8 weights (w_scale)")
-        h, h_scale = quantize_rows_fp8(h)
-        out = jnp.dot(h, w, preferred_element_type=jnp.float32) * h_scale
-    else:
-        out = jnp.dot(h, w.astype(x.dtype), preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)
+    out = jnp.dot(h, w.astype(x.dtype), preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)
     if w_scale is not None:
         out = out * w_scale.astype(jnp.float32)
     if bias is not None:

@@ -6,14 +6,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import random_prompts, requires_gpu
+from conftest import random_prompts
 
 from convert import open_source, params_from_source
 from nanojax.kv_cache import Batch, KVCache
 from nanojax.model import forward, lm_logits
-from nanojax.ops import FP8_W8A8_MIN_ROWS, FP8_XLA_MIN_ROWS, PALLAS_FP8_PROJECTION_MAX_ROWS, Ops
+from nanojax.ops import FP8_XLA_MIN_ROWS, PALLAS_FP8_PROJECTION_MAX_ROWS, Ops
 from nanojax.quantize import CLIP_RATIOS, FP8_MAX, PROJECTIONS, dequantize, quantize_params, quantize_weight
-from pallas_kernels.rmsnorm_matmul import quantize_rows_fp8, rmsnorm_matmul_reference
+from pallas_kernels.rmsnorm_matmul import rmsnorm_matmul_reference
 
 # E4M3 keeps 3 mantissa bits: a normal value rounds to within 2^-4 of itself (half a unit in the last place); below
 # 2^-6 (subnormals, steps of 2^-9) the error is at most 2^-10 absolute, in units of the column's scale.
@@ -208,49 +208,6 @@ def test_fp8_projection_rows():
     assert PALLAS_FP8_PROJECTION_MAX_ROWS < FP8_XLA_MIN_ROWS  # the padding is for XLA's rows only
 
 
-def test_quantize_rows_fp8():
-    """Each row over its own largest magnitude / 448, so its largest value lands on +-448; a zero row gets scale 1;
-    every value within E4M3's rounding of the row."""
-    rng = np.random.default_rng(1)
-    h = rng.standard_normal((5, 64)).astype(np.float32) * np.exp(rng.uniform(-4, 4, (5, 1)))
-    h[2] = 0.0
-    q, scale = quantize_rows_fp8(jnp.asarray(h))
-    q, scale = np.asarray(q.astype(jnp.float32)), np.asarray(scale)
-    assert q.dtype == np.float32 and scale.shape == (5, 1) and scale[2, 0] == 1.0 and not q[2].any()
-    nonzero = [0, 1, 3, 4]
-    np.testing.assert_array_equal(np.abs(q[nonzero]).max(axis=1), FP8_MAX)
-    err = np.abs(q * scale - h)
-    assert np.all(err <= REL_STEP * np.abs(h) + SUBNORMAL_STEP * scale), err.max()
-
-
-def test_fp8_projection_takes_fp8_rows_from_the_w8a8_threshold():
-    """From FP8_W8A8_MIN_ROWS rows on, a bf16 projection of FP8 weights is one FP8 x FP8 dot (rows quantized as
-    well), within E4M3's rounding of the dequantized product; fewer rows, or float32 activations, keep the
-    weight-only dot. Bias, norm, SiLU-and-mul and residual stay the reference's."""
-    rng = np.random.default_rng(2)
-    k, n = 64, 96
-    p = {**quantize_weight(jnp.asarray(rng.normal(size=(k, n)) / 8, jnp.float32)),
-         "b": jnp.asarray(rng.normal(size=n), jnp.float32)}
-    for dtype in (jnp.bfloat16, jnp.float32):
-        for rows in (FP8_W8A8_MIN_ROWS - 1, FP8_W8A8_MIN_ROWS, 3 * FP8_W8A8_MIN_ROWS + 5):
-            x = jnp.asarray(rng.normal(size=(rows, k)), dtype)
-            residual = jnp.asarray(rng.normal(size=(rows, n // 2)), dtype)
-            kw = {"norm_eps": 1e-6, "activation": "silu_mul", "residual": residual}
-            w8a8 = dtype == jnp.bfloat16 and rows >= FP8_W8A8_MIN_ROWS
-            jaxpr = str(jax.make_jaxpr(lambda x: Ops().project(x, p, **kw))(x))
-            rows_to_fp8 = [line for line in jaxpr.splitlines() if f"f8_e4m3fn[{rows},{k}] = convert_element_type" in line]
-            assert len(rows_to_fp8) == w8a8, (dtype, rows)
-            out = Ops().project(x, p, **kw)
-            exact = rmsnorm_matmul_reference(x, p["w"], p["b"], w_scale=p["scale"], fp8_rows=w8a8, **kw)
-            np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(exact, np.float32))
-            weight_only = np.asarray(rmsnorm_matmul_reference(x, p["w"], p["b"], w_scale=p["scale"], **kw), np.float32)
-            # E4M3 rows: each product term off by at most 2^-4 of itself, then bf16 roundings of the outputs
-            bound = 2 * REL_STEP * np.abs(weight_only - np.asarray(residual, np.float32)).max() + 0.1
-            assert np.abs(np.asarray(out, np.float32) - weight_only).max() <= (bound if w8a8 else 0.0)
-    with pytest.raises(ValueError, match="fp8_rows needs FP8 weights"):
-        rmsnorm_matmul_reference(jnp.ones((2, k)), jnp.ones((k, n)), fp8_rows=True)
-
-
 def test_llm_quantizes_at_load_and_rejects_unknown_formats(hf_model_dir):
     """LLM(quantization="fp8") serves FP8 projections (the LM head stays in the model dtype); its greedy tokens
     equal those of the same engine on the dequantized weights."""
@@ -302,19 +259,3 @@ def test_fp8_checkpoint_round_trip_and_refusals(hf_model_dir, tmp_path):
         load_checkpoint(dst)
     with pytest.raises(CheckpointError, match="quantization 'int4'"):
         convert(str(folder), tmp_path / "x", quantization="int4")
-
-
-@requires_gpu
-@pytest.mark.parametrize("m,k,n", [(64, 4096, 6144), (2048, 12288, 4096), (777, 1024, 6144)])
-def test_gpu_w8a8_dot_accumulates_in_f32(m, k, n):
-    """The GPU's FP8 x FP8 dot (W8A8 rows) equals the same E4M3 operands multiplied in f32 on the host: XLA must not
-    take a reduced-precision FP8 accumulation (cuBLAS' fast-accumulation mode), whose error grows with K."""
-    rng = np.random.default_rng(m)
-    p = quantize_weight(jnp.asarray(rng.normal(size=(k, n)) * k ** -0.5, jnp.float32))
-    x = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
-    out = np.asarray(jax.jit(lambda x: rmsnorm_matmul_reference(x, p["w"], w_scale=p["scale"], fp8_rows=True))(x),
-                     np.float32)
-    xq, x_scale = (np.asarray(a, np.float64) for a in jax.device_get(quantize_rows_fp8(x)))
-    exact = (xq @ np.asarray(p["w"].astype(jnp.float32), np.float64)) * x_scale * np.asarray(p["scale"], np.float64)
-    # the bf16 rounding of the output (2^-9 of it) and f32 accumulation over K terms; nothing near E4M3's 2^-4
-    np.testing.assert_allclose(out, exact, rtol=2.0**-8, atol=2.0**-8 * np.abs(exact).max())
