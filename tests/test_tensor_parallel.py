@@ -1,6 +1,7 @@
 """Tensor parallelism (nanojax.sharding) on 8 host devices: sizes 1, 2, 4 and 8 give HF's float32 greedy tokens for
 every architecture, KV heads fewer than the devices included, through prefix-cache hits, chunked prefill and
-preemption; the Pallas kernels per shard in interpret mode; two all-reduces per layer in the compiled decode.
+preemption; the Pallas kernels per shard in interpret mode; FP8 weights per shard; two all-reduces per layer in
+the compiled decode.
 
 The host device count is fixed when jax starts, so under the default single device these tests re-run this file in
 a subprocess with NANOJAX_TEST_DEVICES=8 (tests/conftest.py)."""
@@ -188,3 +189,18 @@ def test_layout_is_where_place_puts_each_tensor(tp_model):
         for (path, x), out in zip(jax.tree_util.tree_leaves_with_path(group), jax.tree.leaves(placed_group)):
             shape, sharding, _ = tp.layout(root + param_names(path), x.shape)
             assert (shape, sharding) == (out.shape, out.sharding), path
+
+
+@on_host_devices
+def test_fp8_weights_per_shard(tp_model):
+    """LLM(quantization="fp8") split over 2 and 4 devices (each with its columns' or rows' FP8 slices and their
+    scales, qkv re-ordered per device with its scales) gives the unsharded FP8 engine's greedy tokens."""
+    folder, model = tp_model("llama")  # 8 q heads, 2 KV heads: replicated at size 4
+    prompts = scenario(model.config.vocab_size)
+    kw = dict(dtype="float32", page_size=4, max_model_len=64, max_num_seqs=4, decode_steps=4, quantization="fp8",
+              progress=False)
+    expected = [o.token_ids for o in LLM(folder, **kw).generate(prompts, GREEDY, use_tqdm=False)]
+    for size in (2, 4):
+        llm = LLM(folder, tensor_parallel_size=size, **kw)
+        assert str(llm.runner.params["layers"][0]["qkv"]["w"].dtype) == "float8_e4m3fn"
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected, size
