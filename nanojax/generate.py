@@ -27,6 +27,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"])
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="fp8: the projections' weights in FP8 (E4M3), quantized at load (default: as the checkpoint)")
     p.add_argument("--tensor-parallel-size", type=int, default=None,
                    help="split the model over this many devices (default: one device; on several processes, "
                    "every device of every process)")
@@ -64,7 +66,7 @@ def main(argv=None) -> int:
                                 max_tokens=args.max_tokens, seed=args.seed)
         distributed.initialize(args.coordinator, args.num_processes, args.process_id)
         llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=1,
-                  tensor_parallel_size=args.tensor_parallel_size)
+                  tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

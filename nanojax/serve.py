@@ -575,6 +575,10 @@ def parse_args(argv=None):
     p.add_argument("--decode-steps", type=int, default=8, help="decode steps per dispatch (tokens stream in "
                    "bursts of this many; default 8)")
     p.add_argument("--kernels", default="auto", choices=["auto", "pallas", "reference", "interpret"])
+    p.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="fp8: the projections' weights in FP8 (E4M3), quantized at load (default: as the checkpoint)")
+    p.add_argument("--tensor-parallel-size", type=int, default=None,
+                   help="split the model over this many GPUs (default: one)")
     limits = ServerLimits()
     p.add_argument("--max-body-bytes", type=int, default=limits.max_body_bytes)
     p.add_argument("--max-n", type=int, default=limits.max_n)
@@ -586,6 +590,14 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def engine_options(args) -> dict:
+    """The LLM keywords the command line sets."""
+    return dict(dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens, num_pages=args.num_pages,
+                decode_steps=args.decode_steps, kernels=args.kernels, quantization=args.quantization,
+                tensor_parallel_size=args.tensor_parallel_size)
+
+
 def main(argv=None) -> None:
     import uvicorn
 
@@ -593,10 +605,7 @@ def main(argv=None) -> None:
     from nanojax.llm import LLM
 
     args = parse_args(argv)
-    engine = (LLM if args.engine_in_process else EngineProcess)(
-        args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, num_pages=args.num_pages, decode_steps=args.decode_steps,
-        kernels=args.kernels)
+    engine = (LLM if args.engine_in_process else EngineProcess)(args.model, **engine_options(args))
     limits = ServerLimits(args.max_body_bytes, args.max_n, args.max_tokens_limit, args.max_prompts)
     app = build_app(engine, args.served_model_name or served_name(args.model), api_key=args.api_key, limits=limits,
                     on_shutdown=engine.close if isinstance(engine, EngineProcess) else None)

@@ -63,9 +63,12 @@ def test_stale_cached_checkpoint_is_converted_again(gguf_path, tmp_path, monkeyp
     assert json.loads((stale / "manifest.json").read_text())["params_format"] == PARAMS_FORMAT
 
 
-def test_cli_streams_the_answer(gguf_path, capsys, monkeypatch):
+@pytest.mark.parametrize("options", [[], ["--quantization", "fp8"]])
+def test_cli_streams_the_answer(gguf_path, capsys, monkeypatch, options):
+    """The CLI's answer, with the checkpoint's weights and quantized to FP8 at load (issue 23's quality check: the
+    capital answer unchanged)."""
     monkeypatch.setattr(nanojax.cache, "use_compilation_cache", lambda: None)  # global jax state: its own test
-    assert generate_cli.main(["--prompt", "What is the capital of France?", "--max-tokens", "24"]) == 0
+    assert generate_cli.main(["--prompt", "What is the capital of France?", "--max-tokens", "24", *options]) == 0
     captured = capsys.readouterr()
     assert "Paris" in captured.out
     assert "time to first token" in captured.err and "tok/s" in captured.err

@@ -18,7 +18,7 @@ from test_sampling import byte_tokenizer
 
 from nanojax import LLM, SamplingParams
 from nanojax.loader import load_model
-from nanojax.serve import BackgroundServer, ServerLimits, build_app
+from nanojax.serve import BackgroundServer, ServerLimits, build_app, engine_options, parse_args
 
 KEY = "test-key"
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
@@ -401,3 +401,19 @@ def test_default_model_answers_through_chat_completions():
     finally:
         server.terminate()  # uvicorn shuts down (stopping the engine's process), then re-raises the signal
         assert server.wait(60) in (0, -signal.SIGTERM)
+
+
+def test_command_line_options_reach_the_engine():
+    """Every engine option of `python -m nanojax.serve` is an LLM keyword, passed through as given."""
+    import inspect
+
+    from nanojax import LLM
+
+    args = parse_args(["--quantization", "fp8", "--tensor-parallel-size", "2", "--decode-steps", "4",
+                       "--max-model-len", "512", "--kernels", "reference"])
+    options = engine_options(args)
+    assert set(options) <= set(inspect.signature(LLM).parameters)
+    assert options["quantization"] == "fp8" and options["tensor_parallel_size"] == 2
+    assert options["decode_steps"] == 4 and options["max_model_len"] == 512 and options["kernels"] == "reference"
+    defaults = engine_options(parse_args([]))
+    assert defaults["quantization"] is None and defaults["tensor_parallel_size"] is None
