@@ -1,6 +1,7 @@
 """The engine in a process of its own (nanojax.engine_process), directly and behind the server: the same greedy
 tokens as the in-process engine, requests refused at once in the caller, aborts that free the child's KV pages,
-metrics asked of the child, and a dead child reported by /health while the server goes on answering."""
+metrics asked of the child, a child that splits the model over two devices, and a dead child reported by /health
+while the server goes on answering."""
 import dataclasses
 import time
 
@@ -139,4 +140,18 @@ def test_a_dead_engine_process_answers_503_and_the_server_goes_on(model):
         assert client.models.list().data[0].id == "tiny"
     finally:
         server.stop()
+        engine.close()
+
+
+def test_engine_process_splits_the_model_over_devices(model, llm, monkeypatch):
+    """`nanojax.serve --tensor-parallel-size 2`'s engine: the child process, started with two host devices, runs the
+    model split over both and gives the one-device engine's greedy tokens."""
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")  # read by the spawned child's jax
+    engine = EngineProcess(model, tensor_parallel_size=2, **ENGINE)
+    try:
+        prompts = random_prompts(97, [7, 19], seed=4)
+        want = [o.token_ids for o in llm.generate(prompts, greedy(max_tokens=8), use_tqdm=False)]
+        streams = [engine.add_request(p, greedy(max_tokens=8), index=i) for i, p in enumerate(prompts)]
+        assert [[e for e in s if e.finish_reason is not None][0].token_ids for s in streams] == want
+    finally:
         engine.close()
