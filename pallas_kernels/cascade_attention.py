@@ -132,7 +132,7 @@ def _cascade_kernel(item_row_ref, item_start_ref, item_end_ref, members_ref, slo
     # q_ref: [B, Hq, D] every row's query
     # k_ref, v_ref: [num_pages, S, D] the page pool of this program's KV head
     # page_table_ref: [B * P] int32 every row's page table, flattened
-    # o_ref: [W, B, Hq, D] every row's pieces, unnormalized, in q's dtype for 2-byte q (_pieces_dtype); m_ref,
+    # o_ref: [W, B, Hq, D] every row's pieces, unnormalized, in bf16 for bf16 q (_pieces_dtype); m_ref,
     #   l_ref: [W, B, Hq] f32 their running max (log2 units) and denominator. Only the (slot, member row, head) of
     #   this program's rows are written.
     num_members = members_ref.shape[0]
@@ -159,11 +159,12 @@ def _cascade_kernel(item_row_ref, item_start_ref, item_end_ref, members_ref, slo
 
 
 def _pieces_dtype(dtype):
-    """The dtype of the items' unnormalized outputs: 2-byte q's own, else f32. Every row reads its pieces in the
+    """The dtype of the items' unnormalized outputs: bf16 for bf16 q, else f32. Every row reads its pieces in the
     merge, so their bytes are a step's second largest read after the shared KV (Qwen3-0.6B, batch 64, a 4,000-token
     prefix: ~9 MB of f32 pieces per layer against 16 MB of KV); a piece in bf16 rounds each output once more, by
-    2^-9 relative, as the merged output is rounded to bf16 anyway."""
-    return dtype if jnp.dtype(dtype).itemsize <= 2 else jnp.float32
+    2^-9 relative, as the merged output is rounded to bf16 anyway. Not f16: an unnormalized piece sums up to a
+    piece's length of values (1,024 tokens), past f16's range for values above 64."""
+    return jnp.bfloat16 if jnp.dtype(dtype) == jnp.bfloat16 else jnp.float32
 
 
 def _cascade_pieces(q, k_pages, v_pages, page_table, item_row, item_start, item_end, item_members, item_slots, *,

@@ -284,7 +284,7 @@ def _load_splits(o_ref, m_ref, l_ref, count=None):
 def _combine_splits_kernel(*refs):
     # refs: o_ref [k_splits, D] f32 the splits' unnormalized outputs of one (sequence, token, query head), m_ref and
     #   l_ref [k_splits] f32 their running max (log2 units) and softmax denominator;
-    #   then optionally a second set of pieces: o2_ref [n, D] (f32, or the cascade's 2-byte dtype), m2_ref, l2_ref
+    #   then optionally a second set of pieces: o2_ref [n, D] (f32, or the cascade's bf16), m2_ref, l2_ref
     #   [n], count_ref [] int32 (its first count pieces hold one);
     #   out_ref [D] the merged output
     *in_refs, out_ref = refs
@@ -306,7 +306,7 @@ def _combine_splits(o, m, l, dtype, interpret, more=None):
     weights, the weighted sums), ~1.2 us each at decode sizes (docs/perf_notes.md,
     "Decode attention: loads, and the split merge").
     o: [k_splits, B, T, Hq, D] f32; m, l: [k_splits, B, T, Hq] f32 -> [B, T, Hq, D] in dtype.
-    more: None, or more pieces merged in the same pass: (o2 [n, B, T, Hq, D] f32 or 2-byte, m2, l2 [n, B, T, Hq] f32,
+    more: None, or more pieces merged in the same pass: (o2 [n, B, T, Hq, D] f32 or bf16, m2, l2 [n, B, T, Hq] f32,
     counts [B] int32), of which sequence b has counts[b] (the first ones; the others are never read)."""
     _, batch, num_tokens, num_q_heads, head_dim = o.shape
 
