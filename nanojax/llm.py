@@ -150,7 +150,7 @@ class LLM(RequestFront):
         self.eos_ids = frozenset(self.config.eos_token_ids)
         self._rng = np.random.default_rng(seed)
         self._free_slots = list(range(max_num_seqs))
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("add", _Request, [Sequence]) | ("abort", id) | ...
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("add", [Sequence]) | ("abort", id) | ("call", fn)
         self._lock = threading.Lock()  # orders the loop's decision to stop against a new request's start
         self._running = False
         self._requests: dict[str, list[Sequence]] = {}  # request id -> its unfinished choices
@@ -224,6 +224,13 @@ class LLM(RequestFront):
     def _enqueue(self, ids: list[int], params: SamplingParams, request_id: str, index: int, stream: RequestStream,
                  stream_text: bool, pin: bool = False) -> _Request:
         """Hands a validated request to the engine loop; -> its first choice's state."""
+        first = self._first_choice(ids, params, request_id, index, stream, stream_text, pin)
+        self._submit([first])
+        return first.params
+
+    def _first_choice(self, ids, params, request_id, index, stream, stream_text, pin=False) -> Sequence:
+        """A validated request's sequences; -> the first choice's (the others are its siblings, added once its
+        prompt's pages are committed)."""
         if self.dead is not None:
             raise RuntimeError(f"the engine has stopped after an error: {self.dead!r}")
         stream.expect(params.n)
@@ -232,9 +239,13 @@ class LLM(RequestFront):
         seqs[0].params.siblings, seqs[0].params.pin = seqs[1:], pin
         for sibling in seqs[1:]:  # one list of prompt logprobs, filled by the first choice's prefill
             sibling.params.output.prompt_logprobs = seqs[0].params.output.prompt_logprobs
-        self._inbox.put(("add", seqs[0]))
+        return seqs[0]
+
+    def _submit(self, firsts: list[Sequence]) -> None:
+        """Requests' first choices to the engine loop as one inbox item, so that its next step sees them all
+        (a generate call's batch does not depend on how fast the loop thread runs)."""
+        self._inbox.put(("add", firsts))
         self._start()
-        return seqs[0].params
 
     def abort(self, request_id: str) -> None:
         """Ends a request (all its choices) with finish_reason "abort"; its KV pages are freed in the next step."""
@@ -320,9 +331,11 @@ class LLM(RequestFront):
             self.check(i, p, sp)
         stream, request_ids = RequestStream(), []
         try:
+            firsts = []
             for i, (p, sp) in enumerate(zip(ids, params)):
                 request_ids.append(str(next(self._ids)))
-                self._enqueue(p, sp, request_ids[-1], i, stream, stream_text)
+                firsts.append(self._first_choice(p, sp, request_ids[-1], i, stream, stream_text))
+            self._submit(firsts)
             yield from stream
         finally:
             if not stream.finished:  # their pages are free when this returns
@@ -383,11 +396,12 @@ class LLM(RequestFront):
             except queue.Empty:
                 return
             if kind == "add":
-                self._requests[item.params.output.request_id] = [item, *item.params.siblings]
-                try:
-                    self.scheduler.add(item)
-                except ValueError as e:
-                    self._fail([item], e)
+                for seq in item:
+                    self._requests[seq.params.output.request_id] = [seq, *seq.params.siblings]
+                    try:
+                        self.scheduler.add(seq)
+                    except ValueError as e:
+                        self._fail([seq], e)
             elif kind == "abort":
                 self._abort(item)
             else:

@@ -212,3 +212,26 @@ def test_weights_are_on_the_device_before_the_kv_pool_is_sized(qwen3, monkeypatc
     monkeypatch.setattr(LLM, "_pages_that_fit", spy)
     llm = LLM(qwen3[0], warmup=False, progress=False)
     assert len(seen) == 1 and seen[0] >= sum(x.nbytes for x in jax.tree.leaves(llm.runner.params))
+
+
+def test_a_generate_calls_requests_reach_the_engine_together(qwen3, monkeypatch):
+    """The engine loop's first step sees every request of a generate call however slowly they are prepared, so a
+    call's batches (and preemptions, and bf16 rounding) do not depend on the loop thread's timing."""
+    import time
+
+    folder, _ = qwen3
+    llm = LLM(folder, dtype="float32", page_size=4, max_model_len=96)
+    sequence, schedule, seen = llm._sequence, llm.scheduler.schedule, []
+
+    def slow_sequence(*args):
+        time.sleep(0.05)  # the loop thread would run steps meanwhile if each request went in on its own
+        return sequence(*args)
+
+    def recording_schedule(**kw):
+        seen.append(len(llm.scheduler.waiting) + len(llm.scheduler.running))
+        return schedule(**kw)
+
+    monkeypatch.setattr(llm, "_sequence", slow_sequence)
+    monkeypatch.setattr(llm.scheduler, "schedule", recording_schedule)
+    llm.generate(random_prompts(97, [5, 9, 3, 7], seed=8), GREEDY, use_tqdm=False)
+    assert seen[0] == 4
