@@ -133,8 +133,7 @@ def main():
     variant = args.kernels + (f", {args.quantization}" if args.quantization else "")
     print(f"nanojax ({variant}): {r['tok_s']:,.0f} tok/s ({r['seconds']:.1f} s; weights prepared in "
           f"{r['weights_s']:.0f} s, then LLM() start-up {r['startup_compile_s']:.0f} s; {r['num_pages']} KV pages; "
-          f"recompiles during the run "
-          f"{r['recompiles_during_run']})")
+          f"recompiles during the run {r['recompiles_during_run']})")
     if "hf_eager" in results and "error" in results["hf_eager"]:
         print(f"HF transformers generate, eager: {results['hf_eager']['error']}")
     elif "hf_eager" in results:

@@ -103,6 +103,12 @@ def dot_u8(x, w_u8, scale, *, bk, bn, splits, warps, stages, interpret=False):
     return (out.sum(0) * scale).astype(x.dtype)
 
 
+def quantize_rows(x):
+    """x: [M, K] -> (E4M3 [M, K], f32 scales [M]): each row over its largest magnitude / 448."""
+    xs = jnp.maximum(jnp.max(jnp.abs(x.astype(jnp.float32)), axis=1), 1e-12) / 448.0
+    return (x.astype(jnp.float32) / xs[:, None]).astype(jnp.float8_e4m3fn), xs
+
+
 def w8a8_kernel(x_ref, w_ref, o_ref, *, bm, bk, bn, kb_per_split):
     # x_ref [M, K] float8_e4m3fn (rows quantized, scales outside); w_ref [K, N] float8_e4m3fn; o_ref [splits, M, N]
     m = x_ref.shape[0]
@@ -124,8 +130,7 @@ def w8a8_kernel(x_ref, w_ref, o_ref, *, bm, bk, bn, kb_per_split):
 def w8a8(x, w8, scale, *, bm, bk, bn, splits, warps, stages, interpret=False):
     """x: [M, K] bf16 quantized per row to E4M3 (amax / 448), then an FP8 x FP8 dot."""
     m, (k, n) = x.shape[0], w8.shape
-    xs = jnp.maximum(jnp.max(jnp.abs(x.astype(jnp.float32)), axis=1), 1e-12) / 448.0
-    xq = (x.astype(jnp.float32) / xs[:, None]).astype(jnp.float8_e4m3fn)
+    xq, xs = quantize_rows(x)
     out = pl.pallas_call(
         functools.partial(w8a8_kernel, bm=bm, bk=bk, bn=bn, kb_per_split=k // bk // splits),
         grid=(n // bn, splits, pl.cdiv(m, bm)), out_shape=jax.ShapeDtypeStruct((splits, m, n), jnp.float32),
@@ -152,8 +157,7 @@ def xla_deq_materialized(x, w8, s, wb, u8):
 @jax.jit
 def xla_w8a8(x, w8, s, wb, u8):
     """x quantized per row to E4M3, then XLA's FP8 x FP8 dot (cuBLASLt on Hopper), both scales in the epilogue."""
-    xs = jnp.maximum(jnp.max(jnp.abs(x.astype(jnp.float32)), axis=1), 1e-12) / 448.0
-    xq = (x.astype(jnp.float32) / xs[:, None]).astype(jnp.float8_e4m3fn)
+    xq, xs = quantize_rows(x)
     out = lax.dot_general(xq, w8, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
     return (out * xs[:, None] * s).astype(x.dtype)
 
