@@ -408,26 +408,25 @@ class LLM(RequestFront):
                 item()
 
     def _dispatch(self):
-        """Schedules a step and dispatches it: the decodes in one call, the prefill chunks packed in another.
+        """Schedules a step and dispatches it: a decode-only step in one call of the decode program; the prefill
+        chunks packed into the prefill program, with the step's decodes (one step each) in the same forward.
         -> (chunks, {seq_id: (runner.Pending, row)} of the chunks that sample, {seq_id: (runner.Pending, last row)}
         of the chunks whose prompt logprobs are wanted)."""
         chunks = self.scheduler.schedule(decode_steps=self.decode_steps)
         self._assign_slots(chunks)
-        pending = {}
         decodes = [c for c in chunks if c.num_tokens == 1 and c.sample]
-        if decodes:  # num_steps > 1 only in a decode-only step
-            out = self.runner.decode([c.seq.token_ids[c.start] for c in decodes], [c.seq.page_table for c in decodes],
-                                     [c.end for c in decodes], self._sampling(decodes), decodes[0].num_steps)
-            pending.update({c.seq.seq_id: (out, i) for i, c in enumerate(decodes)})
         prefills = [c for c in chunks if not (c.num_tokens == 1 and c.sample)]
-        prompt = {}
-        if prefills:
-            targets = [self._prompt_targets(c) for c in prefills]
-            outs = self.runner.prefill([(c.seq.token_ids[c.start:c.end], c.seq.page_table, c.end,
-                                         self._sampling_row(c.seq.params) if c.sample else None, t)
-                                        for c, t in zip(prefills, targets)])
-            pending.update({c.seq.seq_id: out for c, out in zip(prefills, outs) if c.sample})
-            prompt = {c.seq.seq_id: out for c, out, t in zip(prefills, outs, targets) if t}
+        rows = ([c.seq.token_ids[c.start] for c in decodes], [c.seq.page_table for c in decodes],
+                [c.end for c in decodes], self._sampling(decodes)) if decodes else None
+        if not prefills:  # each row's steps (1..decode_steps) in one dispatch of the decode program
+            out = self.runner.decode(*rows, self.decode_steps, [c.num_steps for c in decodes])
+            return chunks, {c.seq.seq_id: (out, i) for i, c in enumerate(decodes)}, {}
+        targets = [self._prompt_targets(c) for c in prefills]
+        outs = self.runner.prefill([(c.seq.token_ids[c.start:c.end], c.seq.page_table, c.end,
+                                     self._sampling_row(c.seq.params) if c.sample else None, t)
+                                    for c, t in zip(prefills, targets)], decodes=rows)
+        pending = {c.seq.seq_id: out for c, out in zip(prefills + decodes, outs) if c.sample}
+        prompt = {c.seq.seq_id: out for c, out, t in zip(prefills, outs, targets) if t}
         return chunks, pending, prompt
 
     @staticmethod
@@ -490,7 +489,7 @@ class LLM(RequestFront):
         for c in chunks:
             if c.sample and c.seq.status is not SequenceStatus.FINISHED:
                 out, row = pending[c.seq.seq_id]
-                accepted[c.seq.seq_id] = self._accept(c.seq, out, row)
+                accepted[c.seq.seq_id] = self._accept(c.seq, out, row, c.num_steps)
         self.scheduler.update(chunks, accepted)
         seqs = [c.seq for c in chunks if c.seq.seq_id in accepted]
         for seq in seqs:
@@ -506,12 +505,13 @@ class LLM(RequestFront):
                 self._finish(seq)
         return seqs
 
-    def _accept(self, seq: Sequence, pending, row: int) -> list[int]:
-        """The prefix of the row's new tokens the request keeps; marks it finished when a stop condition is met."""
+    def _accept(self, seq: Sequence, pending, row: int, num_steps: int) -> list[int]:
+        """The prefix of the row's first num_steps new tokens the request keeps; marks it finished when a stop
+        condition is met."""
         req: _Request = seq.params
         out = req.output
         kept = []
-        for tok in pending.tokens()[:, row].tolist():
+        for tok in pending.tokens()[:num_steps, row].tolist():
             kept.append(tok)
             out.token_ids.append(tok)
             if out.time_to_first_token is None:

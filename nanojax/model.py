@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nanojax.config import ModelConfig
-from nanojax.kv_cache import Batch, KVCache
+from nanojax.kv_cache import KVCache
 from nanojax.ops import Ops
 from pallas_kernels.rms_norm import rms_norm
 
@@ -74,29 +74,47 @@ def project(ops: Ops, x, p, *, norm_eps=None, residual=None, activation=None):
     return ops.project(x, p, norm_eps=norm_eps, residual=residual, activation=activation)
 
 
-def layer(ops: Ops, lp, x, positions, slots, k_pages, v_pages, batch: Batch, config: ModelConfig):
-    """x: [N, H]; positions, slots: [N] -> (x after the layer, k_pages, v_pages)."""
+def layer(ops: Ops, lp, x, positions, slots, k_pages, v_pages, batch, config: ModelConfig):
+    """x: [N, H]; positions, slots: [N]; batch: a Batch of the N = B * T rows, or (Batch of B * T rows, Batch of D
+    one-token rows) for N = B * T + D (forward's mixed step) -> (x after the layer, k_pages, v_pages)."""
     h, norm_eps = pre_norm(x, lp, "attn_norm", config)
     qkv = project(ops, h, lp["qkv"], norm_eps=norm_eps)
     inv_freq = None if config.rope_theta is None else jnp.asarray(rope_inv_freq(config))
     q, k_pages, v_pages = ops.qkv_rope_cache(qkv, positions, slots, k_pages, v_pages, inv_freq, lp.get("q_norm"),
                                              lp.get("k_norm"), eps=config.norm_eps)
-    b, t = batch.q_lens.shape[0], x.shape[0] // batch.q_lens.shape[0]
-    attn = ops.attention(q.reshape(b, t, config.num_heads, config.head_dim), k_pages, v_pages, batch.page_table,
-                         batch.seq_lens, batch.q_lens, scale=config.head_dim**-0.5, cascade=batch.cascade)
-    x = ops.row_project(attn.reshape(b * t, config.q_size), lp["o"], residual=x)
+    attn = attention(ops, q, k_pages, v_pages, batch, config)
+    x = ops.row_project(attn, lp["o"], residual=x)
     h, norm_eps = pre_norm(x, lp, "mlp_norm", config)
     h = project(ops, h, lp["up"], norm_eps=norm_eps, activation="silu_mul" if config.mlp == "swiglu" else "gelu_tanh")
     return ops.row_project(h, lp["down"], residual=x), k_pages, v_pages
 
 
-def forward(params, tokens, kv_cache: KVCache, batch: Batch, *, config: ModelConfig, ops: Ops):
-    """tokens: [B, T] int32 -> (hidden [B, T, H] after the final norm, updated kv_cache)."""
-    b, t = tokens.shape
-    positions = batch.positions(t)
-    slots = batch.slots(positions, kv_cache.page_size).reshape(-1)
-    positions = positions.reshape(-1)
-    x = ops.embed(params["embed"], tokens.reshape(-1))
+def attention(ops: Ops, q, k_pages, v_pages, batch, config: ModelConfig):
+    """q: [N, Hq, D] -> [N, Hq * D]: the rows of each of batch's segments (layer's) through their own attention."""
+    segments = batch if isinstance(batch, tuple) else (batch,)
+    one_token_rows = sum(s.q_lens.shape[0] for s in segments[1:])
+    t = (q.shape[0] - one_token_rows) // segments[0].q_lens.shape[0]
+    outs, start = [], 0
+    for i, seg in enumerate(segments):
+        b, seg_t = seg.q_lens.shape[0], t if i == 0 else 1
+        rows = q[start:start + b * seg_t].reshape(b, seg_t, config.num_heads, config.head_dim)
+        out = ops.attention(rows, k_pages, v_pages, seg.page_table, seg.seq_lens, seg.q_lens,
+                            scale=config.head_dim**-0.5, cascade=seg.cascade)
+        outs.append(out.reshape(b * seg_t, config.q_size))
+        start += b * seg_t
+    return outs[0] if len(outs) == 1 else jnp.concatenate(outs)
+
+
+def forward(params, tokens, kv_cache: KVCache, batch, *, config: ModelConfig, ops: Ops):
+    """tokens: [B, T] int32 with batch a Batch -> (hidden [B, T, H] after the final norm, updated kv_cache).
+    A mixed step: tokens (prompt rows [B, T], decode tokens [D]) with batch (Batch, Batch) of each -> ((hidden
+    [B, T, H], hidden [D, H]), kv_cache): one forward, so one read of the weights, for both."""
+    segments = tuple(zip(tokens, batch)) if isinstance(batch, tuple) else ((tokens, batch),)
+    positions = [seg_batch.positions(1 if ids.ndim == 1 else ids.shape[1]) for ids, seg_batch in segments]
+    slots = jnp.concatenate([seg_batch.slots(pos, kv_cache.page_size).reshape(-1)
+                             for pos, (_, seg_batch) in zip(positions, segments)])
+    positions = jnp.concatenate([pos.reshape(-1) for pos in positions])
+    x = ops.embed(params["embed"], jnp.concatenate([ids.reshape(-1) for ids, _ in segments]))
     if config.rope_theta is None:
         x = x + params["pos_embed"][jnp.maximum(positions, 0)]
     new_k, new_v = [], []
@@ -104,8 +122,12 @@ def forward(params, tokens, kv_cache: KVCache, batch: Batch, *, config: ModelCon
         x, k_pages, v_pages = ops.run_layer(layer, lp, x, positions, slots, k_pages, v_pages, batch, config)
         new_k.append(k_pages)
         new_v.append(v_pages)
-    hidden = norm(x, params["final_norm"], config).reshape(b, t, -1)
-    return hidden, KVCache(k=tuple(new_k), v=tuple(new_v))
+    hidden = norm(x, params["final_norm"], config)
+    cache = KVCache(k=tuple(new_k), v=tuple(new_v))
+    if not isinstance(batch, tuple):
+        return hidden.reshape(*tokens.shape, -1), cache
+    prompt_rows = tokens[0].size
+    return (hidden[:prompt_rows].reshape(*tokens[0].shape, -1), hidden[prompt_rows:]), cache
 
 
 def lm_logits(params, hidden, ops: Ops = Ops()):

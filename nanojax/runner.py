@@ -2,11 +2,13 @@
 
 Two programs, each compiled once per row bucket, serve every request mix (sampling parameters are data, see
 nanojax.sampling):
-- decode: [B, 1] tokens, `num_steps` steps per dispatch (1, or the engine's decode_steps), B a power of two up to
-  max_num_seqs;
+- decode: [B, 1] tokens, the engine's decode_steps steps per dispatch, each row taking its own number of them (the
+  KV slots the scheduler could give it), B a power of two up to max_num_seqs;
 - prefill: the step's prompt chunks packed as rows of PREFILL_ROW tokens ([R, PREFILL_ROW], R a power of two). A
   chunk of n tokens takes ceil(n / PREFILL_ROW) consecutive rows with the same page table, each row attending to
   the cache up to its own last token, so many short prompts cost one dispatch and a long one the same as unpacked.
+  A step that has prompt chunks and decodes (a mixed step) runs both in one forward, so the weights are read once:
+  the prefill program with max_num_seqs one-token decode rows after the prompt rows.
 `compile_all` lowers every bucket and compiles them on a thread pool (XLA compiles outside the GIL).
 """
 import concurrent.futures
@@ -37,14 +39,21 @@ _STATIC = ("config", "ops", "vocab_limit")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnums=(1, 2))
-def prefill_step(params, cache, tables, tokens, batch: Batch, sampling: SamplingBatch, targets, *, config, ops,
-                 vocab_limit):
+def prefill_step(params, cache, tables, tokens, batch: Batch, sampling: SamplingBatch, targets, decode=None, *,
+                 config, ops, vocab_limit):
     """tokens: [R, T] -> (Sampled with a leading [1] step axis, one token per row, PromptLogprobs of `targets`, cache,
     tables). Rows that end mid-prompt sample too; the host discards theirs (their slots are the neutral one, so
     nothing is counted). targets: [R, T] int32, the prompt token after each position whose logprob is wanted, -1
-    for none."""
-    hidden, cache = forward(params, tokens, cache, batch, config=config, ops=ops)
+    for none. decode: None, or (tokens [D], Batch) of D decode rows run in the same forward (a mixed step: the
+    weights read once for both); their tokens follow the R rows' in Sampled, and sampling covers R + D rows."""
+    if decode is None:
+        hidden, cache = forward(params, tokens, cache, batch, config=config, ops=ops)
+    else:
+        (hidden, decoded), cache = forward(params, (tokens, decode[0]), cache, (batch, decode[1]), config=config,
+                                           ops=ops)
     last = jnp.take_along_axis(hidden, jnp.maximum(batch.q_lens - 1, 0)[:, None, None], axis=1)[:, 0]
+    if decode is not None:
+        last = jnp.concatenate([last, decoded])
     out = sample(lm_logits(params, last, ops), sampling, tables, 0, vocab_limit=vocab_limit)
     prompt = prompt_logprobs(params, hidden, targets, config=config, ops=ops, vocab_limit=vocab_limit)
     return jax.tree.map(lambda x: x[None], out), prompt, cache, tables.count(sampling.slots, out.tokens)
@@ -72,24 +81,26 @@ def prompt_logprobs(params, hidden, targets, *, config, ops, vocab_limit) -> "Pr
 
 
 @functools.partial(jax.jit, static_argnames=(*_STATIC, "num_steps"), donate_argnums=(1, 2))
-def decode_step(params, cache, tables, tokens, batch: Batch, sampling: SamplingBatch, *, config, ops, vocab_limit,
-                num_steps):
+def decode_step(params, cache, tables, tokens, batch: Batch, sampling: SamplingBatch, row_steps, *, config, ops,
+                vocab_limit, num_steps):
     """num_steps decode steps in one dispatch (fixed trip count: no host sync between them).
 
-    tokens: [B] last token of each row; batch describes the first step (q_lens 1, 0 on padding rows).
-    Returns (Sampled with a leading [num_steps] axis, cache, tables). Rows that finish early keep decoding into
-    pages the scheduler reserved; the host drops what follows their end.
+    tokens: [B] last token of each row; batch describes the first step (q_lens 1, 0 on padding rows); row_steps:
+    [B] int32, the steps row b takes (<= num_steps: the KV slots the scheduler could give it). After them a row
+    writes no KV, keeps its length and counts no token; it still computes (the host drops its tokens), as do rows
+    that finish early, into pages the scheduler reserved.
+    Returns (Sampled with a leading [num_steps] axis, cache, tables).
     """
-    active = batch.q_lens
-
     def body(i, carry):
         tokens, cache, tables, seq_lens, out = carry
-        hidden, cache = forward(params, tokens[:, None], cache, batch.replace(seq_lens=seq_lens), config=config,
-                                ops=ops)
+        active = jnp.where(i < row_steps, batch.q_lens, 0)
+        hidden, cache = forward(params, tokens[:, None], cache, batch.replace(seq_lens=seq_lens, q_lens=active),
+                                config=config, ops=ops)
         logits = lm_logits(params, hidden[:, 0], ops)
         new = sample(logits, sampling, tables, i, vocab_limit=vocab_limit)
         out = jax.tree.map(lambda o, n: o.at[i].set(n), out, new)
-        return new.tokens, cache, tables.count(sampling.slots, new.tokens), seq_lens + active, out
+        counted = jnp.where(active > 0, sampling.slots, tables.neutral)
+        return new.tokens, cache, tables.count(counted, new.tokens), seq_lens + active, out
 
     b = tokens.shape[0]
     out = Sampled(jnp.zeros((num_steps, b), jnp.int32), jnp.zeros((num_steps, b)),
@@ -136,10 +147,12 @@ class PromptLogprobs(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class Program:
     """One compiled shape: `rows` rows of decode (num_steps steps) or of packed prefill (num_steps 0); cascade: a
-    decode that reads shared prefixes once (nanojax.cascade)."""
+    decode that reads shared prefixes once (nanojax.cascade); decode_rows: a prefill's one-step decode rows (a mixed
+    step)."""
     rows: int
     num_steps: int
     cascade: bool = False
+    decode_rows: int = 0
 
     @property
     def tokens_per_row(self) -> int:
@@ -188,10 +201,15 @@ class ModelRunner:
     def programs(self) -> list:
         """Every program the engine runs: the decode and prefill buckets (cascade: the multi-step decodes of the
         batches the rules allow) and the token-table writer."""
-        steps = sorted({1, self.decode_steps})
-        return [Program(b, k) for b in self.decode_rows for k in steps] + [
+        return [Program(b, self.decode_steps) for b in self.decode_rows] + [
             Program(b, self.decode_steps, True) for b in self.cascade_rows] + [
-            Program(r, 0) for r in self.prefill_rows] + ["set_slot"]
+            Program(r, 0, decode_rows=d) for r in self.prefill_rows for d in (0, self.mixed_rows)] + ["set_slot"]
+
+    @property
+    def mixed_rows(self) -> int:
+        """The decode rows of a mixed step's program: one bucket, the largest, so that mixed steps add one program
+        per prefill bucket (padding rows cost their share of the projections, nothing in attention)."""
+        return self.decode_rows[-1]
 
     def compile_all(self, progress: bool = True, threads: int | None = None) -> None:
         """Compiles every program now. Those the executable cache holds (`executable_dir`, nanojax.executable_cache)
@@ -233,8 +251,9 @@ class ModelRunner:
         args = (self.params, self.cache, self.tables, tokens, *self._inputs(p, table, [], [], {}, plan))
         kw = dict(config=self.config, ops=self.ops, vocab_limit=self.vocab_limit)
         if p.num_steps:
-            return decode_step, args, {**kw, "num_steps": p.num_steps}
-        return prefill_step, (*args, jax.ShapeDtypeStruct((b, t), jnp.int32)), kw
+            return decode_step, (*args, jax.ShapeDtypeStruct((b,), jnp.int32)), {**kw, "num_steps": p.num_steps}
+        decode = self._decode_segment(p, [], [], []) if p.decode_rows else None
+        return prefill_step, (*args, jax.ShapeDtypeStruct((b, t), jnp.int32), decode), kw
 
     def _key_parts(self, p) -> tuple:
         """What program p's executable depends on besides the environment, read without tracing."""
@@ -252,13 +271,14 @@ class ModelRunner:
         return self._compiled[p]
 
     def _run(self, p: Program, tokens: np.ndarray, table: np.ndarray, seq_lens, q_lens, sampling: dict,
-             plan: CascadePlan | None = None, targets: np.ndarray | None = None) -> list:
-        """table: _page_table's. -> the step's outputs: [Sampled] for a decode, [Sampled, PromptLogprobs] for a
+             plan: CascadePlan | None = None, extra: tuple = ()) -> list:
+        """table: _page_table's; extra: a decode's row_steps [B], a prefill's targets and decode segment
+        (_decode_segment's, or None). -> the step's outputs: [Sampled] for a decode, [Sampled, PromptLogprobs] for a
         prefill."""
         # One transfer for all of the step's host arrays: a jnp.asarray per array costs ~0.3 ms each on the H100
         # machine, which made the host, not the GPU, the bottleneck of a dispatch (docs/perf_notes.md).
-        host = (tokens, *self._inputs(p, table, seq_lens, q_lens, sampling, plan))
-        args = jax.device_put(host if targets is None else (*host, targets), self._inputs_sharding)
+        host = (tokens, *self._inputs(p, table, seq_lens, q_lens, sampling, plan), *extra)
+        args = jax.device_put(host, self._inputs_sharding)
         *outs, self.cache, self.tables = self._program(p)(self.params, self.cache, self.tables, *args)
         return outs
 
@@ -277,7 +297,15 @@ class ModelRunner:
         lens, qs = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
         lens[:len(seq_lens)], qs[:len(q_lens)] = seq_lens, q_lens
         batch = Batch(page_table=table, seq_lens=lens, q_lens=qs, cascade=plan and plan.arrays())
-        return batch, sampling_batch(sampling, rows, self.neutral_slot)
+        return batch, sampling_batch(sampling, rows + p.decode_rows, self.neutral_slot)
+
+    def _decode_segment(self, p: Program, last_tokens, page_tables, seq_lens) -> tuple[np.ndarray, Batch]:
+        """A mixed step's decode rows, padded to p.decode_rows: (tokens [D], Batch of one new token per row)."""
+        rows = p.decode_rows
+        tokens, lens = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
+        tokens[:len(last_tokens)], lens[:len(seq_lens)] = last_tokens, seq_lens
+        return tokens, Batch(page_table=self._page_table(rows, page_tables), seq_lens=lens,
+                             q_lens=(lens > 0).astype(np.int32))
 
     def _plan(self, rows: int, page_tables, seq_lens) -> CascadePlan:
         return plan_cascade(page_tables, seq_lens, batch=rows, page_size=self.page_size,
@@ -290,9 +318,10 @@ class ModelRunner:
 
     # ----- steps -----
     def decode(self, last_tokens: list[int], page_tables: list[list[int]], seq_lens: list[int],
-               sampling: dict[str, list], num_steps: int = 1) -> "Pending":
-        """Dispatches num_steps decode steps for each row (seq_lens counts the last token); [num_steps, rows]. Rows
-        that share prefix pages read them once per step when the cascade rules find it worth it."""
+               sampling: dict[str, list], num_steps: int = 1, row_steps: list[int] | None = None) -> "Pending":
+        """Dispatches num_steps decode steps (seq_lens counts the last token); [num_steps, rows], of which row b
+        keeps row_steps[b] (default: all). Rows that share prefix pages read them once per step when the cascade
+        rules find it worth it."""
         p = Program(bucket(len(last_tokens), self.decode_rows), num_steps)
         tokens = np.zeros(p.rows, np.int32)
         tokens[:len(last_tokens)] = last_tokens
@@ -306,24 +335,28 @@ class ModelRunner:
                 self.cascade_saved_tokens += plan.saved_tokens * num_steps
             else:
                 plan = None
-        return Pending(*self._run(p, tokens, table, seq_lens, [1] * len(last_tokens), sampling, plan))
+        steps = np.zeros(p.rows, np.int32)
+        steps[:len(last_tokens)] = num_steps if row_steps is None else row_steps
+        return Pending(*self._run(p, tokens, table, seq_lens, [1] * len(last_tokens), sampling, plan, extra=(steps,)))
 
-    def prefill(self, chunks: list[tuple]) -> list[tuple["Pending", int]]:
+    def prefill(self, chunks: list[tuple], decodes: tuple | None = None) -> list[tuple["Pending", int]]:
         """Dispatches prompt chunks (tokens, page_table, seq_len after the chunk, sampling fields of the chunk's
         request or None when it samples nothing[, targets: per token the next prompt token whose logprob is wanted,
         -1 for none]), packed into as few dispatches as the largest bucket allows. Returns each chunk's (Pending,
         row): its sampled token is Pending.tokens()[0, row]; its prompt logprobs fill the PREFILL_ROW-token rows up
-        to that row (Pending.prompt_logprobs)."""
+        to that row (Pending.prompt_logprobs). decodes: None, or one decode step of rows (last_tokens, page_tables,
+        seq_lens, sampling fields), run in the first dispatch's forward (a mixed step); their (Pending, row) follow
+        the chunks'."""
         results, batch = [], []
         rows_in = lambda cs: sum(-(-len(c[0]) // PREFILL_ROW) for c in cs)  # noqa: E731
         for chunk in chunks:
             if batch and rows_in(batch + [chunk]) > self.prefill_rows[-1]:
-                results += self._prefill_packed(batch)
-                batch = []
+                results += self._prefill_packed(batch, decodes)
+                batch, decodes = [], None
             batch.append(chunk)
-        return results + self._prefill_packed(batch)
+        return results + self._prefill_packed(batch, decodes)
 
-    def _prefill_packed(self, chunks) -> list[tuple["Pending", int]]:
+    def _prefill_packed(self, chunks, decodes=None) -> list[tuple["Pending", int]]:
         tokens, tables, lens, q_lens, last_rows, targets = [], [], [], [], [], []
         fills = _sampling_fill(self.neutral_slot)
         sampling = {name: [] for name in fills}
@@ -341,13 +374,20 @@ class ModelRunner:
                 for name, fill in fills.items():
                     sampling[name].append(fields[name] if last and fields else fill)
             last_rows.append(len(tokens) - 1)
-        p = Program(bucket(len(tokens), self.prefill_rows), 0)
+        p = Program(bucket(max(len(tokens), 1), self.prefill_rows), 0, decode_rows=decodes and self.mixed_rows or 0)
         padded, flat_targets = np.zeros((p.rows, PREFILL_ROW), np.int32), np.full(p.rows * PREFILL_ROW, -1, np.int32)
         padded[:len(tokens)] = tokens
         for first, values in targets:
             flat_targets[first:first + len(values)] = values
+        segment = None
+        if decodes:
+            last_tokens, page_tables, seq_lens, fields = decodes
+            segment = self._decode_segment(p, last_tokens, page_tables, seq_lens)
+            for name, fill in fills.items():  # the decode rows' sampling fields after the prompt rows' padding
+                sampling[name] += [fill] * (p.rows - len(tokens)) + list(fields.get(name, [fill] * len(last_tokens)))
+            last_rows += [p.rows + i for i in range(len(last_tokens))]
         pending = Pending(*self._run(p, padded, self._page_table(p.rows, tables), lens, q_lens, sampling,
-                                     targets=flat_targets.reshape(p.rows, PREFILL_ROW)))
+                                     extra=(flat_targets.reshape(p.rows, PREFILL_ROW), segment)))
         return [(pending, row) for row in last_rows]
 
     def set_slot(self, slot: int, counts: np.ndarray, flags: np.ndarray, bias: np.ndarray) -> None:

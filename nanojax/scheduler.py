@@ -18,12 +18,13 @@ attending to the KV of all earlier positions, and writes their KV to slot
 ``page_table[p // page_size] * page_size + p % page_size``.  If ``c.sample`` the chunk ends at the
 last token and the engine samples the next token from the last position's logits.
 
-Multi-step decode: if ``c.num_steps == K > 1`` (all chunks of the step then have ``num_tokens == 1``,
-``sample`` True and the same ``num_steps``) the engine runs K decode steps in one dispatch: step j
-feeds the token at position ``c.start + j`` (the sequence's last token for j == 0, then the token
-sampled at step j-1) and samples one token.  Pages are reserved for positions
-``c.start .. c.start + K - 1`` (K new KV slots).  The engine passes the K sampled tokens (or only a
-prefix of them, e.g. cut after a stop token) as a list to :meth:`Scheduler.update`.
+Multi-step decode: in a pure-decode step (every chunk has ``num_tokens == 1`` and ``sample`` True)
+chunk ``c`` may get ``c.num_steps = n`` in 1..K: the engine runs its n decode steps in one dispatch
+(one for the whole step, its rows taking their own n): step j feeds the token at position
+``c.start + j`` (the sequence's last token for j == 0, then the token sampled at step j-1) and
+samples one token.  Pages are reserved for positions ``c.start .. c.start + n - 1`` (n new KV
+slots).  The engine passes the n sampled tokens (or only a prefix of them, e.g. cut after a stop
+token) as a list to :meth:`Scheduler.update`.
 
 The scheduler never schedules a KV position >= max_model_len; as long as the engine finishes
 sequences once ``num_tokens >= max_model_len``, ``len(page_table)`` never exceeds
@@ -37,8 +38,9 @@ token budget ``max_num_batched_tokens`` and the free pages:
 2. running partial prefills: the next chunk of each running sequence still prefilling;
 3. admissions: waiting sequences in FIFO order, none in a step that had to preempt.  Admission
    allocates the pages of the whole prompt (prefix-cache hits shared);
-4. multi-step decode: a pure-decode step gets ``num_steps=K`` if every sequence has room for K
-   new KV slots without preempting anyone.
+4. multi-step decode: in a pure-decode step each sequence gets ``num_steps`` = as many of K as it
+   has room for (``max_model_len``, and free pages for its new KV slots, given in admission order,
+   without preempting anyone), at least 1.
 
 A prefill chunk is at most ``chunk_size`` tokens and what is left of the budget, and costs the budget its
 length rounded up to whole ``prefill_row``s (at most what is left): the runner packs each chunk into rows
@@ -188,9 +190,8 @@ class Scheduler:
     # ------------------------------------------------------------------ stepping
     def schedule(self, decode_steps: int = 1) -> list[ScheduledChunk]:
         """Pick the work of one engine step (see module docstring).  Returns [] only when nothing is
-        unfinished.  ``decode_steps=K > 1`` is honoured (all chunks get ``num_steps=K``) only for a
-        pure-decode step where every sequence gets pages for K new KV slots without preempting anyone
-        and ``num_tokens + K - 1 <= max_model_len``; otherwise the step has num_steps 1."""
+        unfinished.  ``decode_steps=K > 1`` applies to pure-decode steps only: each chunk gets as many
+        of K steps as its room allows (see :meth:`_reserve_decode_steps`); other steps have num_steps 1."""
         if decode_steps < 1:
             raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")
         preemptions_before = self.num_preemptions
@@ -278,19 +279,21 @@ class Scheduler:
         )
 
     def _reserve_decode_steps(self, chunks: list[ScheduledChunk], decode_steps: int) -> list[ScheduledChunk]:
-        """``chunks`` with ``num_steps=decode_steps`` and pages reserved for that many new KV slots
-        if this is a pure-decode step where that fits without preempting; else ``chunks`` as is."""
+        """In a pure-decode step, each chunk with ``num_steps`` = as many of ``decode_steps`` as its room allows
+        (``num_tokens + num_steps - 1 <= max_model_len``, and free pages for the new KV slots, given in
+        admission order, without preempting) and those pages reserved; else ``chunks`` as is."""
         k, pm = decode_steps, self.page_manager
         if k == 1 or not chunks or not all(c.num_tokens == 1 and c.sample for c in chunks):
             return chunks
-        if any(c.seq.num_tokens + k - 1 > self.config.max_model_len for c in chunks):
-            return chunks
-        new = sum(max(0, pm.num_pages_for(c.seq.num_tokens + k - 1) - len(c.seq.page_table)) for c in chunks)
-        if new > pm.num_free_pages:
-            return chunks
+        out = []
         for c in chunks:
-            pm.ensure_capacity(c.seq, c.seq.num_tokens + k - 1)
-        return [dataclasses.replace(c, num_steps=k) for c in chunks]
+            steps = min(k, self.config.max_model_len - c.seq.num_tokens + 1)
+            while steps > 1 and pm.num_pages_for(c.seq.num_tokens + steps - 1) - len(c.seq.page_table) \
+                    > pm.num_free_pages:
+                steps -= 1
+            pm.ensure_capacity(c.seq, c.seq.num_tokens + steps - 1)
+            out.append(dataclasses.replace(c, num_steps=steps))
+        return out
 
     def update(self, chunks: SequenceLike[ScheduledChunk], sampled: Mapping[int, Any]) -> None:
         """Apply the results of running ``chunks`` (the list from the last schedule()).

@@ -37,6 +37,32 @@ def test_greedy_equal_to_hf_under_every_engine_path(qwen3, engine_args):
     assert llm.page_manager.num_free_pages == llm.page_manager.num_pages
 
 
+def test_mixed_and_row_limited_steps_are_one_dispatch_each(qwen3, monkeypatch):
+    """A step with prompt chunks and decodes runs them in one forward (the prefill program with decode rows); a
+    decode-only step where rows have different room (max_model_len, free pages) runs once with each row's own
+    steps, never a one-step program: HF's tokens either way."""
+    folder, prompts, expected = qwen3
+    llm = LLM(folder, dtype="float32", page_size=4, max_model_len=96, chunk_size=5, max_num_batched_tokens=12,
+              max_num_seqs=4, num_pages=20)
+    calls = {"mixed": 0, "row_limited": 0}
+    prefill, decode = llm.runner.prefill, llm.runner.decode
+
+    def counting_prefill(chunks, decodes=None):
+        calls["mixed"] += decodes is not None
+        return prefill(chunks, decodes)
+
+    def counting_decode(*args):
+        calls["row_limited"] += len(set(args[-1])) > 1
+        return decode(*args)
+
+    monkeypatch.setattr(llm.runner, "prefill", counting_prefill)
+    monkeypatch.setattr(llm.runner, "decode", counting_decode)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == expected
+    assert calls["mixed"] > 0 and calls["row_limited"] > 0
+    assert all(p == "set_slot" or p.num_steps in (0, llm.decode_steps) for p in llm.runner._compiled)
+
+
 def test_prefix_cache_hits_give_the_same_tokens(qwen3):
     folder, prompts, expected = qwen3
     llm = LLM(folder, dtype="float32", page_size=4, max_model_len=96)
@@ -63,8 +89,9 @@ def test_no_compiles_after_warmup_for_any_request_mix(qwen3):
     llm = LLM(folder, dtype="float32", page_size=4, max_model_len=96, max_num_seqs=8, max_num_batched_tokens=64)
     llm.warmup(progress=False)
     compiled = llm.runner.compiles
-    # decode 1..8 x (1, 8 steps), the cascade decode at 8 rows x 8 steps, prefill 1 row, the token tables
-    assert compiled == len(llm.runner.programs()) == 4 * 2 + 1 + 1 + 1
+    # decode 1..8 rows x 8 steps, the cascade decode at 8 rows, prefill 1 row alone and with 8 decode rows (a mixed
+    # step), the token tables
+    assert compiled == len(llm.runner.programs()) == 4 + 1 + 2 + 1
     mix = [GREEDY, SamplingParams(temperature=0.7, top_p=0.9, max_tokens=9, seed=1),
            SamplingParams(temperature=1.0, top_k=5, max_tokens=5), SamplingParams(temperature=0.5, min_p=0.1),
            SamplingParams(temperature=0, presence_penalty=0.5, frequency_penalty=0.3, max_tokens=12),

@@ -78,10 +78,7 @@ class FakeEngine:
         assert len({c.seq.seq_id for c in chunks}) == len(chunks), "sequence scheduled twice"
         assert sum(c.num_tokens for c in chunks) <= cfg.max_num_batched_tokens
         assert len(chunks) <= cfg.max_num_seqs
-        steps = {c.num_steps for c in chunks}
-        assert len(steps) <= 1
-        k = chunks[0].num_steps if chunks else 1
-        if k > 1:
+        if any(c.num_steps > 1 for c in chunks):  # multi-step: a pure-decode step, each row its own steps
             assert all(c.num_tokens == 1 and c.sample for c in chunks)
         out: dict[int, list[int]] = {}
         for c in chunks:
@@ -100,6 +97,7 @@ class FakeEngine:
             if c.sample:
                 cur = list(toks)
                 sampled = []
+                k = c.num_steps
                 for j in range(k):
                     prefix = self.kv[self._slot(seq, len(cur) - 1)]  # sample from what the KV says
                     t = next_token(prefix)
@@ -190,7 +188,7 @@ class Driver:
         assert admitted_old == waiting_before[: len(admitted_old)], "admission not FIFO"
         if sched.num_preemptions > preemptions_before:
             assert 2 not in kinds, "admitted in a step that preempted"
-        if chunks and chunks[0].num_steps > 1:
+        if any(c.num_steps > 1 for c in chunks):
             event("multi-step decode")
 
         sampled = self.engine.run(chunks)
@@ -527,22 +525,39 @@ def test_multi_step_decode_reserves_pages():
         d.sched.update(d.sched.schedule(4), {a.seq_id: [1] * 5, b.seq_id: [1]})
 
 
-def test_multi_step_decode_falls_back_instead_of_preempting():
+def test_multi_step_decode_takes_the_steps_its_pages_allow_instead_of_preempting():
     cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, chunk_size=8, page_size=4)
     d = Driver(cfg, num_pages=2, decode_steps=4)
     a = d.add([1, 2, 3, 4, 5, 6], max_tokens=30)
     d.step()
-    chunks = d.sched.schedule(decode_steps=4)  # 7 tokens, needs capacity 10 > 8
-    assert [c.num_steps for c in chunks] == [1] and len(a.page_table) == 2
+    chunks = d.sched.schedule(decode_steps=4)  # 7 tokens: 4 steps need capacity 10 > 8, 2 fit
+    assert [c.num_steps for c in chunks] == [2] and len(a.page_table) == 2
     assert d.sched.num_preemptions == 0
+
+
+def test_multi_step_decode_gives_free_pages_in_admission_order():
+    """Each sequence of a pure-decode step gets as many of the K steps as the pages left after the sequences
+    admitted before it allow (at least the one its decode already has)."""
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, chunk_size=8, page_size=4)
+    d = Driver(cfg, num_pages=5, decode_steps=8)
+    a, b = d.add([1, 2, 3, 4], max_tokens=30), d.add([5, 6, 7, 8], max_tokens=30)
+    d.step()  # both prompts: 5 tokens each after sampling, 2 pages each, 1 free
+    chunks = d.step()
+    assert [c.seq for c in chunks] == [a, b]
+    assert [c.num_steps for c in chunks] == [8, 4]  # a: positions 4..11 (its 3rd page); b: 4..7 (its own 2)
+    assert len(a.page_table) == 3 and len(b.page_table) == 2 and d.pm.num_free_pages == 0
+    assert (a.num_tokens, b.num_tokens) == (13, 9)
+    d.run_until_done()
+    assert d.outputs[a.seq_id] == reference([1, 2, 3, 4], 30, 64)
+    assert d.outputs[b.seq_id] == reference([5, 6, 7, 8], 30, 64)
 
 
 def test_multi_step_decode_respects_max_model_len():
     cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=10, chunk_size=8, page_size=4)
     d = Driver(cfg, num_pages=16, decode_steps=4)
-    a = d.add([1, 2, 3, 4, 5, 6, 7], max_tokens=30)  # 8 tokens after prefill: 8 + 4 - 1 > 10
+    a = d.add([1, 2, 3, 4, 5, 6, 7], max_tokens=30)  # 8 tokens after prefill: positions 7..9, 3 steps
     d.step()
-    assert d.sched.schedule(decode_steps=4)[0].num_steps == 1
+    assert d.sched.schedule(decode_steps=4)[0].num_steps == 3
     d.run_until_done()
     assert d.outputs[a.seq_id] == reference([1, 2, 3, 4, 5, 6, 7], 30, 10)
 
@@ -671,20 +686,26 @@ def test_phase_admit_fifo_within_budget_and_sequence_slots():
 
 
 def test_phase_reserve_decode_steps():
-    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, chunk_size=8, page_size=4)
-    d = Driver(cfg, num_pages=6)
-    a, b = d.add([1, 2, 3], 30), d.add([4, 5, 6, 7, 8], 30)
-    d.step()  # a: 4 tokens in 1 page, b: 6 tokens in 2 pages, 3 pages free
+    def two_decodes():
+        cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, chunk_size=8, page_size=4)
+        d = Driver(cfg, num_pages=6)
+        a, b = d.add([1, 2, 3], 30), d.add([4, 5, 6, 7, 8], 30)
+        d.step()  # a: 4 tokens in 1 page, b: 6 tokens in 2 pages, 3 pages free
+        return d, a, b, d.sched._schedule_decodes()
+
+    d, a, b, decodes = two_decodes()
     sched = d.sched
-    decodes = sched._schedule_decodes()
     assert sched._reserve_decode_steps(decodes, 1) == decodes
     prefill = ScheduledChunk(Sequence([1, 2, 3]), 0, 2)  # a step that prefills runs one step
     assert sched._reserve_decode_steps(decodes + [prefill], 4) == decodes + [prefill]
-    assert sched._reserve_decode_steps(decodes, 9) == decodes  # needs 2 + 2 pages, 3 free: nothing taken
     assert [len(a.page_table), len(b.page_table)] == [1, 2]
     chunks = sched._reserve_decode_steps(decodes, 4)  # positions up to 6 and 8: one more page each
     assert [(x.seq, x.start, x.num_steps) for x in chunks] == [(a, 3, 4), (b, 5, 4)]
     assert [len(a.page_table), len(b.page_table)] == [2, 3] and d.pm.num_free_pages == 1
+    d, a, b, decodes = two_decodes()
+    chunks = d.sched._reserve_decode_steps(decodes, 9)  # a: positions 3..11, 2 of the 3 free pages; b: the 7
+    assert [(x.seq, x.num_steps) for x in chunks] == [(a, 9), (b, 7)]  # steps its 3rd page then allows (5..11)
+    assert [len(a.page_table), len(b.page_table)] == [3, 3] and d.pm.num_free_pages == 0
 
 
 # ---------------------------------------------------------------- random workloads
