@@ -109,6 +109,44 @@ def decode_step(params, cache, tables, tokens, batch: Batch, sampling: SamplingB
     return out, cache, tables
 
 
+@functools.partial(jax.jit, static_argnames=("step", "layout", "static"), donate_argnums=(1, 2))
+def packed_step(params, cache, tables, packed, *, step, layout, static):
+    """step(params, cache, tables, *host_args, **static) with the host arguments sent as one byte buffer (packed:
+    [nbytes] uint8, `pack`'s; layout: theirs): one host-to-device copy per dispatch instead of one per array, which
+    cost ~1 ms per dispatch for a step's 17 arrays on the H100 machine (docs/perf_notes.md, "Dispatch and host
+    overhead")."""
+    return step(params, cache, tables, *_unpack(packed, layout), **dict(static))
+
+
+def pack(host_args) -> tuple[np.ndarray, tuple]:
+    """A pytree of numpy arrays -> ([nbytes] uint8 holding every leaf's bytes, the layout: treedef and each leaf's
+    shape and dtype)."""
+    leaves, treedef = jax.tree.flatten(host_args)
+    leaves = [np.asarray(x, order="C") for x in leaves]  # (ascontiguousarray would make a 0-d array 1-d)
+    layout = (treedef, tuple((x.shape, x.dtype.str) for x in leaves))
+    return np.concatenate([x.reshape(-1).view(np.uint8) for x in leaves]), layout
+
+
+def layout_of(host_args) -> tuple:
+    """pack's layout of host_args, which may hold ShapeDtypeStructs (what a program is compiled for)."""
+    leaves, treedef = jax.tree.flatten(host_args)
+    return treedef, tuple((tuple(x.shape), np.dtype(x.dtype).str) for x in leaves)
+
+
+def _unpack(packed, layout) -> list:
+    treedef, specs = layout
+    leaves, offset = [], 0
+    for shape, dtype in specs:
+        dtype = np.dtype(dtype)
+        size = int(np.prod(shape)) * dtype.itemsize
+        raw = packed[offset:offset + size]
+        offset += size
+        if dtype.itemsize > 1:
+            raw = raw.reshape(-1, dtype.itemsize)
+        leaves.append(jax.lax.bitcast_convert_type(raw, dtype).reshape(shape))
+    return jax.tree.unflatten(treedef, leaves)
+
+
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _set_slot(tables: TokenTables, slot, counts, flags, bias) -> TokenTables:
     return TokenTables(tables.counts.at[slot].set(counts), tables.flags.at[slot].set(flags),
@@ -193,6 +231,7 @@ class ModelRunner:
             b for b in self.decode_rows if b >= cascade_rules.min_batch)
         self.cascade_dispatches = self.cascade_saved_tokens = 0  # saved: KV tokens per layer and KV head, all steps
         self._compiled: dict[Program, object] = {}
+        self._layouts: dict[Program, tuple] = {}  # the host arrays each program was lowered for (pack's layout)
         self.executable_dir = executable_dir
         self.compiles = self.loaded = 0  # programs compiled, and loaded from the executable cache
         self.compile_seconds: dict[str, float] = {}
@@ -256,13 +295,22 @@ class ModelRunner:
         return prefill_step, (*args, jax.ShapeDtypeStruct((b, t), jnp.int32), decode), kw
 
     def _key_parts(self, p) -> tuple:
-        """What program p's executable depends on besides the environment, read without tracing."""
+        """What program p's executable depends on besides the environment, read without tracing; records the layout
+        of its host arrays (pack's), which _run checks every dispatch against."""
         fn, args, kw = self._call(p)
+        if p != "set_slot":
+            self._layouts[p] = layout_of(args[3:])
         return fn.__name__, p, kw, executable_cache.signature(args)
 
     def _lower(self, p):
         fn, args, kw = self._call(p)
-        return fn.trace(*args, **kw).lower()
+        if p == "set_slot":
+            return fn.trace(*args, **kw).lower()
+        layout = layout_of(args[3:])
+        self._layouts[p] = layout
+        nbytes = sum(int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in layout[1])
+        return packed_step.trace(*args[:3], jax.ShapeDtypeStruct((nbytes,), jnp.uint8), step=fn, layout=layout,
+                                 static=tuple(sorted(kw.items()))).lower()
 
     def _program(self, p):
         if p not in self._compiled:  # lazily, when compile_all was not called (CPU tests): no executable cache
@@ -275,11 +323,12 @@ class ModelRunner:
         """table: _page_table's; extra: a decode's row_steps [B], a prefill's targets and decode segment
         (_decode_segment's, or None). -> the step's outputs: [Sampled] for a decode, [Sampled, PromptLogprobs] for a
         prefill."""
-        # One transfer for all of the step's host arrays: a jnp.asarray per array costs ~0.3 ms each on the H100
-        # machine, which made the host, not the GPU, the bottleneck of a dispatch (docs/perf_notes.md).
-        host = (tokens, *self._inputs(p, table, seq_lens, q_lens, sampling, plan), *extra)
-        args = jax.device_put(host, self._inputs_sharding)
-        *outs, self.cache, self.tables = self._program(p)(self.params, self.cache, self.tables, *args)
+        packed, layout = pack((tokens, *self._inputs(p, table, seq_lens, q_lens, sampling, plan), *extra))
+        program = self._program(p)
+        if layout != self._layouts.get(p, layout):
+            raise AssertionError(f"program {p} was compiled for other host arrays: {self._layouts[p]} != {layout}")
+        *outs, self.cache, self.tables = program(self.params, self.cache, self.tables,
+                                                 jax.device_put(packed, self._inputs_sharding))
         return outs
 
     def _page_table(self, rows: int, page_tables) -> np.ndarray:

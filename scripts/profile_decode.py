@@ -9,6 +9,7 @@ between kernels are listed with their neighbours, and the host events by total t
 prefill of N tokens (time to first token) instead. `--tensor-parallel-size N` profiles the model split over N GPUs
 (the first GPU's kernels are read) and prints the all-reduce time per layer. `--shared-prefix N` puts every row's
 first N tokens on the same pages: the cascade path's kernels (or, with `--no-cascade`, the plain path's).
+`--quantization fp8` profiles the FP8 weights bench_decode times (LM head in bf16).
 """
 import argparse
 import collections
@@ -22,12 +23,11 @@ import jax
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_decode import PAGE, make_runner, random_cache, shared_tables  # noqa: E402
+from bench_decode import PAGE, make_runner, random_cache, shared_tables, variant_params  # noqa: E402
 from gpu_trace import kernel_kind, trace_events  # noqa: E402
-from random_model import model_config, random_params  # noqa: E402
+from random_model import model_config  # noqa: E402
 
 from nanojax.runner import greedy_sampling  # noqa: E402
-from nanojax.sharding import TensorParallel  # noqa: E402
 
 
 def print_gaps(kernels, top: int) -> None:
@@ -64,11 +64,11 @@ def main():
     ap.add_argument("--shared-prefix", type=int, default=0,
                     help="the rows' first N tokens (whole pages) on the same pages; --context counts them")
     ap.add_argument("--no-cascade", action="store_true", help="with --shared-prefix: the non-cascade path")
+    ap.add_argument("--quantization", default="none", choices=["none", "fp8"], help="fp8: weights as bench_decode's")
     args = ap.parse_args()
 
     c = model_config(args.model)
-    tp = TensorParallel.create(c, args.tensor_parallel_size) if args.tensor_parallel_size else None
-    params = random_params(args.model, tp).params
+    params, tp = variant_params(args.model, c, None, args.quantization, args.tensor_parallel_size)
     shared = args.shared_prefix // PAGE * PAGE  # whole pages that every row's table starts with
     if args.context < shared:
         raise SystemExit(f"--context {args.context} must count the {shared} shared tokens")
