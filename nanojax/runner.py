@@ -9,7 +9,8 @@ nanojax.sampling):
   the cache up to its own last token, so many short prompts cost one dispatch and a long one the same as unpacked.
   A step that has prompt chunks and decodes (a mixed step) runs both in one forward, so the weights are read once:
   the prefill program with max_num_seqs one-token decode rows after the prompt rows.
-`compile_all` lowers every bucket and compiles them on a thread pool (XLA compiles outside the GIL).
+`compile_all` lowers every bucket and compiles them on a thread pool (XLA compiles outside the GIL). A dispatch
+sends its host arrays as one byte buffer (`pack`), which the program unpacks (`packed_step`).
 """
 import concurrent.futures
 import dataclasses
@@ -133,7 +134,8 @@ def layout_of(host_args) -> tuple:
     return treedef, tuple((tuple(x.shape), np.dtype(x.dtype).str) for x in leaves)
 
 
-def _unpack(packed, layout) -> list:
+def _unpack(packed, layout):
+    """Inside the jit: [nbytes] uint8 -> the pytree of arrays `pack` packed with this layout."""
     treedef, specs = layout
     leaves, offset = [], 0
     for shape, dtype in specs:
