@@ -327,7 +327,7 @@ class ModelRunner:
         prefill."""
         packed, layout = pack((tokens, *self._inputs(p, table, seq_lens, q_lens, sampling, plan), *extra))
         program = self._program(p)
-        if layout != self._layouts.get(p, layout):
+        if layout != self._layouts[p]:  # recorded when p was keyed (compile_all) or lowered (lazily)
             raise AssertionError(f"program {p} was compiled for other host arrays: {self._layouts[p]} != {layout}")
         *outs, self.cache, self.tables = program(self.params, self.cache, self.tables,
                                                  jax.device_put(packed, self._inputs_sharding))
