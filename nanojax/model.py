@@ -20,6 +20,7 @@ import numpy as np
 from nanojax.config import ModelConfig
 from nanojax.kv_cache import KVCache
 from nanojax.ops import Ops
+from pallas_kernels.qkv_rope_cache import rope_cos_sin
 from pallas_kernels.rms_norm import rms_norm
 
 
@@ -74,13 +75,13 @@ def project(ops: Ops, x, p, *, norm_eps=None, residual=None, activation=None):
     return ops.project(x, p, norm_eps=norm_eps, residual=residual, activation=activation)
 
 
-def layer(ops: Ops, lp, x, positions, slots, k_pages, v_pages, batch, config: ModelConfig):
-    """x: [N, H]; positions, slots: [N]; batch: a Batch of the N = B * T rows, or (Batch of B * T rows, Batch of D
-    one-token rows) for N = B * T + D (forward's mixed step) -> (x after the layer, k_pages, v_pages)."""
+def layer(ops: Ops, lp, x, positions, cos_sin, slots, k_pages, v_pages, batch, config: ModelConfig):
+    """x: [N, H]; positions, slots: [N]; cos_sin: [N, D] the tokens' RoPE table or None; batch: a Batch of the
+    N = B * T rows, or (Batch of B * T rows, Batch of D one-token rows) for N = B * T + D (forward's mixed step) ->
+    (x after the layer, k_pages, v_pages)."""
     h, norm_eps = pre_norm(x, lp, "attn_norm", config)
     qkv = project(ops, h, lp["qkv"], norm_eps=norm_eps)
-    inv_freq = None if config.rope_theta is None else jnp.asarray(rope_inv_freq(config))
-    q, k_pages, v_pages = ops.qkv_rope_cache(qkv, positions, slots, k_pages, v_pages, inv_freq, lp.get("q_norm"),
+    q, k_pages, v_pages = ops.qkv_rope_cache(qkv, positions, slots, k_pages, v_pages, cos_sin, lp.get("q_norm"),
                                              lp.get("k_norm"), eps=config.norm_eps)
     attn = attention(ops, q, k_pages, v_pages, batch, config)
     x = ops.row_project(attn, lp["o"], residual=x)
@@ -117,9 +118,12 @@ def forward(params, tokens, kv_cache: KVCache, batch, *, config: ModelConfig, op
     x = ops.embed(params["embed"], jnp.concatenate([ids.reshape(-1) for ids, _ in segments]))
     if config.rope_theta is None:
         x = x + params["pos_embed"][jnp.maximum(positions, 0)]
+        cos_sin = None
+    else:
+        cos_sin = rope_cos_sin(positions, jnp.asarray(rope_inv_freq(config)), x.dtype)
     new_k, new_v = [], []
     for lp, k_pages, v_pages in zip(params["layers"], kv_cache.k, kv_cache.v):
-        x, k_pages, v_pages = ops.run_layer(layer, lp, x, positions, slots, k_pages, v_pages, batch, config)
+        x, k_pages, v_pages = ops.run_layer(layer, lp, x, positions, cos_sin, slots, k_pages, v_pages, batch, config)
         new_k.append(k_pages)
         new_v.append(v_pages)
     hidden = norm(x, params["final_norm"], config)

@@ -70,9 +70,9 @@ class Ops:
         each device and sums their partial products with one all-reduce."""
         return self.project(x, p, residual=residual)
 
-    def run_layer(self, layer, lp, x, positions, slots, k_pages, v_pages, batch, config):
+    def run_layer(self, layer, lp, x, positions, cos_sin, slots, k_pages, v_pages, batch, config):
         """Runs layer(self, lp, x, ..., config), one decoder layer; a tensor-parallel Ops runs it per shard."""
-        return layer(self, lp, x, positions, slots, k_pages, v_pages, batch, config)
+        return layer(self, lp, x, positions, cos_sin, slots, k_pages, v_pages, batch, config)
 
     def embed(self, table, ids):
         """table: [V, H]; ids: [N] -> rows [N, H] (a tensor-parallel Ops looks each id up on the device holding it)."""
@@ -82,12 +82,13 @@ class Ops:
         """head_logits(head, hidden) -> logits [..., V] over the whole vocabulary (nanojax.model.lm_logits)."""
         return head_logits(head, hidden)
 
-    def qkv_rope_cache(self, qkv, positions, slots, k_pages, v_pages, inv_freq, q_norm, k_norm, *, eps):
-        """qkv: [N, (Hq + 2 Hkv) D]; positions, slots: [N] -> (q [N, Hq, D], k_pages, v_pages)."""
+    def qkv_rope_cache(self, qkv, positions, slots, k_pages, v_pages, cos_sin, q_norm, k_norm, *, eps):
+        """qkv: [N, (Hq + 2 Hkv) D]; positions, slots: [N]; cos_sin: [N, D] or None -> (q [N, Hq, D], k_pages,
+        v_pages)."""
         if not self.pallas:
-            return qkv_rope_cache_reference(qkv, positions, slots, k_pages, v_pages, inv_freq, q_norm, k_norm,
+            return qkv_rope_cache_reference(qkv, positions, slots, k_pages, v_pages, cos_sin, q_norm, k_norm,
                                             eps=eps)
-        return qkv_rope_cache(qkv, positions, slots, k_pages, v_pages, inv_freq, q_norm, k_norm, eps=eps,
+        return qkv_rope_cache(qkv, positions, slots, k_pages, v_pages, cos_sin, q_norm, k_norm, eps=eps,
                               interpret=self.interpret)
 
     def attention(self, q, k_pages, v_pages, page_table, seq_lens, q_lens, *, scale, cascade=None):

@@ -214,13 +214,13 @@ class TensorParallelOps(Ops):
             out = out + p["b"].astype(out.dtype)
         return out + residual
 
-    def run_layer(self, layer, lp, x, positions, slots, k_pages, v_pages, batch, config):
-        def local(lp, x, positions, slots, k_pages, v_pages, batch):
-            return layer(self, lp, x, positions, slots, k_pages, v_pages, batch, self.plan.local_config)
+    def run_layer(self, layer, lp, x, positions, cos_sin, slots, k_pages, v_pages, batch, config):
+        def local(lp, x, positions, cos_sin, slots, k_pages, v_pages, batch):
+            return layer(self, lp, x, positions, cos_sin, slots, k_pages, v_pages, batch, self.plan.local_config)
 
         return jax.shard_map(local, mesh=self.plan.mesh, out_specs=(P(), _KV_PAGES, _KV_PAGES), check_vma=False,
-                             in_specs=(param_specs(lp), P(), P(), P(), _KV_PAGES, _KV_PAGES, P()))(
-            lp, x, positions, slots, k_pages, v_pages, batch)
+                             in_specs=(param_specs(lp), P(), P(), P(), P(), _KV_PAGES, _KV_PAGES, P()))(
+            lp, x, positions, cos_sin, slots, k_pages, v_pages, batch)
 
     def embed(self, table, ids):
         """Each device looks up the ids in its vocabulary rows (zeros for the others); one all-reduce of the [N, H]

@@ -4,6 +4,7 @@ and k, and the write of k and v into the paged KV cache, in one kernel.
 Token layout: one flat list of N tokens, decode and prefill alike (a [B, T] batch flattened, padding included).
     qkv:       [N, (Hq + 2 * Hkv) * D]   the projection: Hq query heads, then Hkv key heads, then Hkv value heads
     positions: [N] int32                 absolute position of each token; -1 marks a padding token
+    cos_sin:   [N, D] in qkv's dtype      each token's RoPE table (rope_cos_sin): cos of its D/2 angles, then sin
     slots:     [N] int32                 flat cache slot of the token's KV, page * page_size + offset in page;
                                          -1 (or anything outside [0, num_pages * page_size)) writes nothing
     k_pages, v_pages: [num_pages, Hkv, page_size, D], the layout of pallas_kernels.paged_attention
@@ -14,7 +15,7 @@ The caller computes slots from its page table, e.g. for a Batch (nanojax.kv_cach
 Semantics (qkv_rope_cache_reference, which is also the model's reference path for this step):
     q, k, v = split(qkv) per head
     q = rms_norm(q, q_norm, eps) if q_norm is given;  k = rms_norm(k, k_norm, eps) if k_norm is given
-    q, k = rope(q, positions), rope(k, positions) if inv_freq is given
+    q, k = rope(q, cos_sin), rope(k, cos_sin) if cos_sin is given
     k_pages[slot // page_size, :, slot % page_size] = k; the same for v   (tokens with position >= 0 and a valid slot)
     returns q [N, Hq, D] in qkv.dtype, zero on padding tokens, and the updated k_pages, v_pages.
 A token with position >= 0 and slot -1 gets its q but writes no KV.
@@ -22,11 +23,12 @@ A token with position >= 0 and slot -1 gets its q but writes no KV.
 Rounding (dtype = qkv.dtype), step by step as the model's XLA ops:
     rms_norm: x is upcast to f32; mean of squares, rsqrt and the product in f32; rounded to dtype; then times
               weight.astype(dtype), a product in dtype.
-    rope:     freqs = f32(position) * inv_freq in f32 (exact positions up to 2**24); cos and sin in f32, rounded to
-              dtype; x1 * cos - x2 * sin and x2 * cos + x1 * sin as products and sums in dtype (rotate_half on the two
-              halves of D).
-In f32 the kernel matches the reference to a few ulps (sum order of the mean of squares; the GPU's __nv_cosf /
-__nv_sinf / __nv_rsqrtf are the same libdevice calls XLA:GPU makes). In bf16 each step rounds once, as written; a
+    rope:     the table: freqs = f32(position) * inv_freq in f32 (exact positions up to 2**24), cos and sin in f32,
+              rounded to dtype (rope_cos_sin, computed once per forward for all layers and heads); then
+              x1 * cos - x2 * sin and x2 * cos + x1 * sin as products and sums in dtype (rotate_half on the two halves
+              of D).
+In f32 the kernel matches the reference to a few ulps (sum order of the mean of squares; the GPU's __nv_rsqrtf is the
+libdevice call XLA:GPU makes). In bf16 each step rounds once, as written; a
 compiler may contract a product and a sum into one fma (Triton does by default, and XLA:GPU, allowed excess precision,
 may keep a fusion's intermediates in f32), so results can differ from the reference by one bf16 ulp.
 
@@ -47,22 +49,28 @@ from pallas_kernels._compat import is_power_of_2, load, store, triton_params
 from pallas_kernels.rms_norm import rms_norm
 
 
-def _apply_rope(x, positions, inv_freq):
-    """HF's rotate-half RoPE for x: [N, heads, D], positions: [N], with the rounding of the module docstring."""
-    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [N, D/2]
-    cos = jnp.cos(freqs)[:, None, :].astype(x.dtype)
-    sin = jnp.sin(freqs)[:, None, :].astype(x.dtype)
+def rope_cos_sin(positions, inv_freq, dtype):
+    """The RoPE table of the module docstring: positions [N] int32, inv_freq [D/2] f32 -> [N, D] in dtype, the cos of
+    each token's D/2 angles then their sin. Computed once per forward: every layer and head of a token rotates by
+    the same angles."""
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq  # [N, D/2]
+    return jnp.concatenate([jnp.cos(freqs), jnp.sin(freqs)], axis=-1).astype(dtype)
+
+
+def _apply_rope(x, cos_sin):
+    """HF's rotate-half RoPE for x: [N, heads, D] with the table cos_sin: [N, D] (rope_cos_sin)."""
+    cos, sin = (c[:, None, :] for c in jnp.split(cos_sin, 2, axis=-1))
     x1, x2 = jnp.split(x, 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def qkv_rope_cache_reference(qkv, positions, slots, k_pages, v_pages, inv_freq=None, q_norm=None, k_norm=None, *,
+def qkv_rope_cache_reference(qkv, positions, slots, k_pages, v_pages, cos_sin=None, q_norm=None, k_norm=None, *,
                              eps=None):
     """Plain jnp: the semantics of qkv_rope_cache (see the module docstring).
 
     qkv: [N, (Hq + 2 * Hkv) * D]; positions, slots: [N] int32; k_pages, v_pages: [num_pages, Hkv, page_size, D];
-    inv_freq: [D/2] f32 or None (no RoPE); q_norm, k_norm: [D] or None (no norm); eps: the norms' epsilon.
-    Returns (q [N, Hq, D] in qkv.dtype, k_pages, v_pages).
+    cos_sin: [N, D] in qkv.dtype (rope_cos_sin) or None (no RoPE); q_norm, k_norm: [D] or None (no norm); eps: the
+    norms' epsilon. Returns (q [N, Hq, D] in qkv.dtype, k_pages, v_pages).
     """
     num_pages, num_kv_heads, page_size, head_dim = k_pages.shape
     num_tokens, width = qkv.shape
@@ -75,8 +83,8 @@ def qkv_rope_cache_reference(qkv, positions, slots, k_pages, v_pages, inv_freq=N
         q = rms_norm(q, q_norm, eps)
     if k_norm is not None:
         k = rms_norm(k, k_norm, eps)
-    if inv_freq is not None:
-        q, k = _apply_rope(q, positions, inv_freq), _apply_rope(k, positions, inv_freq)
+    if cos_sin is not None:
+        q, k = _apply_rope(q, cos_sin), _apply_rope(k, cos_sin)
     live = positions >= 0
     q = jnp.where(live[:, None, None], q, jnp.zeros((), q.dtype))
     write = live & (slots >= 0) & (slots < num_pages * page_size)
@@ -131,9 +139,9 @@ def _default_config(num_tokens):
     return DECODE_CONFIG if num_tokens <= 256 else PREFILL_CONFIG
 
 
-def _norm_rope(x1, x2, pos, norm_ref, inv_freq_ref, *, eps):
-    """x1, x2: [M, D/2] the two halves of M head vectors, pos: [M] -> the normed (if norm_ref) and roped (if
-    inv_freq_ref) halves, rounded as rms_norm and _apply_rope."""
+def _norm_rope(x1, x2, token, token_ok, norm_ref, cos_sin_ref, *, eps):
+    """x1, x2: [M, D/2] the two halves of M head vectors, of tokens token: [M] (token_ok: those < N) -> the normed
+    (if norm_ref) and roped (if cos_sin_ref) halves, rounded as rms_norm and _apply_rope."""
     dtype, half = x1.dtype, x1.shape[1]
     d = jnp.arange(half)
     if norm_ref is not None:
@@ -142,21 +150,21 @@ def _norm_rope(x1, x2, pos, norm_ref, inv_freq_ref, *, eps):
         rstd = lax.rsqrt(mean_sq + eps)[:, None]
         w1, w2 = (load(norm_ref.at[cols]).astype(dtype)[None, :] for cols in (d, half + d))
         x1, x2 = w1 * (x1f * rstd).astype(dtype), w2 * (x2f * rstd).astype(dtype)
-    if inv_freq_ref is not None:
-        freqs = pos.astype(jnp.float32)[:, None] * load(inv_freq_ref.at[d])[None, :]  # [M, D/2] f32
-        cos, sin = jnp.cos(freqs).astype(dtype), jnp.sin(freqs).astype(dtype)
+    if cos_sin_ref is not None:
+        cos, sin = (load(cos_sin_ref.at[token[:, None], cols[None, :]], mask=token_ok[:, None], other=0.0)
+                    for cols in (d, half + d))
         x1, x2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
     return x1, x2
 
 
-def _qkv_rope_cache_kernel(qkv_ref, pos_ref, slot_ref, k_in_ref, v_in_ref, inv_freq_ref, q_norm_ref, k_norm_ref,
+def _qkv_rope_cache_kernel(qkv_ref, pos_ref, slot_ref, k_in_ref, v_in_ref, cos_sin_ref, q_norm_ref, k_norm_ref,
                            q_ref, k_ref, v_ref, *, eps, num_kv_heads, group, group_pad, block_t):
     # qkv_ref: [N, (Hq + 2 * Hkv) * D] every token's projection
     # pos_ref: [N] int32 absolute positions, -1 on padding tokens
     # slot_ref: [N] int32 flat cache slots (page * page_size + offset), -1: no KV write
     # k_in_ref, v_in_ref: [num_pages, page_size, D] this program's KV head of the pools; aliased to k_ref and v_ref,
     #     never read (they are here only as the operands that the outputs alias)
-    # inv_freq_ref: [D/2] f32 RoPE inverse frequencies, or None (no RoPE)
+    # cos_sin_ref: [N, D] every token's RoPE table (rope_cos_sin), or None (no RoPE)
     # q_norm_ref, k_norm_ref: [D] RMSNorm weights, or None (no norm)
     # q_ref: [N, Hq, D] the normed and roped queries
     # k_ref, v_ref: [num_pages, page_size, D] this program's KV head of the pools, written at the tokens' slots only
@@ -179,7 +187,7 @@ def _qkv_rope_cache_kernel(qkv_ref, pos_ref, slot_ref, k_in_ref, v_in_ref, inv_f
     k_col = (num_q_heads + kv_head) * head_dim
     k1, k2 = (load(qkv_ref.at[token[:, None], (k_col + cols)[None, :]], mask=write[:, None], other=0.0)
               for cols in (d, half + d))
-    k1, k2 = _norm_rope(k1, k2, pos, k_norm_ref, inv_freq_ref, eps=eps)
+    k1, k2 = _norm_rope(k1, k2, token, token_ok, k_norm_ref, cos_sin_ref, eps=eps)
     for cols, x in ((d, k1), (half + d, k2)):
         store(k_ref.at[page[:, None], offset[:, None], cols[None, :]], x.astype(k_ref.dtype), mask=write[:, None])
     v_col = (num_q_heads + num_kv_heads + kv_head) * head_dim
@@ -197,13 +205,13 @@ def _qkv_rope_cache_kernel(qkv_ref, pos_ref, slot_ref, k_in_ref, v_in_ref, inv_f
     live = row_ok & (q_pos >= 0)  # rows that are computed; the other stored rows are padding tokens: zeros
     q1, q2 = (load(qkv_ref.at[q_token[:, None], (head * head_dim)[:, None] + cols[None, :]], mask=live[:, None],
                    other=0.0) for cols in (d, half + d))
-    q1, q2 = _norm_rope(q1, q2, q_pos, q_norm_ref, inv_freq_ref, eps=eps)
+    q1, q2 = _norm_rope(q1, q2, q_token, row_ok, q_norm_ref, cos_sin_ref, eps=eps)
     for cols, x in ((d, q1), (half + d, q2)):
         x = jnp.where(live[:, None], x, jnp.zeros((), x.dtype))
         store(q_ref.at[q_token[:, None], head[:, None], cols[None, :]], x.astype(q_ref.dtype), mask=row_ok[:, None])
 
 
-def _check_inputs(qkv, positions, slots, k_pages, v_pages, inv_freq, q_norm, k_norm, eps):
+def _check_inputs(qkv, positions, slots, k_pages, v_pages, cos_sin, q_norm, k_norm, eps):
     """Raises ValueError for inputs the kernel cannot take; -> num_q_heads."""
     if k_pages.ndim != 4 or v_pages.shape != k_pages.shape:
         raise ValueError(f"k_pages and v_pages must both be [num_pages, Hkv, page_size, D], got {k_pages.shape} "
@@ -228,8 +236,9 @@ def _check_inputs(qkv, positions, slots, k_pages, v_pages, inv_freq, q_norm, k_n
     for name, ids in (("positions", positions), ("slots", slots)):
         if ids.shape != (num_tokens,) or ids.dtype != jnp.int32:
             raise ValueError(f"{name} must be int32 [{num_tokens}], got {ids.dtype}{ids.shape}")
-    if inv_freq is not None and (inv_freq.shape != (head_dim // 2,) or inv_freq.dtype != jnp.float32):
-        raise ValueError(f"inv_freq must be float32 [{head_dim // 2}] or None, got {inv_freq.dtype}{inv_freq.shape}")
+    if cos_sin is not None and (cos_sin.shape != (num_tokens, head_dim) or cos_sin.dtype != qkv.dtype):
+        raise ValueError(f"cos_sin must be {qkv.dtype} [{num_tokens}, {head_dim}] or None, got "
+                         f"{cos_sin.dtype}{cos_sin.shape}")
     for name, weight in (("q_norm", q_norm), ("k_norm", k_norm)):
         if weight is not None and (weight.shape != (head_dim,) or not jnp.issubdtype(weight.dtype, jnp.floating)):
             raise ValueError(f"{name} must be a float [{head_dim}] or None, got {weight.dtype}{weight.shape}")
@@ -239,18 +248,19 @@ def _check_inputs(qkv, positions, slots, k_pages, v_pages, inv_freq, q_norm, k_n
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "config", "interpret"))
-def qkv_rope_cache(qkv, positions, slots, k_pages, v_pages, inv_freq=None, q_norm=None, k_norm=None, *, eps=None,
+def qkv_rope_cache(qkv, positions, slots, k_pages, v_pages, cos_sin=None, q_norm=None, k_norm=None, *, eps=None,
                    config=None, interpret=False):
     """Split + q/k RMSNorm + RoPE + paged KV write, fused: the semantics of qkv_rope_cache_reference.
 
     qkv: [N, (Hq + 2 * Hkv) * D]; positions: [N] int32 (-1: padding token); slots: [N] int32 flat cache slots
     (page * page_size + offset; -1: write nothing); k_pages, v_pages: [num_pages, Hkv, page_size, D];
-    inv_freq: [D/2] float32 or None (no RoPE); q_norm, k_norm: [D] or None (no norm); eps: the norms' epsilon.
-    Returns (q [N, Hq, D] in qkv.dtype, zero on padding tokens; k_pages; v_pages), the pools updated in place at the
-    tokens' slots when the caller donates them (see the module docstring). Two tokens must not share a slot.
+    cos_sin: [N, D] in qkv.dtype (rope_cos_sin) or None (no RoPE); q_norm, k_norm: [D] or None (no norm); eps: the
+    norms' epsilon. Returns (q [N, Hq, D] in qkv.dtype, zero on padding tokens; k_pages; v_pages), the pools updated
+    in place at the tokens' slots when the caller donates them (see the module docstring). Two tokens must not share
+    a slot.
     config None: DECODE_CONFIG for N <= 256, else PREFILL_CONFIG.
     """
-    num_q_heads = _check_inputs(qkv, positions, slots, k_pages, v_pages, inv_freq, q_norm, k_norm, eps)
+    num_q_heads = _check_inputs(qkv, positions, slots, k_pages, v_pages, cos_sin, q_norm, k_norm, eps)
     num_tokens = qkv.shape[0]
     num_pages, num_kv_heads, page_size, head_dim = k_pages.shape
     group = num_q_heads // num_kv_heads
@@ -268,7 +278,7 @@ def qkv_rope_cache(qkv, positions, slots, k_pages, v_pages, inv_freq=None, q_nor
     return pl.pallas_call(
         kernel,
         grid=(pl.cdiv(num_tokens, block_t), num_kv_heads),
-        in_specs=[whole(qkv), whole(positions), whole(slots), kv_spec, kv_spec, whole(inv_freq), whole(q_norm),
+        in_specs=[whole(qkv), whole(positions), whole(slots), kv_spec, kv_spec, whole(cos_sin), whole(q_norm),
                   whole(k_norm)],
         out_specs=[whole(q_shape), kv_spec, kv_spec],
         out_shape=[q_shape, jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
@@ -278,4 +288,4 @@ def qkv_rope_cache(qkv, positions, slots, k_pages, v_pages, inv_freq=None, q_nor
         compiler_params=triton_params(config.num_warps, config.num_stages),
         interpret=interpret,
         name="qkv_rope_cache",
-    )(qkv, positions, slots, k_pages, v_pages, inv_freq, q_norm, k_norm)
+    )(qkv, positions, slots, k_pages, v_pages, cos_sin, q_norm, k_norm)

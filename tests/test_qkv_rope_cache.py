@@ -25,6 +25,7 @@ from pallas_kernels.qkv_rope_cache import (
     QkvRopeCacheConfig,
     qkv_rope_cache,
     qkv_rope_cache_reference,
+    rope_cos_sin,
 )
 
 TOLERANCE = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 2e-2}
@@ -45,14 +46,14 @@ class Case:
     slots: jax.Array
     k_pages: jax.Array  # NaN or random outside the target slots
     v_pages: jax.Array
-    inv_freq: jax.Array | None
+    cos_sin: jax.Array | None  # [N, D] the tokens' RoPE table (rope_cos_sin)
     q_norm: jax.Array | None
     k_norm: jax.Array | None
     target: np.ndarray  # [num_pages, page_size] bool: the slots the tokens write
 
     @property
     def args(self):
-        return (self.qkv, self.positions, self.slots, self.k_pages, self.v_pages, self.inv_freq, self.q_norm,
+        return (self.qkv, self.positions, self.slots, self.k_pages, self.v_pages, self.cos_sin, self.q_norm,
                 self.k_norm)
 
 
@@ -117,8 +118,10 @@ def make_case(seed, *, n, num_q_heads, num_kv_heads, head_dim, page_size, dtype=
     def weight():
         return jnp.asarray(1.0 + 0.1 * rng.standard_normal(head_dim, np.float32), dtype) if norm else None
 
-    return Case(jnp.asarray(qkv, dtype), jnp.asarray(positions, jnp.int32), jnp.asarray(slots, jnp.int32), pool(),
-                pool(), jnp.asarray(rope_inv_freq(head_dim)) if rope else None, weight(), weight(), target)
+    positions = jnp.asarray(positions, jnp.int32)
+    cos_sin = rope_cos_sin(positions, jnp.asarray(rope_inv_freq(head_dim)), dtype) if rope else None
+    return Case(jnp.asarray(qkv, dtype), positions, jnp.asarray(slots, jnp.int32), pool(), pool(), cos_sin, weight(),
+                weight(), target)
 
 
 def bits(x):
@@ -219,7 +222,7 @@ def _inputs():
     pages = jnp.zeros((6, 2, 8, 64))
     ids = jnp.zeros((3,), jnp.int32)
     return {"qkv": jnp.zeros((3, 8 * 64)), "positions": ids, "slots": ids, "k_pages": pages, "v_pages": pages,
-            "inv_freq": jnp.zeros((32,)), "q_norm": jnp.ones((64,)), "k_norm": jnp.ones((64,))}
+            "cos_sin": jnp.zeros((3, 64)), "q_norm": jnp.ones((64,)), "k_norm": jnp.ones((64,))}
 
 
 @pytest.mark.parametrize("change,message", [
@@ -236,8 +239,9 @@ def _inputs():
     ({"positions": jnp.zeros((4,), jnp.int32)}, "positions"),
     ({"positions": jnp.zeros((3,), jnp.float32)}, "positions"),
     ({"slots": jnp.zeros((3, 1), jnp.int32)}, "slots"),
-    ({"inv_freq": jnp.zeros((64,))}, "inv_freq"),
-    ({"inv_freq": jnp.zeros((32,), jnp.bfloat16)}, "inv_freq"),
+    ({"cos_sin": jnp.zeros((3, 32))}, "cos_sin"),
+    ({"cos_sin": jnp.zeros((4, 64))}, "cos_sin"),
+    ({"cos_sin": jnp.zeros((3, 64), jnp.bfloat16)}, "cos_sin"),
     ({"q_norm": jnp.ones((32,))}, "q_norm"),
     ({"k_norm": jnp.ones((64,), jnp.int32)}, "k_norm"),
     ({"k_pages": jnp.zeros((6, 2, 8, 64), jnp.bfloat16)}, "share one float dtype"),
@@ -271,8 +275,7 @@ def _abstract_args(model, n, dtype=jnp.bfloat16, num_pages=1000, page_size=16):
     pages = shape((num_pages, hkv, page_size, d), dtype)
     ids = shape((n,), jnp.int32)
     weight = shape((d,), dtype) if norm else None
-    return (shape((n, (hq + 2 * hkv) * d), dtype), ids, ids, pages, pages, shape((d // 2,), jnp.float32), weight,
-            weight)
+    return (shape((n, (hq + 2 * hkv) * d), dtype), ids, ids, pages, pages, shape((n, d), dtype), weight, weight)
 
 
 @pytest.mark.skipif(not can_lower_for_cuda(), reason="this jaxlib compiles Triton kernels while lowering")
