@@ -7,9 +7,10 @@ A random-weight model of the real architecture (scripts/configs) is saved as an 
 would be. Each start runs in a fresh Python process with its own NANOJAX_CACHE: the first finds the compilation cache
 empty, the second finds it filled by the first. The second process also runs, through the public API with default
 knobs: nano-vllm's throughput workload twice (first and second `generate`), batch-64 greedy decode with and without
-one penalized request, and 256 prompts of 100 tokens prefilled (`max_tokens=1`) against one prompt of 4,000; it
-counts the programs compiled after `LLM()` returned. The figures of the build before this benchmark existed (issue
-19's table, same machine type) are printed beside.
+one penalized request or one top-p request (temperature 0.7, top_p 0.9: the step's sort path), and 256 prompts of
+100 tokens prefilled (`max_tokens=1`) against one prompt of 4,000; it counts the programs compiled after `LLM()`
+returned. The figures of the build before this benchmark existed (issue 19's table, same machine type) are printed
+beside.
 """
 import argparse
 import json
@@ -58,11 +59,14 @@ def child(args) -> dict:
     short = [p[:32] for p in (prompts * 64)[:64]]
     greedy = SamplingParams(temperature=0, ignore_eos=True, max_tokens=128)
     penalized = [greedy] * 63 + [SamplingParams(temperature=0, ignore_eos=True, max_tokens=128, presence_penalty=0.5)]
-    for key, ps in (("plain_b64_tok_s", greedy), ("penalized_b64_tok_s", penalized), ("plain_b64_tok_s", greedy)):
+    top_p = [greedy] * 63 + [SamplingParams(temperature=0.7, top_p=0.9, ignore_eos=True, max_tokens=128, seed=1)]
+    for key, ps in (("plain_b64_tok_s", greedy), ("penalized_b64_tok_s", penalized), ("top_p_b64_tok_s", top_p),
+                    ("plain_b64_tok_s", greedy)):
         t = time.perf_counter()
         llm.generate(short, ps, use_tqdm=False)
         result[key] = 64 * 128 / (time.perf_counter() - t)  # the second plain run counts (the first warms up)
     result["penalized_vs_plain"] = result["penalized_b64_tok_s"] / result["plain_b64_tok_s"]
+    result["top_p_vs_plain"] = result["top_p_b64_tok_s"] / result["plain_b64_tok_s"]
     once = SamplingParams(temperature=0, ignore_eos=True, max_tokens=1)
     for key, batch in (("prefill_256x100_ms", [p[:100] for p in prompts[:256]]),
                        ("prefill_1x4000_ms", [(prompts[0] * 8)[:4000]])):
@@ -145,6 +149,7 @@ def main():
             ("first / second", filled["first_generate_tok_s"] / filled["second_generate_tok_s"], 0.26),
             ("compiles after LLM() returned", filled["compiles_after_start"], BEFORE["compiles_after_start"]),
             ("batch 64, one penalized request vs none", filled["penalized_vs_plain"], BEFORE["penalized_vs_plain"]),
+            ("batch 64, one top-p request vs none", filled["top_p_vs_plain"], ""),
             ("256 prompts x 100 tokens, max_tokens=1 (ms)", filled["prefill_256x100_ms"],
              BEFORE["prefill_256x100_ms"]),
             ("1 prompt x 4000 tokens, max_tokens=1 (ms)", filled["prefill_1x4000_ms"], BEFORE["prefill_1x4000_ms"])]
