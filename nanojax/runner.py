@@ -301,15 +301,19 @@ class ModelRunner:
         of its host arrays (pack's), which _run checks every dispatch against."""
         fn, args, kw = self._call(p)
         if p != "set_slot":
-            self._layouts[p] = layout_of(args[3:])
+            self._record_layout(p, args)
         return fn.__name__, p, kw, executable_cache.signature(args)
+
+    def _record_layout(self, p, args) -> tuple:
+        """pack's layout of program p's host arrays (its arguments after params, cache and tables), kept for _run."""
+        self._layouts[p] = layout_of(args[3:])
+        return self._layouts[p]
 
     def _lower(self, p):
         fn, args, kw = self._call(p)
         if p == "set_slot":
             return fn.trace(*args, **kw).lower()
-        layout = layout_of(args[3:])
-        self._layouts[p] = layout
+        layout = self._record_layout(p, args)
         nbytes = sum(int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in layout[1])
         return packed_step.trace(*args[:3], jax.ShapeDtypeStruct((nbytes,), jnp.uint8), step=fn, layout=layout,
                                  static=tuple(sorted(kw.items()))).lower()
