@@ -8,8 +8,8 @@ The shared prefixes come as work items, planned on the host each step (nanojax.c
         is read once per item. Member i's piece (o unnormalized, m, l: paged_decode_attention's return_stats format)
         fills slot item_slots[w, i] of its row.
     row b: its pieces, in slots 0 .. num_pieces[b] - 1, cover positions [0, kv_starts[b]) exactly once; its own
-        suffix [kv_starts[b], seq_lens[b]) goes through paged_decode_attention with kv_starts and return_stats.
-One log-sum-exp merge (paged_attention._combine_splits) combines each row's suffix pieces and shared pieces.
+        suffix [kv_starts[b], seq_lens[b]) goes through the paged decode kernel (one KV split, from kv_starts), whose
+        epilogue merges the row's shared pieces into its own by log-sum-exp (paged_attention._merge_pieces).
 
 Layouts as pallas_kernels.paged_attention: k_pages, v_pages [num_pages, Hkv, page_size, D]; q [B, Hq, D], query head
 h reading KV head h // (Hq // Hkv).
@@ -26,13 +26,14 @@ from pallas_kernels._compat import is_power_of_2, load, store, triton_params
 from pallas_kernels.paged_attention import (
     _LOG2E,
     _MASK,
+    DECODE_CONFIG,
     _attend,
     _check_inputs,
-    _combine_splits,
+    _paged_attention,
     _query_rows,
     combine_splits_reference,
-    paged_decode_attention,
 )
+from pallas_kernels.paged_attention import _default_config as _decode_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,7 +233,7 @@ def cascade_decode_attention(q, k_pages, v_pages, page_table, seq_lens, kv_start
     (0: a padding row, zeros out); kv_starts, num_pieces: [B] int32; item_row, item_start, item_end: [W] int32;
     item_members, item_slots: [W, M] int32 (nanojax.cascade.plan_cascade's arrays, ARRAY_FIELDS order).
     Returns [B, Hq, D] in q.dtype. config None: CASCADE_CONFIG (block_k halved for f32); the suffixes take
-    paged_decode_attention's automatic tiling.
+    DECODE_CONFIG's tiles in one KV split (a suffix is a row's own few tokens).
     """
     if q.ndim != 3:
         raise ValueError(f"q must be [batch, num_q_heads, head_dim], got shape {q.shape}")
@@ -240,13 +241,9 @@ def cascade_decode_attention(q, k_pages, v_pages, page_table, seq_lens, kv_start
     config = config or _default_config(q.dtype)
     _check_cascade_inputs(q, k_pages, kv_starts, num_pieces, item_row, item_start, item_end,
                           item_members, item_slots, config)
-    suffix = paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, scale=scale, interpret=interpret,
-                                    kv_starts=kv_starts, return_stats=True)
     shared = _cascade_pieces(q, k_pages, v_pages, page_table, item_row, item_start, item_end, item_members,
                              item_slots, scale=scale, config=config, interpret=interpret)
-
-    def one_token(pieces):  # [n, B, Hq(, D)] -> [n, B, 1, Hq(, D)], the merge's T axis
-        return [x[:, :, None] for x in pieces]
-
-    out = _combine_splits(*one_token(suffix), q.dtype, interpret, more=(*one_token(shared), num_pieces))
+    suffix_config = dataclasses.replace(_decode_config(DECODE_CONFIG, q.dtype), k_splits=1)
+    out = _paged_attention(q[:, None], k_pages, v_pages, page_table, seq_lens, None, scale=scale, config=suffix_config,
+                           interpret=interpret, kv_starts=kv_starts, pieces=(*shared, num_pieces))
     return out[:, 0]

@@ -220,13 +220,40 @@ def _attend(q, q_pos, row_ok, k_ref, v_ref, page_table_ref, split, k_splits, kv_
     return lax.fori_loop(num_full, num_tiles, functools.partial(body, masked=True), carry)
 
 
-def _paged_attention_kernel(q_ref, k_ref, v_ref, page_table_ref, seq_len_ref, q_len_ref, kv_start_ref, o_ref,
-                            *stat_refs, block_m, group, group_pad, block_k, k_splits, scale):
+def _merge_pieces(o, m, l, row_ok, kv_head, group, pieces_refs):
+    """Decode's epilogue for a sequence's shared pieces (cascade_attention): the log-sum-exp merge of this program's
+    o [M, D], m, l [M] (row r < group: query head kv_head * group + r of the one token) with the sequence's first
+    `count` pieces. pieces_refs: o_ref [W, Hq, D] unnormalized, m_ref, l_ref [W, Hq] f32, count_ref [] int32.
+    -> the merged (o, m, l)."""
+    po_ref, pm_ref, pl_ref, count_ref = pieces_refs
+    num_items, _, head_dim = po_ref.shape
+    rows = jnp.arange(o.shape[0])
+    head = kv_head * group + rows
+    item = jnp.arange(pl.next_power_of_2(num_items))
+    used = (item < jnp.minimum(count_ref[...], num_items))[:, None] & (row_ok & (rows < group))[None, :]  # [J, M]
+    pm = load(pm_ref.at[item[:, None], head[None, :]], mask=used, other=_MASK)
+    pl_ = load(pl_ref.at[item[:, None], head[None, :]], mask=used, other=0.0)
+    m_all = jnp.maximum(m, pm.max(axis=0))
+    weight = jnp.where(used, jnp.exp2(pm - m_all[None, :]), 0.0)  # [J, M]
+    own = jnp.exp2(m - m_all)
+    o = own[:, None] * o
+    d = jnp.arange(head_dim)
+    for r in range(group):  # one [J, D] load per query head (a column of `weight` is a masked reduction in Triton)
+        w_r = jnp.sum(jnp.where(rows[None, :] == r, weight, 0.0), axis=1)  # [J]
+        po = load(po_ref.at[item[:, None], kv_head * group + r, d[None, :]], mask=(w_r > 0)[:, None], other=0.0)
+        o = o + jnp.where((rows == r)[:, None], jnp.sum(w_r[:, None] * po.astype(jnp.float32), axis=0)[None, :], 0.0)
+    return o, m_all, own * l + jnp.sum(weight * pl_, axis=0)
+
+
+def _paged_attention_kernel(q_ref, k_ref, v_ref, page_table_ref, seq_len_ref, q_len_ref, kv_start_ref, pieces_refs,
+                            o_ref, *stat_refs, block_m, group, group_pad, block_k, k_splits, scale):
     # q_ref: [T, Hq, D] this sequence's queries
     # k_ref, v_ref: [num_pages, S, D] the page pool of this program's KV head
     # page_table_ref: [P] this sequence's pages
     # seq_len_ref, q_len_ref: [] cached tokens (this chunk included) and new tokens; q_len_ref is None for decode
     # kv_start_ref: [] the first KV position attended to (decode only), or None for 0
+    # pieces_refs: None, or (decode, one split) this sequence's shared pieces merged into the output: o [W, Hq, D]
+    #   unnormalized, m, l [W, Hq] f32, count [] int32 (its first count pieces hold one); see _merge_pieces
     # o_ref: [T, Hq, D] the output, or (with stat_refs) this split's f32 unnormalized output
     # stat_refs: () or (m_ref, l_ref), each [T, Hq] f32: this split's running max (log2 units) and denominator
     num_tokens, _, head_dim = q_ref.shape
@@ -251,6 +278,8 @@ def _paged_attention_kernel(q_ref, k_ref, v_ref, page_table_ref, seq_len_ref, q_
                       full_end, block_k=block_k, scale=scale, decode=q_len_ref is None,
                       kv_start=None if kv_start_ref is None else kv_start_ref[...])
     o, l = jnp.where(row_ok[:, None], o, 0.0), jnp.where(row_ok, l, 0.0)
+    if pieces_refs is not None:
+        o, m, l = _merge_pieces(o, m, l, row_ok, kv_head, group, pieces_refs)
     out_ok = head_ok & (token < num_tokens)  # padding tokens are written too: as zeros (l == 0, o == 0)
     if stat_refs:
         m_ref, l_ref = stat_refs
@@ -269,66 +298,41 @@ def combine_splits_reference(o, m, l, dtype):
     return out.astype(dtype)
 
 
-def _load_splits(o_ref, m_ref, l_ref, count=None):
-    """-> o [n, D], m [n], l [n] (n = next_pow2(splits)) of the splits < count that hold a piece (all of them when
-    count is None); the other lanes are empty pieces (o = 0, m = _MASK, l = 0), their slots never read."""
+def _combine_splits_kernel(o_ref, m_ref, l_ref, out_ref):
+    # o_ref: [k_splits, D] f32 the splits' unnormalized outputs of one (sequence, token, query head)
+    # m_ref, l_ref: [k_splits] f32 their running max (log2 units) and softmax denominator
+    # out_ref: [D] the merged output
     k_splits, head_dim = o_ref.shape
     split = jnp.arange(pl.next_power_of_2(k_splits))
-    ok = split < k_splits if count is None else split < jnp.minimum(count, k_splits)
+    ok = split < k_splits
     m = load(m_ref.at[split], mask=ok, other=_MASK)
     l = load(l_ref.at[split], mask=ok, other=0.0)
     o = load(o_ref.at[split[:, None], jnp.arange(head_dim)[None, :]], mask=ok[:, None], other=0.0)
-    return o.astype(jnp.float32), m, l
+    weight = jnp.exp2(m - m.max())  # empty splits and padding lanes have l == 0 and o == 0, so they drop out
+    denom = (weight * l).sum()
+    out = (weight[:, None] * o).sum(axis=0) / jnp.where(denom > 0, denom, 1.0)
+    store(out_ref.at[jnp.arange(head_dim)], out.astype(out_ref.dtype))
 
 
-def _combine_splits_kernel(*refs):
-    # refs: o_ref [k_splits, D] f32 the splits' unnormalized outputs of one (sequence, token, query head), m_ref and
-    #   l_ref [k_splits] f32 their running max (log2 units) and softmax denominator;
-    #   then optionally a second set of pieces: o2_ref [n, D] (f32, or the cascade's bf16), m2_ref, l2_ref
-    #   [n], count_ref [] int32 (its first count pieces hold one);
-    #   out_ref [D] the merged output
-    *in_refs, out_ref = refs
-    pieces = [_load_splits(*in_refs[:3])]
-    if len(in_refs) > 3:
-        pieces.append(_load_splits(*in_refs[3:6], count=in_refs[6][...]))
-    m_max = functools.reduce(jnp.maximum, [m.max() for _, m, _ in pieces])
-    # Empty and padding lanes have l == 0 and o == 0, so they drop out.
-    weights = [jnp.exp2(m - m_max) for _, m, _ in pieces]
-    denom = functools.reduce(jnp.add, [(w * l).sum() for w, (_, _, l) in zip(weights, pieces)])
-    out = functools.reduce(jnp.add, [(w[:, None] * o).sum(axis=0) for w, (o, _, _) in zip(weights, pieces)])
-    out = out / jnp.where(denom > 0, denom, 1.0)
-    store(out_ref.at[jnp.arange(out_ref.shape[0])], out.astype(out_ref.dtype))
-
-
-def _combine_splits(o, m, l, dtype, interpret, more=None):
+def _combine_splits(o, m, l, dtype, interpret):
     """combine_splits_reference as one kernel, a program per (sequence, token, query head). XLA emitted the
     reference's reductions over the split axis as one kernel up to 8 splits and as two or three above (a max, the
     weights, the weighted sums), ~1.2 us each at decode sizes (docs/perf_notes.md,
     "Decode attention: loads, and the split merge").
-    o: [k_splits, B, T, Hq, D] f32; m, l: [k_splits, B, T, Hq] f32 -> [B, T, Hq, D] in dtype.
-    more: None, or more pieces merged in the same pass: (o2 [n, B, T, Hq, D] f32 or bf16, m2, l2 [n, B, T, Hq] f32,
-    counts [B] int32), of which sequence b has counts[b] (the first ones; the others are never read)."""
-    _, batch, num_tokens, num_q_heads, head_dim = o.shape
-
-    def specs(o, m, l):
-        stat_spec = pl.BlockSpec((m.shape[0], None, None, None), lambda b, t, h: (0, b, t, h))
-        return [pl.BlockSpec((o.shape[0], None, None, None, head_dim), lambda b, t, h: (0, b, t, h, 0)), stat_spec,
-                stat_spec]
-
-    in_specs, args = specs(o, m, l), (o, m, l)
-    if more is not None:
-        in_specs += [*specs(*more[:3]), pl.BlockSpec((None,), lambda b, t, h: (b,))]
-        args += tuple(more)
+    o: [k_splits, B, T, Hq, D] f32; m, l: [k_splits, B, T, Hq] f32 -> [B, T, Hq, D] in dtype."""
+    k_splits, batch, num_tokens, num_q_heads, head_dim = o.shape
+    stat_spec = pl.BlockSpec((k_splits, None, None, None), lambda b, t, h: (0, b, t, h))
     return pl.pallas_call(
         _combine_splits_kernel,
         grid=(batch, num_tokens, num_q_heads),
-        in_specs=in_specs,
+        in_specs=[pl.BlockSpec((k_splits, None, None, None, head_dim), lambda b, t, h: (0, b, t, h, 0)), stat_spec,
+                  stat_spec],
         out_specs=pl.BlockSpec((None, None, None, head_dim), lambda b, t, h: (b, t, h, 0)),
         out_shape=jax.ShapeDtypeStruct(o.shape[1:], dtype),
         compiler_params=triton_params(num_warps=4, num_stages=1),
         interpret=interpret,
         name="combine_splits",
-    )(*args)
+    )(o, m, l)
 
 
 def _kv_tiling(config, programs, max_kv_tokens, itemsize):
@@ -366,10 +370,12 @@ def _num_stages(config, block_k, k_splits, max_kv_tokens):
 
 
 def _paged_attention(q, k_pages, v_pages, page_table, seq_lens, q_lens, *, scale, config, interpret, kv_starts=None,
-                     stats=False):
+                     stats=False, pieces=None):
     """q: [B, T, Hq, D] -> [B, T, Hq, D]; q_lens None means decode (q_len = min(seq_len, 1)). kv_starts: None or
     [B] (decode only), each row's first KV position. stats: return the splits' pieces (o [k_splits, B, T, Hq, D],
-    m, l [k_splits, B, T, Hq], all f32) instead of their merge."""
+    m, l [k_splits, B, T, Hq], all f32) instead of their merge. pieces: None, or (decode with k_splits 1) more
+    pieces merged into each row's output in the kernel's epilogue: (o [W, B, Hq, D] unnormalized, m, l [W, B, Hq]
+    f32, counts [B] int32), of which row b has counts[b] (the first ones; the others are never read)."""
     batch, num_tokens, num_q_heads, head_dim = q.shape
     num_pages, num_kv_heads, page_size, _ = k_pages.shape
     pages_per_seq = page_table.shape[1]
@@ -380,12 +386,18 @@ def _paged_attention(q, k_pages, v_pages, page_table, seq_lens, q_lens, *, scale
     table_tokens = pages_per_seq * page_size
     block_k, k_splits = _kv_tiling(config, batch * q_blocks * num_kv_heads, table_tokens, k_pages.dtype.itemsize)
     num_stages = _num_stages(config, block_k, k_splits, table_tokens)
+    if pieces is not None and (q_lens is not None or k_splits != 1 or stats):
+        raise ValueError("pieces are merged by decode with one KV split and no stats")
 
     seq_spec = pl.BlockSpec((None,), lambda b, i, h, s: (b,))
     kv_spec = pl.BlockSpec((num_pages, None, page_size, head_dim), lambda b, i, h, s: (0, h, 0, 0))
     q_spec = pl.BlockSpec((None, *q.shape[1:]), lambda b, i, h, s: (b, 0, 0, 0))
     in_specs = [q_spec, kv_spec, kv_spec, pl.BlockSpec((None, pages_per_seq), lambda b, i, h, s: (b, 0)),
-                seq_spec, None if q_lens is None else seq_spec, None if kv_starts is None else seq_spec]
+                seq_spec, None if q_lens is None else seq_spec, None if kv_starts is None else seq_spec, None]
+    if pieces is not None:
+        num_items = pieces[0].shape[0]
+        in_specs[-1] = (pl.BlockSpec((num_items, None, num_q_heads, head_dim), lambda b, i, h, s: (0, b, 0, 0)),
+                        *2 * [pl.BlockSpec((num_items, None, num_q_heads), lambda b, i, h, s: (0, b, 0))], seq_spec)
     if k_splits == 1 and not stats:
         out_specs, out_shape = q_spec, jax.ShapeDtypeStruct(q.shape, q.dtype)
     else:
@@ -404,7 +416,7 @@ def _paged_attention(q, k_pages, v_pages, page_table, seq_lens, q_lens, *, scale
         compiler_params=triton_params(config.num_warps, num_stages),
         interpret=interpret,
         name="paged_attention",
-    )(q, k_pages, v_pages, page_table, seq_lens, q_lens, kv_starts)
+    )(q, k_pages, v_pages, page_table, seq_lens, q_lens, kv_starts, None if pieces is None else tuple(pieces))
     if stats or k_splits == 1:
         return out
     return _combine_splits(*out, q.dtype, interpret)

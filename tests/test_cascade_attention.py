@@ -204,7 +204,8 @@ def test_config_rejects_bad_blocks():
 @pytest.mark.skipif(not can_lower_for_cuda(), reason="this jaxlib compiles Triton kernels while lowering")
 @pytest.mark.parametrize("model,dtype", [("qwen3-0.6b", jnp.bfloat16), ("llama-3.2-1b", jnp.float32)])
 def test_lowers_to_triton(model, dtype):
-    """The Triton lowering rules, checked on CPU by lowering for cuda: the suffix, cascade and merge kernels."""
+    """The Triton lowering rules, checked on CPU by lowering for cuda: the cascade kernel and the suffix kernel,
+    which merges the pieces in its epilogue (no merge kernel of its own)."""
     hq, hkv, d = (MODELS[model][key] for key in ("num_q_heads", "num_kv_heads", "head_dim"))
     batch, width, items, members = 64, 300, 32, cascade_members_per_item(hq, hkv)
 
@@ -216,7 +217,7 @@ def test_lowers_to_triton(model, dtype):
             ints(batch), ints(items), ints(items), ints(items), ints(items, members), ints(items, members))
     lowered = jax.jit(lambda *a: cascade_decode_attention(*a, scale=0.1)).trace(*args).lower(
         lowering_platforms=("cuda",))
-    assert lowered.as_text().count("xla.gpu.triton") == 3
+    assert lowered.as_text().count("xla.gpu.triton") == 2
 
 
 # ------------------------------------------------------------------------------------------------ GPU, model sizes

@@ -210,29 +210,38 @@ def test_combine_splits(k_splits, dtype):
     assert not np.asarray(out[1, 0], np.float32).any()
 
 
-def test_combine_splits_with_counted_pieces():
-    """A second set of pieces merged in the same pass, of which each sequence has its first counts[b] (0 .. all);
-    the slots past them hold NaN and must not be read."""
-    rng = np.random.default_rng(7)
-    batch, heads, d = 5, 3, 32
-
-    def pieces(n):
-        m = rng.normal(0, 8, (n, batch, 1, heads)).astype(np.float32)
-        return rng.normal(0, 1, (n, batch, 1, heads, d)).astype(np.float32), m, rng.uniform(0.5, 4, m.shape)
-
-    o, m, l = pieces(2)
-    m[:, 2], l[:, 2], o[:, 2] = _MASK, 0, 0  # a row whose own splits are all empty
-    o2, m2, l2 = pieces(6)
-    counts = np.array([0, 6, 3, 1, 2], np.int32)
-    unused = np.arange(6)[:, None] >= counts[None]  # [n, B]
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(4, 2), (7, 1), (3, 3)])
+def test_decode_merges_counted_pieces(num_q_heads, num_kv_heads):
+    """Decode with `pieces` (cascade_attention's shared pieces): each row's first counts[b] pieces (0 .. all) merged
+    into its own attention in the kernel's epilogue, equal to the stats of the plain kernel merged with them by the
+    reference; the slots past a row's count hold NaN and must not be read; a padding row stays zeros."""
+    lens = [1, 15, 40, 0, 70, 33]
+    case = decode_case(11, lens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=64, page_size=8)
+    rng = np.random.default_rng(12)
+    batch, num_items = len(lens), 6
+    m2 = rng.normal(0, 8, (num_items, batch, num_q_heads)).astype(np.float32)
+    l2 = rng.uniform(0.5, 4, m2.shape).astype(np.float32)
+    o2 = rng.normal(0, 1, (*m2.shape, 64)).astype(np.float32)
+    counts = np.array([0, 6, 3, 0, 1, 2], np.int32)
+    unused = np.arange(num_items)[:, None] >= counts[None]  # [W, B]
     o2[unused], m2[unused], l2[unused] = np.nan, np.nan, np.nan
-    out = _combine_splits(*map(jnp.asarray, (o, m, l)), jnp.float32, interpret=True,
-                          more=(*map(jnp.asarray, (o2, m2, l2)), jnp.asarray(counts)))
-    used = ~unused[:, :, None, None]
-    ref = combine_splits_reference(jnp.asarray(np.concatenate([o, np.where(used[..., None], o2, 0)])),
-                                   jnp.asarray(np.concatenate([m, np.where(used, m2, _MASK)])),
-                                   jnp.asarray(np.concatenate([l, np.where(used, l2, 0)])), jnp.float32)
+    config = dataclasses.replace(DECODE_CONFIG, block_k=16, k_splits=1)
+    starts = jnp.asarray([0, 5, 16, 0, 37, 32], jnp.int32)
+    args = (case.q, case.k_pages, case.v_pages, case.page_table, case.seq_lens, None)
+    out = paged_attention._paged_attention(*args, scale=case.scale, config=config, interpret=True, kv_starts=starts,
+                                           pieces=(*map(jnp.asarray, (o2, m2, l2)), jnp.asarray(counts)))[:, 0]
+    o, m, l = paged_attention._paged_attention(*args, scale=case.scale, config=config, interpret=True,
+                                               kv_starts=starts, stats=True)
+    used = ~unused[:, :, None]
+    ref = combine_splits_reference(jnp.concatenate([o[:, :, 0], jnp.asarray(np.where(used[..., None], o2, 0))]),
+                                   jnp.concatenate([m[:, :, 0], jnp.asarray(np.where(used, m2, _MASK))]),
+                                   jnp.concatenate([l[:, :, 0], jnp.asarray(np.where(used, l2, 0))]), jnp.float32)
+    assert np.isfinite(np.asarray(out)).all() and not np.asarray(out[3]).any()
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="one KV split"):
+        paged_attention._paged_attention(*args, scale=case.scale, interpret=True, kv_starts=starts,
+                                         config=dataclasses.replace(config, k_splits=2),
+                                         pieces=(*map(jnp.asarray, (o2, m2, l2)), jnp.asarray(counts)))
 
 
 def window_reference(case, kv_starts):
