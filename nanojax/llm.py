@@ -371,9 +371,9 @@ class LLM(RequestFront):
 
     def _step(self, sampled: list[Sequence]) -> list[Sequence]:
         """Streams the previous step's events, dispatches a step, completes it. -> the sequences that gained tokens.
-        The events go first: on the GPU a multi-step decode's dispatch returns only once its loop has run (XLA
-        drives the while loop from the host), so events streamed after it waited a whole dispatch (a request's
-        first token too: TTFT grew with the steps per dispatch)."""
+        The events go first: on the GPU a multi-step decode's dispatch returns only once its loop has run (the
+        sampling step's conditional reads its predicate on the host every step), so events streamed after it
+        waited a whole dispatch (a request's first token too: TTFT grew with the steps per dispatch)."""
         self._emit(sampled)
         try:
             pending = self._dispatch()

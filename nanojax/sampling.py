@@ -8,7 +8,8 @@ compiled program. What each costs on the H100 decided the shape (docs/perf_notes
   kept on the device and updated in the step); rows that use none of them read the shared all-zero row, which stays
   in L2.
 - Top-k / top-p / min-p and top-N logprobs need a full-vocabulary sort (1.8 ms at batch 64): it runs under the step's
-  only `lax.cond`, taken when some row asks for it. A conditional syncs the host once per step (~15-19 us measured).
+  only `lax.cond`, taken when some row asks for it. A conditional syncs the host once per step (~15-19 us measured),
+  which also makes a multi-step dispatch return only when its loop has run (docs/perf_notes.md, "Sampling").
 """
 import flax.struct
 import jax
