@@ -5,6 +5,7 @@ kernel, chosen by one static, hashable `Ops` value that the compiled steps take.
     qkv_rope_cache: split, q/k RMSNorm, RoPE, paged KV write                       pallas_kernels.qkv_rope_cache
     attention:      paged attention over the KV pages (decode and ragged prefill)  pallas_kernels.paged_attention
                     decode with shared prefixes read once (cascade)                pallas_kernels.cascade_attention
+    sampling_filters: the kept prefix of top-k / top-p / min-p, top-N logprobs     pallas_kernels.sampling_filters
 
 The references are the kernels' own `*_reference` functions, so the reference path and the kernels compute one
 definition; the HF parity tests run the reference path, the kernel tests compare each kernel with its reference.
@@ -19,6 +20,12 @@ from pallas_kernels.cascade_attention import cascade_decode_attention, cascade_d
 from pallas_kernels.paged_attention import paged_attention_reference, paged_decode_attention, paged_prefill_attention
 from pallas_kernels.qkv_rope_cache import qkv_rope_cache, qkv_rope_cache_reference
 from pallas_kernels.rmsnorm_matmul import rmsnorm_matmul, rmsnorm_matmul_reference
+from pallas_kernels.sampling_filters import (
+    INT32_MIN,
+    is_filtered,
+    sampling_filters,
+    sampling_filters_reference,
+)
 
 NAMES = ("auto", "reference", "pallas", "interpret")
 # The fused projection kernel is used up to this many rows, where it beats XLA's GEMV fusion (1.3-2x at M = 1 on the
@@ -110,6 +117,23 @@ class Ops:
             return out[:, None]
         return paged_prefill_attention(q, k_pages, v_pages, page_table, seq_lens, q_lens, scale=scale,
                                        interpret=self.interpret)
+
+    def sampling_filters(self, logits, s, *, num_top):
+        """logits: [B, V] f32; s: nanojax.sampling.SamplingBatch -> (cut_key [B], cut_id [B], top_ids [B, num_top],
+        top_logits [B, num_top]); see sampling_filters_reference. The reference sorts under a `lax.cond` taken when
+        some row is filtered or wants logprobs; the kernel's rows that need neither return at once, with no branch on
+        the host (which would make a multi-step dispatch synchronous)."""
+        args = (logits, s.temperature, s.top_k, s.top_p, s.min_p, s.logprobs)
+        if self.pallas:
+            return sampling_filters(*args, num_top=num_top, interpret=self.interpret)
+        batch, vocab = logits.shape
+
+        def unfiltered(*_):
+            return (jnp.full((batch,), INT32_MIN, jnp.int32), jnp.full((batch,), vocab, jnp.int32),
+                    jnp.zeros((batch, num_top), jnp.int32), jnp.full((batch, num_top), -jnp.inf))
+
+        needed = jnp.any(is_filtered(*args[1:5]) | (s.logprobs > 0))
+        return jax.lax.cond(needed, functools.partial(sampling_filters_reference, num_top=num_top), unfiltered, *args)
 
 
 def kernel_support(config) -> str | None:

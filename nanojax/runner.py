@@ -55,7 +55,7 @@ def prefill_step(params, cache, tables, tokens, batch: Batch, sampling: Sampling
     last = jnp.take_along_axis(hidden, jnp.maximum(batch.q_lens - 1, 0)[:, None, None], axis=1)[:, 0]
     if decode is not None:
         last = jnp.concatenate([last, decoded])
-    out = sample(lm_logits(params, last, ops), sampling, tables, 0, vocab_limit=vocab_limit)
+    out = sample(lm_logits(params, last, ops), sampling, tables, 0, vocab_limit=vocab_limit, ops=ops)
     prompt = prompt_logprobs(params, hidden, targets, config=config, ops=ops, vocab_limit=vocab_limit)
     return jax.tree.map(lambda x: x[None], out), prompt, cache, tables.count(sampling.slots, out.tokens)
 
@@ -98,7 +98,7 @@ def decode_step(params, cache, tables, tokens, batch: Batch, sampling: SamplingB
         hidden, cache = forward(params, tokens[:, None], cache, batch.replace(seq_lens=seq_lens, q_lens=active),
                                 config=config, ops=ops)
         logits = lm_logits(params, hidden[:, 0], ops)
-        new = sample(logits, sampling, tables, i, vocab_limit=vocab_limit)
+        new = sample(logits, sampling, tables, i, vocab_limit=vocab_limit, ops=ops)
         out = jax.tree.map(lambda o, n: o.at[i].set(n), out, new)
         counted = jnp.where(active > 0, sampling.slots, tables.neutral)
         return new.tokens, cache, tables.count(counted, new.tokens), seq_lens + active, out

@@ -7,15 +7,18 @@ compiled program. What each costs on the H100 decided the shape (docs/perf_notes
 - logit_bias, the penalties and the min_tokens ban read per-request token tables (`TokenTables`, one row per slot,
   kept on the device and updated in the step); rows that use none of them read the shared all-zero row, which stays
   in L2.
-- Top-k / top-p / min-p and top-N logprobs need a full-vocabulary sort (1.8 ms at batch 64): it runs under the step's
-  only `lax.cond`, taken when some row asks for it. A conditional syncs the host once per step (~15-19 us measured),
-  which also makes a multi-step dispatch return only when its loop has run (docs/perf_notes.md, "Sampling").
+- Top-k / top-p / min-p keep a prefix of a row's descending order, and top-N logprobs read one: `Ops.sampling_filters`
+  describes it per row (pallas_kernels.sampling_filters: a Pallas kernel whose rows without filters or logprobs
+  return at once, with no sort and no branch on the host; the jnp reference sorts, under a `lax.cond` taken when some
+  row needs it), and the draw masks the tokens outside it.
 """
 import flax.struct
 import jax
 import jax.numpy as jnp
 
 from nanojax.sampling_params import MAX_LOGPROBS
+from pallas_kernels.sampling_filters import kept
+
 PROMPT, BANNED = 1, 2  # TokenTables.flags bits: the token is in the prompt; it may not be drawn before min_tokens
 
 
@@ -80,22 +83,21 @@ class Sampled:
     top_logprobs: jax.Array
 
 
-def sample(logits, s: SamplingBatch, tables: TokenTables, step, *, vocab_limit: int) -> Sampled:
+def sample(logits, s: SamplingBatch, tables: TokenTables, step, *, vocab_limit: int, ops) -> Sampled:
     """logits: [B, V] f32 -> Sampled, for the `step`-th step of a multi-step dispatch (0 for one step).
 
     Logprobs are those of the model's distribution after bias and penalties, before temperature and filters.
-    Tokens past `vocab_limit` (embedding padding the tokenizer never produces) are never drawn.
+    Tokens past `vocab_limit` (embedding padding the tokenizer never produces) are never drawn. ops: nanojax.ops.Ops,
+    which computes the filters' cut and the top logprob tokens.
     """
     logits = _adjust(logits, s, tables, step, vocab_limit)
     log_norm = jax.nn.logsumexp(logits, axis=-1)
-    noisy = _scaled(logits, s) + _gumbel(s.seeds, s.counters + step, logits.shape[1])
-    plain = jnp.argmax(jnp.where(s.temperature[:, None] > 0, noisy, logits), axis=-1).astype(jnp.int32)
-    needs_sort = jnp.any((s.top_k > 0) | (s.top_p < 1) | (s.min_p > 0) | (s.logprobs > 0))
-    # The branches recompute the noise rather than take it as an operand, which would write it out as a [B, V] array.
-    tokens, top_ids, top_logprobs = jax.lax.cond(needs_sort, _sorted_path, _plain_path, logits, log_norm, plain, s,
-                                                 step)
+    cut_key, cut_id, top_ids, top_logits = ops.sampling_filters(logits, s, num_top=MAX_LOGPROBS)
+    noisy = jnp.where(kept(logits, cut_key, cut_id), _scaled(logits, s) + _gumbel(s.seeds, s.counters + step,
+                                                                                   logits.shape[1]), -jnp.inf)
+    tokens = jnp.argmax(jnp.where(s.temperature[:, None] > 0, noisy, logits), axis=-1).astype(jnp.int32)
     chosen = jnp.take_along_axis(logits, tokens[:, None], axis=1)[:, 0] - log_norm
-    return Sampled(tokens, chosen, top_ids, top_logprobs)
+    return Sampled(tokens, chosen, top_ids, top_logits - log_norm[:, None])
 
 
 def _adjust(logits, s: SamplingBatch, tables: TokenTables, step, vocab_limit):
@@ -130,32 +132,3 @@ def _gumbel(seeds, counters, vocab):
 
 def _scaled(logits, s: SamplingBatch):
     return logits / jnp.maximum(s.temperature, 1e-6)[:, None]
-
-
-def _plain_path(logits, log_norm, plain, s, step):
-    zeros = jnp.zeros((logits.shape[0], MAX_LOGPROBS))
-    return plain, zeros.astype(jnp.int32), zeros
-
-
-def _sorted_path(logits, log_norm, plain, s, step):
-    """Top-k, then top-p over what is left, then min-p (relative to the top token), then a Gumbel-max draw over the
-    kept tokens; and the top MAX_LOGPROBS logprobs. The noise is indexed by token id, as in the plain draw, so a row
-    without filters draws the same token on either path."""
-    order = jnp.argsort(-logits, axis=-1)  # temperature does not change the order
-    sorted_scaled = jnp.take_along_axis(_scaled(logits, s), order, axis=-1)
-    probs = jax.nn.softmax(sorted_scaled, axis=-1)
-    rank = jnp.arange(logits.shape[-1])[None, :]
-    keep = (s.top_k[:, None] <= 0) | (rank < s.top_k[:, None])
-    kept_probs = jnp.where(keep, probs, 0.0)
-    kept_probs = kept_probs / jnp.sum(kept_probs, axis=-1, keepdims=True)
-    keep &= jnp.cumsum(kept_probs, axis=-1) - kept_probs < s.top_p[:, None]
-    keep &= probs >= s.min_p[:, None] * probs[:, :1]
-    keep = keep.at[:, 0].set(True)
-    noisy = sorted_scaled + jnp.take_along_axis(_gumbel(s.seeds, s.counters + step, logits.shape[1]), order, axis=-1)
-    choice = jnp.argmax(jnp.where(keep, noisy, -jnp.inf), -1)
-    drawn = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
-    tokens = jnp.where(s.temperature > 0, drawn, plain)
-    top_ids = order[:, :MAX_LOGPROBS].astype(jnp.int32)
-    top_logprobs = jnp.take_along_axis(logits, top_ids, axis=-1) - log_norm[:, None]
-    pad = [(0, 0), (0, MAX_LOGPROBS - top_ids.shape[1])]  # vocabularies smaller than MAX_LOGPROBS (tests)
-    return tokens, jnp.pad(top_ids, pad), jnp.pad(top_logprobs, pad, constant_values=-jnp.inf)

@@ -236,6 +236,15 @@ class TensorParallelOps(Ops):
         return jax.shard_map(local, mesh=self.plan.mesh, in_specs=(P(AXIS), P()), out_specs=P(), check_vma=False)(
             table, ids)
 
+    def sampling_filters(self, logits, s, *, num_top):
+        """Ops.sampling_filters on each device, over the replicated logits (a Pallas kernel is a per-device program:
+        XLA cannot partition it)."""
+        def local(logits, s):
+            return Ops.sampling_filters(self, logits, s, num_top=num_top)
+
+        return jax.shard_map(local, mesh=self.plan.mesh, in_specs=(P(), P()), out_specs=P(), check_vma=False)(
+            logits, s)
+
     def vocab_head(self, head_logits, head, hidden):
         """Each device's logits over its vocabulary shard, all-gathered (a few KB per row); the vocabulary padding
         cut off. XLA's own partitioning of the sharded head all-gathered the weights instead."""

@@ -18,6 +18,7 @@ from scipy import stats
 
 from nanojax import LLM, SamplingParams
 from nanojax.loader import load_model
+from nanojax.ops import Ops
 from nanojax.runner import sampling_batch
 from nanojax.sampling import BANNED, PROMPT, TokenTables, _adjust, sample
 
@@ -31,7 +32,7 @@ LOGITS = np.log(PROBS).astype(np.float32) + 1.5  # logits are only defined up to
 
 @functools.partial(jax.jit, static_argnames=("vocab_limit",))
 def _sample(logits, batch, tables, step, *, vocab_limit):
-    return sample(logits, batch, tables, step, vocab_limit=vocab_limit).tokens
+    return sample(logits, batch, tables, step, vocab_limit=vocab_limit, ops=Ops()).tokens
 
 
 def batch_and_tables(b, bias=None, seen=None, banned=None, **rows):
@@ -82,7 +83,7 @@ def reference(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) -> np.ndar
     ranked = order[:top_k] if top_k > 0 else order
     q = p[ranked] / p[ranked].sum()
     before = np.cumsum(q) - q
-    ranked = ranked[before < top_p]
+    ranked = ranked[(before < top_p) | (top_p >= 1)]  # 1 disables it (the cumsum may reach 1 early)
     keep[ranked[p[ranked] >= min_p * p.max()]] = True
     out = np.where(keep, p, 0.0)
     return out / out.sum()

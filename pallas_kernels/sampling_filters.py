@@ -1,0 +1,356 @@
+"""Sampling filters without a sort: per row, the tokens top-k / top-p / min-p keep, and the top-N logprob tokens.
+
+The sampler's filters keep a prefix of the descending order of a row's logits (ties in token-id order, as a stable
+sort gives). That prefix is described by its last token: a row keeps every token whose order key (`order_keys`) is
+above `cut_key`, and those at `cut_key` up to id `cut_id`. A plain row (greedy, or no filter) gets cut_key =
+INT32_MIN and cut_id = V: it keeps everything, so the draw that follows is one elementwise mask for every row.
+
+A row that needs no filter and no logprobs returns at once, so the step has no host-side branch (a `lax.cond` would
+read its predicate on the host every step and make a multi-step dispatch synchronous) and a batch pays only for its
+filtered rows. A filtered row finds its cuts by searches over the 32-bit keys, two bits a pass over the row (16
+passes, each weighing four candidates at once), the way a radix select does: the k-th largest key for top-k, the
+largest key whose tokens and those above reach the top-p mass, then the k-th largest again for the tightest of the
+three filters; top logprobs take one more search and a pass that writes the tokens out.
+
+A pass over one row (608 KB at Qwen3's vocabulary) is too little work for one SM: one program per row took 0.85 ms
+for a top-p row on the H100. So `splits` programs share a row, each reading its slice, and after every pass they
+exchange partial sums through global memory: each writes its slot, adds itself to the row's arrival count (an
+acquire-release atomic) and spins until every program of the row has arrived. That is safe because a row's programs
+are adjacent in launch order (the split is the grid's fastest axis) and the GPU runs far more than `splits` programs
+at once, so the programs a row waits for are running or about to. Partials are summed in a fixed order: the cut is
+the same in every run.
+"""
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels._compat import is_power_of_2, load, store, triton_params
+
+INT32_MIN = -(2**31)
+
+
+@dataclasses.dataclass(frozen=True)
+class FilterConfig:
+    """splits: programs that share a row (each reads V / splits of it and they exchange partial sums after every
+    pass; 1 in interpret mode, which runs programs one after another); block: logits a program reads per loop step
+    (a power of two); num_warps, num_stages: Triton's."""
+
+    splits: int = 32
+    block: int = 512
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# Exchange slots per row and phase (the filters, then the top logprobs): the most passes a phase makes (72, 36).
+MAX_EXCHANGES = 80
+
+
+def order_keys(x):
+    """f32 [...] -> int32 [...] in the same order (-0.0 and 0.0 equal, -inf below every number; no NaN)."""
+    bits = lax.bitcast_convert_type(jnp.where(x == 0, 0.0, x), jnp.int32)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+def order_keys_inverse(keys):
+    """int32 keys -> the float32 bits (as int32) they came from (-0.0 comes back as 0.0)."""
+    return keys ^ ((keys >> 31) & 0x7FFFFFFF)
+
+
+def kept(logits, cut_key, cut_id):
+    """logits [B, V], cut_key / cut_id [B] -> [B, V] bool: the tokens a row's filters keep (elementwise: XLA fuses it
+    into the draw's argmax)."""
+    keys, ids = order_keys(logits), jnp.arange(logits.shape[1])[None, :]
+    return (keys > cut_key[:, None]) | ((keys == cut_key[:, None]) & (ids <= cut_id[:, None]))
+
+
+def is_filtered(temperature, top_k, top_p, min_p):
+    """[B] bool: the rows whose draw is filtered (a greedy row ignores its filters)."""
+    return (temperature > 0) & ((top_k > 0) | (top_p < 1) | (min_p > 0))
+
+
+def sampling_filters_reference(logits, temperature, top_k, top_p, min_p, logprobs, *, num_top):
+    """Plain jnp, by a full sort. logits: [B, V] f32; temperature, top_p, min_p: [B] f32; top_k, logprobs: [B] int32.
+
+    Top-k, then top-p over the top-k tokens' renormalized probabilities (a token is kept while the mass before it is
+    below top_p), then min-p (p >= min_p * p_max), always the top token; probabilities are those of logits /
+    temperature. Returns (cut_key [B] int32, cut_id [B] int32, top_ids [B, num_top] int32, top_logits [B, num_top]
+    f32): the cut of the kept prefix (INT32_MIN, V for rows not filtered), and the num_top largest logits with their
+    ids in descending order (ties by id) for rows with logprobs > 0; past V, or for other rows, ids 0 and -inf.
+    """
+    batch, vocab = logits.shape
+    order = jnp.argsort(-logits, axis=-1)  # stable: ties in id order; temperature does not change the order
+    scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+    probs = jax.nn.softmax(jnp.take_along_axis(scaled, order, axis=-1), axis=-1)
+    rank = jnp.arange(vocab)[None, :]
+    keep = (top_k[:, None] <= 0) | (rank < top_k[:, None])
+    kept_probs = jnp.where(keep, probs, 0.0)
+    kept_probs = kept_probs / jnp.sum(kept_probs, axis=-1, keepdims=True)
+    # top_p 1 disables the filter: a float32 cumsum reaches 1 before the tail of a peaked distribution
+    keep &= (jnp.cumsum(kept_probs, axis=-1) - kept_probs < top_p[:, None]) | (top_p >= 1)[:, None]
+    keep &= probs >= min_p[:, None] * probs[:, :1]
+    last = jnp.take_along_axis(order, jnp.maximum(jnp.sum(keep, axis=-1), 1)[:, None] - 1, axis=-1)[:, 0]
+    cut_key = order_keys(jnp.take_along_axis(logits, last[:, None], axis=-1)[:, 0])
+    filtered = is_filtered(temperature, top_k, top_p, min_p)
+    cut_key = jnp.where(filtered, cut_key, INT32_MIN)
+    cut_id = jnp.where(filtered, last, vocab).astype(jnp.int32)
+    n = min(num_top, vocab)
+    wanted = (logprobs > 0)[:, None]
+    top_ids = jnp.where(wanted, order[:, :n], 0).astype(jnp.int32)
+    top_logits = jnp.where(wanted, jnp.take_along_axis(logits, order[:, :n], axis=-1), -jnp.inf)
+    pad = [(0, 0), (0, num_top - n)]
+    return cut_key, cut_id, jnp.pad(top_ids, pad), jnp.pad(top_logits, pad, constant_values=-jnp.inf)
+
+
+def _filters_kernel(logits_ref, temperature_ref, top_k_ref, top_p_ref, min_p_ref, logprobs_ref, arrivals_ref,
+                    cut_key_ref, cut_id_ref, top_ids_ref, top_logits_ref, partials_ref, arrivals_out_ref, *, vocab,
+                    block, splits, num_top, interpret):
+    # logits_ref: [V] f32, this program's row; temperature_ref, top_k_ref, top_p_ref, min_p_ref, logprobs_ref: []
+    # arrivals_ref (aliased by arrivals_out_ref): [2] int32, the row's programs' arrivals at the exchanges of each
+    # phase, 0 at the start; cut_key_ref, cut_id_ref: [] int32; top_ids_ref: [num_top] int32, top_logits_ref:
+    # [num_top] f32; partials_ref: [2, MAX_EXCHANGES, splits, 4] f32, each program's partial results of each exchange
+    del arrivals_out_ref
+    split = pl.program_id(0)
+    blocks_per_split = pl.cdiv(pl.cdiv(vocab, block), splits)
+    lanes = jnp.arange(4)
+
+    # Work a row may skip is a loop of zero trips, not a lax.cond: Triton's lowering of a branch cannot return an
+    # argument given as a constant. Loops carry per-lane partial results ([block] vectors), reduced once after the
+    # loop: a reduction across the program's threads in every step stalled it.
+    def over_chunk(fn, init, run=True):
+        """fn(carry, x [block] f32, keys [block] int32, ids [block] int32, valid [block] bool) over this program's
+        blocks of the row (if run)."""
+        def body(i, carry):
+            ids = (split * blocks_per_split + i) * block + jnp.arange(block, dtype=jnp.int32)
+            valid = ids < vocab
+            x = load(logits_ref.at[ids], mask=valid, other=-jnp.inf)
+            return fn(carry, x, order_keys(x), ids, valid)
+        return _loop(_trips(blocks_per_split, run), body, init)
+
+    def exchange(values, seq, pad=0.0):
+        """values: [4] f32, this program's partial results -> ([splits', 4] every program's (rows past splits:
+        pad), seq + 1), once every program of the row has written its own: each writes its slot, counts itself in,
+        and waits for the count. seq: (phase, exchanges so far in it)."""
+        phase, n = seq
+        store(partials_ref.at[phase, n, split, lanes], values)
+        if not interpret:  # every thread's store is done (and seen by the arrival's release) before reading
+            plgpu.debug_barrier()
+        if splits > 1:  # (one program per row, as in interpret mode, has no one to wait for)
+            arrivals = arrivals_ref.at[phase]
+            plgpu.atomic_add(arrivals, (), 1)  # acquire-release: the slot is seen by whoever sees the count
+            target = splits * (n + 1)
+            lax.while_loop(lambda seen: seen < target, lambda seen: plgpu.atomic_add(arrivals, (), 0), n - n)
+            plgpu.debug_barrier()
+        rows = jnp.arange(pl.next_power_of_2(splits))
+        every = load(partials_ref.at[phase, n, rows[:, None], lanes[None, :]], mask=(rows < splits)[:, None],
+                     other=pad, volatile=True)
+        return every, (phase, n + 1)
+
+    def count(x, valid):
+        return valid.astype(jnp.float32)
+
+    def search(weigh, target, seq, run=True):
+        """(The largest key T with sum(weigh(x, valid)[keys >= T]) >= target, seq after): weights >= 0 and 0 where
+        not valid, target at most the row's total. T's bits two at a time from the top, four candidates a pass,
+        over unsigned offsets from INT32_MIN (int32 adds wrap). INT32_MIN if not run."""
+        def next_digits(p, t_seq):
+            t, seq = t_seq
+            shift = 30 - 2 * p
+            candidates = t + (lanes << shift)  # [4]; the first, t, reaches the target
+
+            def weigh_block(sums, x, keys, ids, valid):
+                return sums + jnp.where(keys[:, None] >= candidates[None, :], weigh(x, valid)[:, None], 0.0)
+
+            every, seq = exchange(jnp.sum(over_chunk(weigh_block, jnp.zeros((block, 4))), axis=0), seq)
+            reached = jnp.sum((jnp.sum(every, axis=0) >= target).astype(jnp.int32))
+            return t + ((reached - 1) << shift), seq
+
+        return _loop(_trips(16, run), next_digits, (jnp.int32(INT32_MIN), seq))
+
+    def at_key(t, weigh, seq):
+        """(count of keys above t, their weight, count of keys equal to t, seq after)."""
+        def step(acc, x, keys, ids, valid):
+            above, at = valid & (keys > t), valid & (keys == t)
+            return acc[0] + above.astype(jnp.float32), acc[1] + jnp.where(above, weigh(x, valid), 0.0), acc[2] + at
+        zeros = jnp.zeros((block,))
+        above, mass_above, at = over_chunk(step, (zeros, zeros, jnp.zeros((block,), jnp.int32)))
+        values = jnp.where(lanes == 0, jnp.sum(above), jnp.where(lanes == 1, jnp.sum(mass_above),
+                                                                 jnp.sum(at).astype(jnp.float32)))
+        every, seq = exchange(values, seq)
+        total = jnp.sum(every, axis=0)
+        pick = lambda lane: jnp.sum(jnp.where(lanes == lane, total, 0.0))  # noqa: E731
+        return pick(0).astype(jnp.int32), pick(1), pick(2).astype(jnp.int32), seq
+
+    def count_in_row(fn, seq, run=True):
+        """The row's count of fn(x, keys, ids, valid) -> [block] bool, seq after."""
+        n = jnp.sum(over_chunk(lambda c, x, keys, ids, valid: c + fn(x, keys, ids, valid).astype(jnp.float32),
+                               jnp.zeros((block,)), run))
+        every, seq = exchange(jnp.where(lanes == 0, n, 0.0), seq)
+        return jnp.sum(every).astype(jnp.int32), seq
+
+    def cut_in_ties(t, needed, tied, seq):
+        """(The id of the needed-th token (from 1) with key t in id order, seq after): V - 1 when every tied token is
+        needed, else by a binary search over ids (a cut inside a tie is rare: up to 18 passes)."""
+        def halve(_, carry):
+            lo, hi, seq = carry
+            mid = (lo + hi) // 2
+            n, seq = count_in_row(lambda x, keys, ids, valid: valid & (keys == t) & (ids <= mid), seq)
+            return jnp.where(n >= needed, lo, mid + 1), jnp.where(n >= needed, mid, hi), seq
+
+        steps = _trips(max(1, (vocab - 1).bit_length()), needed < tied)
+        lo, _, seq = _loop(steps, halve, (jnp.int32(0), jnp.int32(vocab - 1), seq))
+        return jnp.where(needed < tied, lo, vocab - 1), seq
+
+    def kth_cut(k, known, seq):
+        """(key, id) of the k-th token of the descending order, seq after. known: (key, count above, count at) of
+        keys found before, one of which may be the k-th's: then no search."""
+        if not known:
+            key, seq = search(count, k.astype(jnp.float32), seq)
+        else:
+            key, found = known[-1][0], False
+            for t, above, at in reversed(known):  # the first that holds the k-th wins
+                hit = (above < k) & (k <= above + at)
+                key, found = jnp.where(hit, t, key), found | hit
+            searched, seq = search(count, k.astype(jnp.float32), seq, run=~found)
+            key = jnp.where(found, key, searched)
+        above, _, at, seq = at_key(key, count, seq)
+        cut_id, seq = cut_in_ties(key, k - above, at, seq)
+        return key, cut_id, seq
+
+    temperature, top_k, top_p, min_p = (ref[...] for ref in (temperature_ref, top_k_ref, top_p_ref, min_p_ref))
+    cut_key_ref[...] = jnp.int32(INT32_MIN)
+    cut_id_ref[...] = jnp.int32(vocab)
+    slots = jnp.arange(pl.next_power_of_2(num_top))
+    store(top_ids_ref.at[slots], jnp.zeros(slots.shape, jnp.int32), mask=slots < num_top)
+    store(top_logits_ref.at[slots], jnp.full(slots.shape, -jnp.inf, jnp.float32), mask=slots < num_top)
+    filtered = is_filtered(temperature, top_k, top_p, min_p)
+
+    @pl.when(filtered)
+    def _filters():
+        every, seq = exchange(jnp.full((4,), jnp.max(over_chunk(lambda m, x, keys, ids, valid: jnp.maximum(m, x),
+                                                                jnp.full((block,), -jnp.inf)))), (0, jnp.int32(0)),
+                              pad=-jnp.inf)
+        row_max = jnp.max(every)
+        inv_t = 1.0 / jnp.maximum(temperature, 1e-6)
+
+        def mass(x, valid):  # unnormalized probabilities: the top token's is 1
+            return jnp.where(valid, jnp.exp((x - row_max) * inv_t), 0.0)
+
+        def mass_at(key, tied):  # the mass of a token at this key, 0 if there is none
+            x = lax.bitcast_convert_type(order_keys_inverse(key), jnp.float32)
+            return jnp.where(tied > 0, jnp.exp((x - row_max) * inv_t), 0.0)
+
+        k_top = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+        t_top, seq = search(count, k_top.astype(jnp.float32), seq, run=top_k > 0)
+        above_top, mass_above_top, at_top, seq = at_key(t_top, mass, seq)
+        target = top_p * (mass_above_top + (k_top - above_top).astype(jnp.float32) * mass_at(t_top, at_top))
+        t_p, seq = search(mass, target, seq, run=top_p < 1)
+        above_p, mass_above_p, at_p, seq = at_key(t_p, mass, seq)
+        # at least one tied token: the search's sums and at_key's may round apart
+        tied_needed = jnp.ceil((target - mass_above_p) / jnp.maximum(mass_at(t_p, at_p), jnp.finfo(jnp.float32).tiny))
+        k_p = jnp.where(top_p < 1, above_p + jnp.maximum(tied_needed, 1).astype(jnp.int32), vocab)
+        k_min, seq = count_in_row(lambda x, keys, ids, valid: valid & (mass(x, valid) >= min_p), seq, run=min_p > 0)
+        k = jnp.maximum(1, jnp.minimum(jnp.minimum(k_top, k_p), jnp.where(min_p > 0, k_min, vocab)))
+        key, cut_id, seq = kth_cut(k, [(t_top, above_top, at_top), (t_p, above_p, at_p)], seq)
+
+        @pl.when(split == 0)
+        def _():
+            cut_key_ref[...] = key
+            cut_id_ref[...] = cut_id
+
+    @pl.when(logprobs_ref[...] > 0)
+    def _top():
+        n = min(num_top, vocab)
+        key, cut_id, seq = kth_cut(jnp.int32(n), [], (1, jnp.int32(0)))
+
+        def taken(x, keys, ids, valid):
+            return valid & ((keys > key) | ((keys == key) & (ids <= cut_id)))
+
+        mine = jnp.sum(over_chunk(lambda c, x, keys, ids, valid: c + taken(x, keys, ids, valid).astype(jnp.float32),
+                                  jnp.zeros((block,))))
+        every, seq = exchange(jnp.where(lanes == 0, mine, 0.0), seq)
+        before = jnp.sum(jnp.where(jnp.arange(every.shape[0])[:, None] < split, every, 0.0)).astype(jnp.int32)
+
+        def write(written, x, keys, ids, valid):  # the block's taken tokens, in id order
+            def one(carry):
+                w, take = carry
+                i = jnp.min(jnp.where(take, ids, vocab))
+                store(top_ids_ref.at[w], i)
+                store(top_logits_ref.at[w], jnp.max(jnp.where(ids == i, x, -jnp.inf)))
+                return w + 1, take & (ids != i)
+
+            take = taken(x, keys, ids, valid)
+            return lax.while_loop(lambda c: jnp.sum(c[1].astype(jnp.int32)) > 0, one, (written, take))[0]
+
+        over_chunk(write, before)
+
+
+def _trips(n: int, run):
+    """n if run else 0: a Python int when run is True (a static loop), else int32. (In Triton's lowering a select
+    between constants took the predicate's type.)"""
+    return n if run is True else n * run.astype(jnp.int32)
+
+
+def _loop(trips, body, init):
+    """lax.fori_loop(0, trips, body, init). A traced trip count gets a traced start: Triton's loop needs both bounds
+    of one type, and a constant start lowered to another."""
+    return lax.fori_loop(0 if isinstance(trips, int) else trips - trips, trips, body, init)
+
+
+@functools.partial(jax.jit, static_argnames=("num_top", "config", "interpret"))
+def sampling_filters(logits, temperature, top_k, top_p, min_p, logprobs, *, num_top: int,
+                     config: FilterConfig = FilterConfig(), interpret: bool = False):
+    """The Pallas version of `sampling_filters_reference` (same arguments and results); the top tokens leave the
+    kernel in id order and are ranked here ([B, num_top]: a few elementwise ops)."""
+    _check_inputs(logits, temperature, top_k, top_p, min_p, logprobs, num_top, config)
+    batch, vocab = logits.shape
+    splits = 1 if interpret else config.splits
+    row = pl.BlockSpec((None,), lambda s, b: (b,))
+    tops = pl.BlockSpec((None, num_top), lambda s, b: (b, 0))
+    arrivals = pl.BlockSpec((None, 2), lambda s, b: (b, 0))
+    kernel = functools.partial(_filters_kernel, vocab=vocab, block=min(config.block, pl.next_power_of_2(vocab)),
+                               splits=splits, num_top=num_top, interpret=interpret)
+    cut_key, cut_id, ids, top, _, _ = pl.pallas_call(
+        kernel,
+        grid=(splits, batch),  # a row's programs next to each other in launch order (see the module docstring)
+        in_specs=[pl.BlockSpec((None, vocab), lambda s, b: (b, 0))] + 5 * [row] + [arrivals],
+        out_specs=[row, row, tops, tops,
+                   pl.BlockSpec((None, 2, MAX_EXCHANGES, splits, 4), lambda s, b: (b, 0, 0, 0, 0)), arrivals],
+        out_shape=[jax.ShapeDtypeStruct((batch,), jnp.int32), jax.ShapeDtypeStruct((batch,), jnp.int32),
+                   jax.ShapeDtypeStruct((batch, num_top), jnp.int32),
+                   jax.ShapeDtypeStruct((batch, num_top), jnp.float32),
+                   jax.ShapeDtypeStruct((batch, 2, MAX_EXCHANGES, splits, 4), jnp.float32),
+                   jax.ShapeDtypeStruct((batch, 2), jnp.int32)],
+        input_output_aliases={6: 5},
+        compiler_params=triton_params(config.num_warps, config.num_stages),
+        interpret=interpret,
+        name="sampling_filters",
+    )(logits, temperature, top_k, top_p, min_p, logprobs, jnp.zeros((batch, 2), jnp.int32))
+    # rank: how many entries come before each (a larger logit, or the same with a smaller id; -inf pads last)
+    before = (top[:, None, :] > top[:, :, None]) | ((top[:, None, :] == top[:, :, None]) & (
+        jnp.arange(num_top)[None, :] < jnp.arange(num_top)[:, None])[None])
+    rank = jnp.sum(before, axis=-1)
+    rows = jnp.arange(batch)[:, None]
+    return (cut_key, cut_id, jnp.zeros_like(ids).at[rows, rank].set(ids),
+            jnp.zeros_like(top).at[rows, rank].set(top))
+
+
+def _check_inputs(logits, temperature, top_k, top_p, min_p, logprobs, num_top, config):
+    if logits.ndim != 2 or logits.dtype != jnp.float32:
+        raise ValueError(f"logits must be [B, V] float32, got {logits.shape} {logits.dtype}")
+    batch = logits.shape[0]
+    for name, x, dtype in (("temperature", temperature, jnp.float32), ("top_k", top_k, jnp.int32),
+                           ("top_p", top_p, jnp.float32), ("min_p", min_p, jnp.float32),
+                           ("logprobs", logprobs, jnp.int32)):
+        if x.shape != (batch,) or x.dtype != dtype:
+            raise ValueError(f"{name} must be [{batch}] {jnp.dtype(dtype).name}, got {x.shape} {x.dtype}")
+    if num_top < 1:
+        raise ValueError(f"num_top must be >= 1, got {num_top}")
+    if not is_power_of_2(config.block):
+        raise ValueError(f"FilterConfig.block must be a power of two, got {config.block}")
+    if config.splits < 1:
+        raise ValueError(f"FilterConfig.splits must be >= 1, got {config.splits}")
