@@ -46,7 +46,9 @@ class FilterConfig:
     num_stages: int = 3
 
 
-# Exchange slots per row and phase (the filters, then the top logprobs): the most passes a phase makes (72, 36).
+# Exchange slots per row and phase (the filters, then the top logprobs): the most passes a phase makes (53 and 18
+# plus one per bit of the vocabulary size, for the ties' binary search: 71 and 36 at Qwen3's 151,936, 77 and 42 at
+# the largest vocabulary taken, 2**24 - 1).
 MAX_EXCHANGES = 80
 
 
@@ -348,6 +350,8 @@ def _check_inputs(logits, temperature, top_k, top_p, min_p, logprobs, num_top, c
                            ("logprobs", logprobs, jnp.int32)):
         if x.shape != (batch,) or x.dtype != dtype:
             raise ValueError(f"{name} must be [{batch}] {jnp.dtype(dtype).name}, got {x.shape} {x.dtype}")
+    if logits.shape[1] >= 2**24:  # counts are exchanged as float32, exact below 2**24 (and MAX_EXCHANGES holds)
+        raise ValueError(f"the vocabulary must be below 2**24 tokens, got {logits.shape[1]}")
     if num_top < 1:
         raise ValueError(f"num_top must be >= 1, got {num_top}")
     if not is_power_of_2(config.block):

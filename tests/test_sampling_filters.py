@@ -107,6 +107,9 @@ def test_rejects_bad_inputs():
         sampling_filters(x, **{**ok, "top_k": jnp.zeros(3, jnp.int32)}, num_top=NUM_TOP, interpret=True)
     with pytest.raises(ValueError, match="block"):
         sampling_filters(x, **ok, num_top=NUM_TOP, config=FilterConfig(block=48), interpret=True)
+    with pytest.raises(ValueError, match="vocabulary"):
+        one = {k: v[:1] for k, v in ok.items()}
+        sampling_filters(jax.ShapeDtypeStruct((1, 2**24), jnp.float32), **one, num_top=NUM_TOP, interpret=True)
 
 
 @requires_gpu
