@@ -116,179 +116,209 @@ def _filters_kernel(logits_ref, temperature_ref, top_k_ref, top_p_ref, min_p_ref
     # phase, 0 at the start; cut_key_ref, cut_id_ref: [] int32; top_ids_ref: [num_top] int32, top_logits_ref:
     # [num_top] f32; partials_ref: [2, MAX_EXCHANGES, splits, 4] f32, each program's partial results of each exchange
     del arrivals_out_ref
-    split = pl.program_id(0)
-    blocks_per_split = pl.cdiv(pl.cdiv(vocab, block), splits)
-    lanes = jnp.arange(4)
-
-    # Work a row may skip is a loop of zero trips, not a lax.cond: Triton's lowering of a branch cannot return an
-    # argument given as a constant. Loops carry per-lane partial results ([block] vectors), reduced once after the
-    # loop: a reduction across the program's threads in every step stalled it.
-    def over_chunk(fn, init, run=True):
-        """fn(carry, x [block] f32, keys [block] int32, ids [block] int32, valid [block] bool) over this program's
-        blocks of the row (if run)."""
-        def body(i, carry):
-            ids = (split * blocks_per_split + i) * block + jnp.arange(block, dtype=jnp.int32)
-            valid = ids < vocab
-            x = load(logits_ref.at[ids], mask=valid, other=-jnp.inf)
-            return fn(carry, x, order_keys(x), ids, valid)
-        return _loop(_trips(blocks_per_split, run), body, init)
-
-    def exchange(values, seq, pad=0.0):
-        """values: [4] f32, this program's partial results -> ([splits', 4] every program's (rows past splits:
-        pad), seq + 1), once every program of the row has written its own: each writes its slot, counts itself in,
-        and waits for the count. seq: (phase, exchanges so far in it)."""
-        phase, n = seq
-        store(partials_ref.at[phase, n, split, lanes], values)
-        if not interpret:  # every thread's store is done (and seen by the arrival's release) before reading
-            plgpu.debug_barrier()
-        if splits > 1:  # (one program per row, as in interpret mode, has no one to wait for)
-            arrivals = arrivals_ref.at[phase]
-            plgpu.atomic_add(arrivals, (), 1)  # acquire-release: the slot is seen by whoever sees the count
-            target = splits * (n + 1)
-            lax.while_loop(lambda seen: seen < target, lambda seen: plgpu.atomic_add(arrivals, (), 0), n - n)
-            plgpu.debug_barrier()
-        rows = jnp.arange(pl.next_power_of_2(splits))
-        every = load(partials_ref.at[phase, n, rows[:, None], lanes[None, :]], mask=(rows < splits)[:, None],
-                     other=pad, volatile=True)
-        return every, (phase, n + 1)
-
-    def count(x, valid):
-        return valid.astype(jnp.float32)
-
-    def search(weigh, target, seq, run=True):
-        """(The largest key T with sum(weigh(x, valid)[keys >= T]) >= target, seq after): weights >= 0 and 0 where
-        not valid, target at most the row's total. T's bits two at a time from the top, four candidates a pass,
-        over unsigned offsets from INT32_MIN (int32 adds wrap). INT32_MIN if not run."""
-        def next_digits(p, t_seq):
-            t, seq = t_seq
-            shift = 30 - 2 * p
-            candidates = t + (lanes << shift)  # [4]; the first, t, reaches the target
-
-            def weigh_block(sums, x, keys, ids, valid):
-                return sums + jnp.where(keys[:, None] >= candidates[None, :], weigh(x, valid)[:, None], 0.0)
-
-            every, seq = exchange(jnp.sum(over_chunk(weigh_block, jnp.zeros((block, 4))), axis=0), seq)
-            reached = jnp.sum((jnp.sum(every, axis=0) >= target).astype(jnp.int32))
-            return t + ((reached - 1) << shift), seq
-
-        return _loop(_trips(16, run), next_digits, (jnp.int32(INT32_MIN), seq))
-
-    def at_key(t, weigh, seq):
-        """(count of keys above t, their weight, count of keys equal to t, seq after)."""
-        def step(acc, x, keys, ids, valid):
-            above, at = valid & (keys > t), valid & (keys == t)
-            return acc[0] + above.astype(jnp.float32), acc[1] + jnp.where(above, weigh(x, valid), 0.0), acc[2] + at
-        zeros = jnp.zeros((block,))
-        above, mass_above, at = over_chunk(step, (zeros, zeros, jnp.zeros((block,), jnp.int32)))
-        values = jnp.where(lanes == 0, jnp.sum(above), jnp.where(lanes == 1, jnp.sum(mass_above),
-                                                                 jnp.sum(at).astype(jnp.float32)))
-        every, seq = exchange(values, seq)
-        total = jnp.sum(every, axis=0)
-        pick = lambda lane: jnp.sum(jnp.where(lanes == lane, total, 0.0))  # noqa: E731
-        return pick(0).astype(jnp.int32), pick(1), pick(2).astype(jnp.int32), seq
-
-    def count_in_row(fn, seq, run=True):
-        """The row's count of fn(x, keys, ids, valid) -> [block] bool, seq after."""
-        n = jnp.sum(over_chunk(lambda c, x, keys, ids, valid: c + fn(x, keys, ids, valid).astype(jnp.float32),
-                               jnp.zeros((block,)), run))
-        every, seq = exchange(jnp.where(lanes == 0, n, 0.0), seq)
-        return jnp.sum(every).astype(jnp.int32), seq
-
-    def cut_in_ties(t, needed, tied, seq):
-        """(The id of the needed-th token (from 1) with key t in id order, seq after): V - 1 when every tied token is
-        needed, else by a binary search over ids (a cut inside a tie is rare: up to 18 passes)."""
-        def halve(_, carry):
-            lo, hi, seq = carry
-            mid = (lo + hi) // 2
-            n, seq = count_in_row(lambda x, keys, ids, valid: valid & (keys == t) & (ids <= mid), seq)
-            return jnp.where(n >= needed, lo, mid + 1), jnp.where(n >= needed, mid, hi), seq
-
-        steps = _trips(max(1, (vocab - 1).bit_length()), needed < tied)
-        lo, _, seq = _loop(steps, halve, (jnp.int32(0), jnp.int32(vocab - 1), seq))
-        return jnp.where(needed < tied, lo, vocab - 1), seq
-
-    def kth_cut(k, known, seq):
-        """(key, id) of the k-th token of the descending order, seq after. known: (key, count above, count at) of
-        keys found before, one of which may be the k-th's: then no search."""
-        if not known:
-            key, seq = search(count, k.astype(jnp.float32), seq)
-        else:
-            key, found = known[-1][0], False
-            for t, above, at in reversed(known):  # the first that holds the k-th wins
-                hit = (above < k) & (k <= above + at)
-                key, found = jnp.where(hit, t, key), found | hit
-            searched, seq = search(count, k.astype(jnp.float32), seq, run=~found)
-            key = jnp.where(found, key, searched)
-        above, _, at, seq = at_key(key, count, seq)
-        cut_id, seq = cut_in_ties(key, k - above, at, seq)
-        return key, cut_id, seq
-
+    row = _Row(logits_ref, partials_ref, arrivals_ref, vocab, block, splits, interpret, pl.program_id(0))
     temperature, top_k, top_p, min_p = (ref[...] for ref in (temperature_ref, top_k_ref, top_p_ref, min_p_ref))
     cut_key_ref[...] = jnp.int32(INT32_MIN)
     cut_id_ref[...] = jnp.int32(vocab)
     slots = jnp.arange(pl.next_power_of_2(num_top))
     store(top_ids_ref.at[slots], jnp.zeros(slots.shape, jnp.int32), mask=slots < num_top)
     store(top_logits_ref.at[slots], jnp.full(slots.shape, -jnp.inf, jnp.float32), mask=slots < num_top)
-    filtered = is_filtered(temperature, top_k, top_p, min_p)
 
-    @pl.when(filtered)
-    def _filters():
-        every, seq = exchange(jnp.full((4,), jnp.max(over_chunk(lambda m, x, keys, ids, valid: jnp.maximum(m, x),
-                                                                jnp.full((block,), -jnp.inf)))), (0, jnp.int32(0)),
-                              pad=-jnp.inf)
-        row_max = jnp.max(every)
-        inv_t = 1.0 / jnp.maximum(temperature, 1e-6)
+    @pl.when(is_filtered(temperature, top_k, top_p, min_p))
+    def _():
+        key, cut_id = _filter_cut(row, temperature, top_k, top_p, min_p)
 
-        def mass(x, valid):  # unnormalized probabilities: the top token's is 1
-            return jnp.where(valid, jnp.exp((x - row_max) * inv_t), 0.0)
-
-        def mass_at(key, tied):  # the mass of a token at this key, 0 if there is none
-            x = lax.bitcast_convert_type(order_keys_inverse(key), jnp.float32)
-            return jnp.where(tied > 0, jnp.exp((x - row_max) * inv_t), 0.0)
-
-        k_top = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
-        t_top, seq = search(count, k_top.astype(jnp.float32), seq, run=top_k > 0)
-        above_top, mass_above_top, at_top, seq = at_key(t_top, mass, seq)
-        target = top_p * (mass_above_top + (k_top - above_top).astype(jnp.float32) * mass_at(t_top, at_top))
-        t_p, seq = search(mass, target, seq, run=top_p < 1)
-        above_p, mass_above_p, at_p, seq = at_key(t_p, mass, seq)
-        # at least one tied token: the search's sums and at_key's may round apart
-        tied_needed = jnp.ceil((target - mass_above_p) / jnp.maximum(mass_at(t_p, at_p), jnp.finfo(jnp.float32).tiny))
-        k_p = jnp.where(top_p < 1, above_p + jnp.maximum(tied_needed, 1).astype(jnp.int32), vocab)
-        k_min, seq = count_in_row(lambda x, keys, ids, valid: valid & (mass(x, valid) >= min_p), seq, run=min_p > 0)
-        k = jnp.maximum(1, jnp.minimum(jnp.minimum(k_top, k_p), jnp.where(min_p > 0, k_min, vocab)))
-        key, cut_id, seq = kth_cut(k, [(t_top, above_top, at_top), (t_p, above_p, at_p)], seq)
-
-        @pl.when(split == 0)
+        @pl.when(row.split == 0)
         def _():
             cut_key_ref[...] = key
             cut_id_ref[...] = cut_id
 
     @pl.when(logprobs_ref[...] > 0)
-    def _top():
-        n = min(num_top, vocab)
-        key, cut_id, seq = kth_cut(jnp.int32(n), [], (1, jnp.int32(0)))
+    def _():
+        _write_top(row, top_ids_ref, top_logits_ref, num_top)
 
-        def taken(x, keys, ids, valid):
-            return valid & ((keys > key) | ((keys == key) & (ids <= cut_id)))
 
-        mine = jnp.sum(over_chunk(lambda c, x, keys, ids, valid: c + taken(x, keys, ids, valid).astype(jnp.float32),
-                                  jnp.zeros((block,))))
-        every, seq = exchange(jnp.where(lanes == 0, mine, 0.0), seq)
-        before = jnp.sum(jnp.where(jnp.arange(every.shape[0])[:, None] < split, every, 0.0)).astype(jnp.int32)
+def _filter_cut(row: "_Row", temperature, top_k, top_p, min_p):
+    """(cut key, cut id) of a filtered row: top-k's k-th key, top-p's cut within the top-k mass, min-p's count, and
+    the k-th key of the tightest (the exchanges of phase 0)."""
+    vocab = row.vocab
+    every, seq = row.exchange(jnp.full((4,), jnp.max(row.over_chunk(lambda m, x, keys, ids, valid: jnp.maximum(m, x),
+                                                                    jnp.full((row.block,), -jnp.inf)))),
+                              (0, jnp.int32(0)), pad=-jnp.inf)
+    row_max = jnp.max(every)
+    inv_t = 1.0 / jnp.maximum(temperature, 1e-6)
 
-        def write(written, x, keys, ids, valid):  # the block's taken tokens, in id order
-            def one(carry):
-                w, take = carry
-                i = jnp.min(jnp.where(take, ids, vocab))
-                store(top_ids_ref.at[w], i)
-                store(top_logits_ref.at[w], jnp.max(jnp.where(ids == i, x, -jnp.inf)))
-                return w + 1, take & (ids != i)
+    def mass(x, valid):  # unnormalized probabilities: the top token's is 1
+        return jnp.where(valid, jnp.exp((x - row_max) * inv_t), 0.0)
 
-            take = taken(x, keys, ids, valid)
-            return lax.while_loop(lambda c: jnp.sum(c[1].astype(jnp.int32)) > 0, one, (written, take))[0]
+    def mass_at(key, tied):  # the mass of a token at this key, 0 if there is none
+        x = lax.bitcast_convert_type(order_keys_inverse(key), jnp.float32)
+        return jnp.where(tied > 0, jnp.exp((x - row_max) * inv_t), 0.0)
 
-        over_chunk(write, before)
+    k_top = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    t_top, seq = row.search(_count, k_top.astype(jnp.float32), seq, run=top_k > 0)
+    above_top, mass_above_top, at_top, seq = row.at_key(t_top, mass, seq)
+    target = top_p * (mass_above_top + (k_top - above_top).astype(jnp.float32) * mass_at(t_top, at_top))
+    t_p, seq = row.search(mass, target, seq, run=top_p < 1)
+    above_p, mass_above_p, at_p, seq = row.at_key(t_p, mass, seq)
+    # at least one tied token: the search's sums and at_key's may round apart
+    tied_needed = jnp.ceil((target - mass_above_p) / jnp.maximum(mass_at(t_p, at_p), jnp.finfo(jnp.float32).tiny))
+    k_p = jnp.where(top_p < 1, above_p + jnp.maximum(tied_needed, 1).astype(jnp.int32), vocab)
+    k_min, seq = row.count_in_row(lambda x, keys, ids, valid: valid & (mass(x, valid) >= min_p), seq, run=min_p > 0)
+    k = jnp.maximum(1, jnp.minimum(jnp.minimum(k_top, k_p), jnp.where(min_p > 0, k_min, vocab)))
+    key, cut_id, _ = row.kth_cut(k, [(t_top, above_top, at_top), (t_p, above_p, at_p)], seq)
+    return key, cut_id
+
+
+def _write_top(row: "_Row", top_ids_ref, top_logits_ref, num_top: int) -> None:
+    """Writes the row's num_top largest logits and their ids, in id order (the exchanges of phase 1): each program
+    its slice's, after those of the programs before it."""
+    key, cut_id, seq = row.kth_cut(jnp.int32(min(num_top, row.vocab)), [], (1, jnp.int32(0)))
+
+    def taken(x, keys, ids, valid):
+        return valid & ((keys > key) | ((keys == key) & (ids <= cut_id)))
+
+    mine = jnp.sum(row.over_chunk(lambda c, x, keys, ids, valid: c + taken(x, keys, ids, valid).astype(jnp.float32),
+                                  jnp.zeros((row.block,))))
+    every, seq = row.exchange(jnp.where(jnp.arange(4) == 0, mine, 0.0), seq)
+    before = jnp.sum(jnp.where(jnp.arange(every.shape[0])[:, None] < row.split, every, 0.0)).astype(jnp.int32)
+
+    def write(written, x, keys, ids, valid):  # the block's taken tokens, in id order
+        def one(carry):
+            w, take = carry
+            i = jnp.min(jnp.where(take, ids, row.vocab))
+            store(top_ids_ref.at[w], i)
+            store(top_logits_ref.at[w], jnp.max(jnp.where(ids == i, x, -jnp.inf)))
+            return w + 1, take & (ids != i)
+
+        return lax.while_loop(lambda c: jnp.sum(c[1].astype(jnp.int32)) > 0, one,
+                              (written, taken(x, keys, ids, valid)))[0]
+
+    row.over_chunk(write, before)
+
+
+def _count(x, valid):
+    return valid.astype(jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Row:
+    """The passes over one row, shared by its `splits` programs (this one: `split`). A pass's partial results go
+    through `exchange`; `seq` is (phase, exchanges so far in it), threaded through every pass.
+
+    Work a row may skip is a loop of zero trips, not a lax.cond: Triton's lowering of a branch cannot return an
+    argument given as a constant. Loops carry per-lane partial results ([block] vectors), reduced once after the
+    loop: a reduction across the program's threads in every step stalled it."""
+
+    logits_ref: object  # [V] f32
+    partials_ref: object  # [2, MAX_EXCHANGES, splits, 4] f32
+    arrivals_ref: object  # [2] int32
+    vocab: int
+    block: int
+    splits: int
+    interpret: bool
+    split: jax.Array
+
+    def over_chunk(self, fn, init, run=True):
+        """fn(carry, x [block] f32, keys [block] int32, ids [block] int32, valid [block] bool) over this program's
+        blocks of the row (if run)."""
+        blocks = pl.cdiv(pl.cdiv(self.vocab, self.block), self.splits)
+
+        def body(i, carry):
+            ids = (self.split * blocks + i) * self.block + jnp.arange(self.block, dtype=jnp.int32)
+            valid = ids < self.vocab
+            x = load(self.logits_ref.at[ids], mask=valid, other=-jnp.inf)
+            return fn(carry, x, order_keys(x), ids, valid)
+
+        return _loop(_trips(blocks, run), body, init)
+
+    def exchange(self, values, seq, pad=0.0):
+        """values: [4] f32, this program's partial results -> ([splits', 4] every program's (rows past splits:
+        pad), seq after), once every program of the row has written its own: each writes its slot, counts itself
+        in, and waits for the count."""
+        (phase, n), lanes = seq, jnp.arange(4)
+        store(self.partials_ref.at[phase, n, self.split, lanes], values)
+        if not self.interpret:  # every thread's store is done (and seen by the arrival's release) before reading
+            plgpu.debug_barrier()
+        if self.splits > 1:  # (one program per row, as in interpret mode, has no one to wait for)
+            arrivals = self.arrivals_ref.at[phase]
+            plgpu.atomic_add(arrivals, (), 1)  # acquire-release: the slot is seen by whoever sees the count
+            target = self.splits * (n + 1)
+            lax.while_loop(lambda seen: seen < target, lambda seen: plgpu.atomic_add(arrivals, (), 0), n - n)
+            plgpu.debug_barrier()
+        rows = jnp.arange(pl.next_power_of_2(self.splits))
+        every = load(self.partials_ref.at[phase, n, rows[:, None], lanes[None, :]],
+                     mask=(rows < self.splits)[:, None], other=pad, volatile=True)
+        return every, (phase, n + 1)
+
+    def search(self, weigh, target, seq, run=True):
+        """(The largest key T with sum(weigh(x, valid)[keys >= T]) >= target, seq after): weights >= 0 and 0 where
+        not valid, target at most the row's total. T's bits two at a time from the top, four candidates a pass,
+        over unsigned offsets from INT32_MIN (int32 adds wrap). INT32_MIN if not run."""
+        def next_digits(p, t_seq):
+            t, seq = t_seq
+            shift = 30 - 2 * p
+            candidates = t + (jnp.arange(4) << shift)  # [4]; the first, t, reaches the target
+
+            def weigh_block(sums, x, keys, ids, valid):
+                return sums + jnp.where(keys[:, None] >= candidates[None, :], weigh(x, valid)[:, None], 0.0)
+
+            every, seq = self.exchange(jnp.sum(self.over_chunk(weigh_block, jnp.zeros((self.block, 4))), axis=0), seq)
+            reached = jnp.sum((jnp.sum(every, axis=0) >= target).astype(jnp.int32))
+            return t + ((reached - 1) << shift), seq
+
+        return _loop(_trips(16, run), next_digits, (jnp.int32(INT32_MIN), seq))
+
+    def at_key(self, t, weigh, seq):
+        """(count of keys above t, their weight, count of keys equal to t, seq after)."""
+        def step(acc, x, keys, ids, valid):
+            above, at = valid & (keys > t), valid & (keys == t)
+            return acc[0] + above.astype(jnp.float32), acc[1] + jnp.where(above, weigh(x, valid), 0.0), acc[2] + at
+
+        zeros, lanes = jnp.zeros((self.block,)), jnp.arange(4)
+        above, mass_above, at = self.over_chunk(step, (zeros, zeros, jnp.zeros((self.block,), jnp.int32)))
+        values = jnp.where(lanes == 0, jnp.sum(above), jnp.where(lanes == 1, jnp.sum(mass_above),
+                                                                 jnp.sum(at).astype(jnp.float32)))
+        every, seq = self.exchange(values, seq)
+        total = jnp.sum(every, axis=0)
+        pick = lambda lane: jnp.sum(jnp.where(lanes == lane, total, 0.0))  # noqa: E731
+        return pick(0).astype(jnp.int32), pick(1), pick(2).astype(jnp.int32), seq
+
+    def count_in_row(self, fn, seq, run=True):
+        """The row's count of fn(x, keys, ids, valid) -> [block] bool, seq after."""
+        n = jnp.sum(self.over_chunk(lambda c, x, keys, ids, valid: c + fn(x, keys, ids, valid).astype(jnp.float32),
+                                    jnp.zeros((self.block,)), run))
+        every, seq = self.exchange(jnp.where(jnp.arange(4) == 0, n, 0.0), seq)
+        return jnp.sum(every).astype(jnp.int32), seq
+
+    def cut_in_ties(self, t, needed, tied, seq):
+        """(The id of the needed-th token (from 1) with key t in id order, seq after): V - 1 when every tied token is
+        needed, else by a binary search over ids (a cut inside a tie is rare: one pass per bit of V)."""
+        def halve(_, carry):
+            lo, hi, seq = carry
+            mid = (lo + hi) // 2
+            n, seq = self.count_in_row(lambda x, keys, ids, valid: valid & (keys == t) & (ids <= mid), seq)
+            return jnp.where(n >= needed, lo, mid + 1), jnp.where(n >= needed, mid, hi), seq
+
+        steps = _trips(max(1, (self.vocab - 1).bit_length()), needed < tied)
+        lo, _, seq = _loop(steps, halve, (jnp.int32(0), jnp.int32(self.vocab - 1), seq))
+        return jnp.where(needed < tied, lo, self.vocab - 1), seq
+
+    def kth_cut(self, k, known, seq):
+        """(key, id) of the k-th token of the descending order, seq after. known: (key, count above, count at) of
+        keys found before, one of which may be the k-th's: then no search."""
+        if not known:
+            key, seq = self.search(_count, k.astype(jnp.float32), seq)
+        else:
+            key, found = known[-1][0], False
+            for t, above, at in reversed(known):  # the first that holds the k-th wins
+                hit = (above < k) & (k <= above + at)
+                key, found = jnp.where(hit, t, key), found | hit
+            searched, seq = self.search(_count, k.astype(jnp.float32), seq, run=~found)
+            key = jnp.where(found, key, searched)
+        above, _, at, seq = self.at_key(key, _count, seq)
+        cut_id, seq = self.cut_in_ties(key, k - above, at, seq)
+        return key, cut_id, seq
 
 
 def _trips(n: int, run):
