@@ -17,6 +17,7 @@ from test_sampling import reference
 from nanojax.ops import Ops
 from nanojax.runner import sampling_batch
 from nanojax.sampling import TokenTables, sample
+from pallas_kernels._compat import can_lower_for_cuda
 from pallas_kernels.sampling_filters import (
     FilterConfig,
     kept,
@@ -110,6 +111,28 @@ def test_rejects_bad_inputs():
     with pytest.raises(ValueError, match="vocabulary"):
         one = {k: v[:1] for k, v in ok.items()}
         sampling_filters(jax.ShapeDtypeStruct((1, 2**24), jnp.float32), **one, num_top=NUM_TOP, interpret=True)
+
+
+@pytest.mark.skipif(not can_lower_for_cuda(), reason="this jaxlib compiles Triton kernels while lowering")
+def test_a_multi_step_sampling_loop_has_no_conditional_on_the_gpu():
+    """With the kernel, the decode loop's sampling has no lax.cond (whose predicate the host would read every step,
+    making a multi-step dispatch synchronous); with the reference it has one. Lowered for cuda on the CPU."""
+    batch, vocab = 64, 151936
+    tables = TokenTables.create(batch, vocab)
+    fields = {"temperature": [0.7] * batch, "top_p": [0.9] * batch, "slots": [batch] * batch}
+    s = jax.tree.map(jnp.asarray, sampling_batch(fields, batch, tables.neutral))
+
+    def text(ops):
+        def loop(x, s):
+            def body(i, acc):
+                return acc + sample(x, s, tables, i, vocab_limit=vocab, ops=ops).tokens
+            return jax.lax.fori_loop(0, 8, body, jnp.zeros((batch,), jnp.int32))
+        x = jax.ShapeDtypeStruct((batch, vocab), jnp.float32)
+        return jax.jit(loop).trace(x, s).lower(lowering_platforms=("cuda",)).as_text()
+
+    kernel, reference = text(Ops(pallas=True)), text(Ops())
+    assert "triton" in kernel and not any(op in kernel for op in ("stablehlo.case", "stablehlo.if"))
+    assert any(op in reference for op in ("stablehlo.case", "stablehlo.if"))
 
 
 @requires_gpu
