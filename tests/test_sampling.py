@@ -305,6 +305,27 @@ def test_unfiltered_seeded_request_is_the_same_beside_a_top_p_request(qwen3_llm)
     assert qwen3_llm.generate(prompts, [seeded, top_p], use_tqdm=False)[0].token_ids == alone
 
 
+def test_kernel_and_reference_samplers_agree_through_llm(hf_model_dir):
+    """The sampling filters kernel (interpreted, with the model's other kernels) and the sorting reference, through
+    LLM on the same weights: the same tokens, logprobs and top logprobs for a batch that mixes seeded top-p, top-k +
+    min-p, greedy-with-logprobs and plain seeded rows."""
+    folder, _ = hf_model_dir("qwen3")
+    prompts = random_prompts(97, [13, 7, 22, 30], seed=12)
+    params = [SamplingParams(temperature=1.1, top_p=0.8, max_tokens=12, ignore_eos=True, seed=1, logprobs=3),
+              SamplingParams(temperature=0.8, top_k=5, min_p=0.05, max_tokens=12, ignore_eos=True, seed=2),
+              SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=20),
+              SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=3)]
+    outs = [LLM(str(folder), dtype="float32", page_size=4, max_model_len=96, kernels=kernels).generate(
+        prompts, params, use_tqdm=False) for kernels in ("reference", "interpret")]
+    for want, got in zip(*outs):
+        assert got.token_ids == want.token_ids
+        assert (got.logprobs is None) == (want.logprobs is None)
+        assert len(got.logprobs or []) == len(want.logprobs or [])
+        for (chosen, top), (chosen_want, top_want) in zip(got.logprobs or [], want.logprobs or []):
+            assert list(top) == list(top_want)
+            np.testing.assert_allclose([chosen, *top.values()], [chosen_want, *top_want.values()], atol=1e-4)
+
+
 def byte_tokenizer(vocab_size: int = 97):
     """A tokenizer for the tiny random models, built in memory: byte-level pieces (single characters, a few
     multi-character words, and bare bytes of 2- and 3-byte UTF-8 characters, so the text of a prefix can end in
