@@ -91,8 +91,15 @@ def test_pallas_kernels_per_shard(tp_model):
     prompts = random_prompts(model.config.vocab_size, [7, 2], seed=3)
     llm = LLM(folder, dtype="float32", page_size=8, max_model_len=32, max_num_seqs=2, decode_steps=2,
               kernels="interpret", tensor_parallel_size=2, progress=False)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    outs = llm.generate(prompts, greedy, use_tqdm=False)
     assert [o.token_ids for o in outs] == [hf_greedy(model, p, 3) for p in prompts]
+    # A seeded filtered request with logprobs (the sampling filters kernel at work on each shard): the same alone
+    # and beside another.
+    seeded = SamplingParams(temperature=1.0, top_p=0.8, top_k=20, max_tokens=3, ignore_eos=True, seed=5, logprobs=2)
+    alone = llm.generate([prompts[0]], seeded, use_tqdm=False)[0]
+    beside = llm.generate(prompts, [seeded, greedy], use_tqdm=False)[0]
+    assert beside.token_ids == alone.token_ids and len(beside.logprobs) == 3
 
 
 @on_host_devices
