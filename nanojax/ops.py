@@ -20,12 +20,7 @@ from pallas_kernels.cascade_attention import cascade_decode_attention, cascade_d
 from pallas_kernels.paged_attention import paged_attention_reference, paged_decode_attention, paged_prefill_attention
 from pallas_kernels.qkv_rope_cache import qkv_rope_cache, qkv_rope_cache_reference
 from pallas_kernels.rmsnorm_matmul import rmsnorm_matmul, rmsnorm_matmul_reference
-from pallas_kernels.sampling_filters import (
-    INT32_MIN,
-    is_filtered,
-    sampling_filters,
-    sampling_filters_reference,
-)
+from pallas_kernels.sampling_filters import is_filtered, no_filters, sampling_filters, sampling_filters_reference
 
 NAMES = ("auto", "reference", "pallas", "interpret")
 # The fused projection kernel is used up to this many rows, where it beats XLA's GEMV fusion (1.3-2x at M = 1 on the
@@ -126,14 +121,9 @@ class Ops:
         args = (logits, s.temperature, s.top_k, s.top_p, s.min_p, s.logprobs)
         if self.pallas:
             return sampling_filters(*args, num_top=num_top, interpret=self.interpret)
-        batch, vocab = logits.shape
-
-        def unfiltered(*_):
-            return (jnp.full((batch,), INT32_MIN, jnp.int32), jnp.full((batch,), vocab, jnp.int32),
-                    jnp.zeros((batch, num_top), jnp.int32), jnp.full((batch, num_top), -jnp.inf))
-
         needed = jnp.any(is_filtered(*args[1:5]) | (s.logprobs > 0))
-        return jax.lax.cond(needed, functools.partial(sampling_filters_reference, num_top=num_top), unfiltered, *args)
+        return jax.lax.cond(needed, functools.partial(sampling_filters_reference, num_top=num_top),
+                            lambda *_: no_filters(*logits.shape, num_top), *args)
 
 
 def kernel_support(config) -> str | None:

@@ -54,13 +54,23 @@ MAX_EXCHANGES = 80
 
 def order_keys(x):
     """f32 [...] -> int32 [...] in the same order (-0.0 and 0.0 equal, -inf below every number; no NaN)."""
-    bits = lax.bitcast_convert_type(jnp.where(x == 0, 0.0, x), jnp.int32)
+    return _flip_negatives(lax.bitcast_convert_type(jnp.where(x == 0, 0.0, x), jnp.int32))
+
+
+def key_value(keys):
+    """int32 order keys -> the float32 values they came from (-0.0 comes back as 0.0)."""
+    return lax.bitcast_convert_type(_flip_negatives(keys), jnp.float32)
+
+
+def _flip_negatives(bits):
+    """Reverses the order of the negative int32s, leaving the rest: float bits <-> order keys, both ways."""
     return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
-def order_keys_inverse(keys):
-    """int32 keys -> the float32 bits (as int32) they came from (-0.0 comes back as 0.0)."""
-    return keys ^ ((keys >> 31) & 0x7FFFFFFF)
+def no_filters(batch: int, vocab: int, num_top: int):
+    """sampling_filters' results for rows that are neither filtered nor want logprobs: keep every token, no top."""
+    return (jnp.full((batch,), INT32_MIN, jnp.int32), jnp.full((batch,), vocab, jnp.int32),
+            jnp.zeros((batch, num_top), jnp.int32), jnp.full((batch, num_top), -jnp.inf))
 
 
 def kept(logits, cut_key, cut_id):
@@ -152,8 +162,7 @@ def _filter_cut(row: "_Row", temperature, top_k, top_p, min_p):
         return jnp.where(valid, jnp.exp((x - row_max) * inv_t), 0.0)
 
     def mass_at(key, tied):  # the mass of a token at this key, 0 if there is none
-        x = lax.bitcast_convert_type(order_keys_inverse(key), jnp.float32)
-        return jnp.where(tied > 0, jnp.exp((x - row_max) * inv_t), 0.0)
+        return jnp.where(tied > 0, jnp.exp((key_value(key) - row_max) * inv_t), 0.0)
 
     k_top = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
     t_top, seq = row.search(_count, k_top.astype(jnp.float32), seq, run=top_k > 0)

@@ -9,8 +9,8 @@ empty, the second finds it filled by the first. The second process also runs, th
 knobs: nano-vllm's throughput workload twice (first and second `generate`), batch-64 greedy decode with and without
 one penalized request or one top-p request (temperature 0.7, top_p 0.9: the sampling filters' work), alternating,
 three times each, and 256 prompts of 100 tokens prefilled (`max_tokens=1`) against one prompt of 4,000; it counts
-the programs compiled after `LLM()` returned. The figures of the build before this benchmark existed (issue 19's table, same machine type) are printed
-beside.
+the programs compiled after `LLM()` returned. The figures of the build before this benchmark existed (issue 19's
+table, same machine type) are printed beside.
 """
 import argparse
 import json
