@@ -2,11 +2,10 @@
 
 `add_request` validates a request and hands it to the engine loop, a thread that runs while requests are unfinished:
 each step the scheduler picks what to compute (decodes first, then prefill chunks under the token budget), the
-runner dispatches it, and the sampled tokens are checked against the stop conditions. The host detokenizes and
-streams a step's tokens before it dispatches the next step (on the GPU a multi-step decode's dispatch returns only
-once the loop has run), and a step's prefills and decodes are dispatched before any result is read, so the GPU runs
-them back to back. `generate` and `stream` are built on
-`add_request`, and several may run at once from different threads.
+runner dispatches it, and the sampled tokens are checked against the stop conditions. A step is dispatched before
+the previous one is read back (its decode rows take their last tokens on the device), so the host reads, checks,
+detokenizes and streams step N while the GPU runs step N+1; a sequence that stops in step N wastes its row of N+1.
+`generate` and `stream` are built on `add_request`, and several may run at once from different threads.
 """
 import concurrent.futures
 import dataclasses
@@ -264,7 +263,10 @@ class LLM(RequestFront):
                        stream_tokens=stream_text and self.tokenizer is None)
         # The first choice computes the prompt's logprobs over the whole prompt; the others, admitted once its pages
         # are committed, find it cached and share its list.
-        return Sequence(ids, params=req, reads_prefix_cache=params.prompt_logprobs is None or choice > 0)
+        # It ends at max_tokens or max_model_len tokens, and samples one token whatever the prompt's length.
+        limit = max(len(ids) + 1, min(len(ids) + params.max_tokens, self.max_model_len))
+        return Sequence(ids, params=req, reads_prefix_cache=params.prompt_logprobs is None or choice > 0,
+                        max_num_tokens=limit)
 
     # ----- pinned prefixes -----
     def pin_prefix(self, prompt: str | list[int]) -> int:
@@ -351,44 +353,58 @@ class LLM(RequestFront):
                 threading.Thread(target=self._loop, name="nanojax-engine", daemon=True).start()
 
     def _loop(self) -> None:
-        sampled: list[Sequence] = []  # the sequences that gained tokens in the previous step; no events built yet
+        inflight = None  # the step dispatched last, not read back yet
         try:
             while True:
                 self._take_inbox()
-                if not self.scheduler.has_unfinished():
-                    self._emit(sampled)
-                    sampled = []
+                if inflight is None and not self.scheduler.has_unfinished():
                     with self._lock:
                         if self._inbox.empty():  # (a request queued after this starts the loop again)
                             self._running = False
                             return
                     continue
-                sampled = self._step(sampled)
+                inflight = self._step(inflight)
         except BaseException:
             with self._lock:
                 self._running = False
             raise
 
-    def _step(self, sampled: list[Sequence]) -> list[Sequence]:
-        """Streams the previous step's events, dispatches a step, completes it. -> the sequences that gained tokens.
-        The events go first: a multi-step decode's dispatch returns only once the host has launched every step of
-        its loop (0.45-0.9 ms each on the H100), and with the reference sampler (its `lax.cond` reads a predicate on
-        the host every step) once the loop has run, so events streamed after it waited for that (a request's first
-        token too: TTFT grew with the steps per dispatch)."""
-        self._emit(sampled)
+    def _step(self, inflight):
+        """Dispatches the next step, then reads back, checks and streams the one before it (inflight), so the
+        host's work on a step overlaps the GPU's on the next: a multi-step decode's dispatch returns once the host
+        has launched every step of its loop, well before they have run. -> the step dispatched (None: none).
+        A step that samples first tokens and has no decodes is read back before the next dispatch: nothing
+        else waits on it, and its new requests' first tokens (time to first token) would otherwise wait for the
+        next step's launch."""
+        if inflight is not None and not self._chainable(inflight):
+            self._read_back(inflight)
+            inflight = None
+        step = None
         try:
-            pending = self._dispatch()
+            step = self._dispatch(inflight)
         except CapacityError as e:  # this request can never fit: it ends, the others go on
             self._fail([e.seq], e)
-            return []
         except Exception as e:  # noqa: BLE001 -- a failed step ends its requests, not the engine
             self._step_failed(e)
-            return []
+        if inflight is not None:
+            self._read_back(inflight)
+        return step
+
+    @staticmethod
+    def _chainable(step) -> bool:
+        """Whether the next step may be dispatched before `step` is read back: it ran as one dispatch (the next
+        one's decode rows take their tokens from its last tokens) and has decodes, or samples nothing."""
+        chunks, pending, _ = step
+        one_dispatch = len({id(out) for out, _ in pending.values()}) <= 1
+        return one_dispatch and (not pending or any(c.num_tokens == 1 and c.sample for c in chunks))
+
+    def _read_back(self, step) -> None:
         try:
-            return self._complete(*pending)
+            seqs = self._complete(*step)
         except Exception as e:  # noqa: BLE001
             self._step_failed(e)
-            return []
+            return
+        self._emit(seqs)
 
     def _take_inbox(self) -> None:
         while True:
@@ -408,26 +424,37 @@ class LLM(RequestFront):
             else:
                 item()
 
-    def _dispatch(self):
+    def _dispatch(self, inflight=None):
         """Schedules a step and dispatches it: a decode-only step in one call of the decode program; the prefill
         chunks packed into the prefill program, with the step's decodes (one step each) in the same forward.
-        -> (chunks, {seq_id: (runner.Pending, row)} of the chunks that sample, {seq_id: (runner.Pending, last row)}
-        of the chunks whose prompt logprobs are wanted)."""
+        inflight: the step before, not read back yet: rows whose last token it samples take it on the device.
+        -> None when nothing can run until inflight is read back, else (chunks, {seq_id: (runner.Pending, row)}
+        of the chunks that sample, {seq_id: (runner.Pending, last row)} of the chunks whose prompt logprobs are
+        wanted)."""
+        if not self.scheduler.has_unfinished():
+            return None
         chunks = self.scheduler.schedule(decode_steps=self.decode_steps)
+        if not chunks:
+            if inflight is None:
+                raise RuntimeError("the scheduler found nothing to run although requests are unfinished")
+            return None
         self._assign_slots(chunks)
         decodes = [c for c in chunks if c.num_tokens == 1 and c.sample]
         prefills = [c for c in chunks if not (c.num_tokens == 1 and c.sample)]
-        rows = ([c.seq.token_ids[c.start] for c in decodes], [c.seq.page_table for c in decodes],
+        rows = ([max(c.seq.token_ids[c.start], 0) for c in decodes], [c.seq.page_table for c in decodes],
                 [c.end for c in decodes], self._sampling(decodes)) if decodes else None
+        sources = [inflight[1][c.seq.seq_id][1] if c.seq.num_pending else -1 for c in decodes]
         if not prefills:  # each row's steps (1..decode_steps) in one dispatch of the decode program
-            out = self.runner.decode(*rows, self.decode_steps, [c.num_steps for c in decodes])
-            return chunks, {c.seq.seq_id: (out, i) for i, c in enumerate(decodes)}, {}
-        targets = [self._prompt_targets(c) for c in prefills]
-        outs = self.runner.prefill([(c.seq.token_ids[c.start:c.end], c.seq.page_table, c.end,
-                                     self._sampling_row(c.seq.params) if c.sample else None, t)
-                                    for c, t in zip(prefills, targets)], decodes=rows)
-        pending = {c.seq.seq_id: out for c, out in zip(prefills + decodes, outs) if c.sample}
-        prompt = {c.seq.seq_id: out for c, out, t in zip(prefills, outs, targets) if t}
+            out = self.runner.decode(*rows, self.decode_steps, [c.num_steps for c in decodes], sources)
+            pending, prompt = {c.seq.seq_id: (out, i) for i, c in enumerate(decodes)}, {}
+        else:
+            targets = [self._prompt_targets(c) for c in prefills]
+            outs = self.runner.prefill([(c.seq.token_ids[c.start:c.end], c.seq.page_table, c.end,
+                                         self._sampling_row(c.seq) if c.sample else None, t)
+                                        for c, t in zip(prefills, targets)], decodes=rows, sources=sources)
+            pending = {c.seq.seq_id: out for c, out in zip(prefills + decodes, outs) if c.sample}
+            prompt = {c.seq.seq_id: out for c, out, t in zip(prefills, outs, targets) if t}
+        self.scheduler.advance(chunks)
         return chunks, pending, prompt
 
     @staticmethod
@@ -469,11 +496,13 @@ class LLM(RequestFront):
 
     def _sampling(self, chunks) -> dict[str, list]:
         """The step's per-row sampling fields: {name: [value per chunk]}."""
-        rows = [self._sampling_row(c.seq.params) for c in chunks]
+        rows = [self._sampling_row(c.seq) for c in chunks]
         return {name: [row[name] for row in rows] for name in rows[0]}
 
-    def _sampling_row(self, req: _Request) -> dict:
-        p, generated = req.params, len(req.output.token_ids)
+    def _sampling_row(self, seq: Sequence) -> dict:
+        """A row's sampling fields; its counters count the tokens of a step still in flight."""
+        req: _Request = seq.params
+        p, generated = req.params, seq.num_generated
         return dict(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seeds=p.seed,
                     counters=generated, slots=self.runner.neutral_slot if req.slot is None else req.slot,
                     ban_steps=max(0, p.min_tokens - generated), repetition_penalty=p.repetition_penalty,
@@ -486,13 +515,12 @@ class LLM(RequestFront):
         for c in chunks:
             if c.seq.seq_id in prompt:
                 self._accept_prompt_logprobs(c, *prompt[c.seq.seq_id])
-        accepted = {}
+        seqs = []
         for c in chunks:
             if c.sample and c.seq.status is not SequenceStatus.FINISHED:
                 out, row = pending[c.seq.seq_id]
-                accepted[c.seq.seq_id] = self._accept(c.seq, out, row, c.num_steps)
-        self.scheduler.update(chunks, accepted)
-        seqs = [c.seq for c in chunks if c.seq.seq_id in accepted]
+                self.scheduler.fill(c.seq, self._accept(c.seq, out, row, c.num_steps), c.num_steps)
+                seqs.append(c.seq)
         for seq in seqs:
             req: _Request = seq.params
             for sibling in req.siblings:  # n > 1: the prompt's pages are committed now, the other choices hit them
@@ -510,7 +538,7 @@ class LLM(RequestFront):
         """The prefix of the row's first num_steps new tokens the request keeps; marks it finished when a stop
         condition is met."""
         req: _Request = seq.params
-        out = req.output
+        out, known = req.output, seq.num_known
         kept = []
         for tok in pending.tokens()[:num_steps, row].tolist():
             kept.append(tok)
@@ -519,7 +547,7 @@ class LLM(RequestFront):
                 out.time_to_first_token = time.perf_counter() - req.start
             if tok in req.stop_ids and len(out.token_ids) > req.params.min_tokens:
                 out.finish_reason = "stop"
-            elif len(out.token_ids) >= req.params.max_tokens or seq.num_tokens + len(kept) >= self.max_model_len:
+            elif len(out.token_ids) >= req.params.max_tokens or known + len(kept) >= self.max_model_len:
                 out.finish_reason = "length"
             if out.finish_reason:
                 break

@@ -132,9 +132,10 @@ class PageManager:
 
     def commit(self, seq: "Sequence") -> None:
         """Register in the prefix cache every full page of ``seq`` lying in
-        ``token_ids[:num_computed_tokens]`` (call once their KV is written).  Idempotent."""
+        ``token_ids[:num_computed_tokens]`` and whose tokens are known (no placeholder: a page is committed
+        once its KV is written or dispatched to be).  Idempotent."""
         alloc, ps = self._allocation(seq), self.page_size
-        k = seq.num_computed_tokens // ps
+        k = min(seq.num_computed_tokens, seq.num_known) // ps
         if seq.num_computed_tokens > seq.num_tokens or k > len(seq.page_table):
             raise RuntimeError(
                 f"sequence {seq.seq_id}: {seq.num_computed_tokens} computed tokens but {seq.num_tokens} "

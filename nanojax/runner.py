@@ -11,6 +11,9 @@ nanojax.sampling):
   the prefill program with max_num_seqs one-token decode rows after the prompt rows.
 `compile_all` lowers every bucket and compiles them on a thread pool (XLA compiles outside the GIL). A dispatch
 sends its host arrays as one byte buffer (`pack`), which the program unpacks (`packed_step`).
+Every program also returns each row's last sampled token in a fixed-size device array, which the next dispatch
+takes as `prev`: a decode row whose `sources` entry is r >= 0 feeds the previous dispatch's row r instead of a
+host token, so the engine can dispatch a step before it has read the previous one back.
 """
 import concurrent.futures
 import dataclasses
@@ -39,25 +42,39 @@ PREFILL_ROW = 64
 _STATIC = ("config", "ops", "vocab_limit")
 
 
+def chained(prev, tokens, sources):
+    """prev: [S] the previous dispatch's last tokens; tokens, sources: [N] -> [N]: row n's token is
+    prev[sources[n]] where sources[n] >= 0, else tokens[n]."""
+    return jnp.where(sources >= 0, prev[jnp.maximum(sources, 0)], tokens)
+
+
+def last_tokens(tokens, size: int):
+    """tokens: [N], each row's last sampled token -> [size] (zeros after N): the next dispatch's prev."""
+    return jnp.zeros(size, jnp.int32).at[:tokens.shape[0]].set(tokens)
+
+
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnums=(1, 2))
-def prefill_step(params, cache, tables, tokens, batch: Batch, sampling: SamplingBatch, targets, decode=None, *,
+def prefill_step(params, cache, tables, prev, tokens, batch: Batch, sampling: SamplingBatch, targets, decode=None, *,
                  config, ops, vocab_limit):
-    """tokens: [R, T] -> (Sampled with a leading [1] step axis, one token per row, PromptLogprobs of `targets`, cache,
-    tables). Rows that end mid-prompt sample too; the host discards theirs (their slots are the neutral one, so
-    nothing is counted). targets: [R, T] int32, the prompt token after each position whose logprob is wanted, -1
-    for none. decode: None, or (tokens [D], Batch) of D decode rows run in the same forward (a mixed step: the
-    weights read once for both); their tokens follow the R rows' in Sampled, and sampling covers R + D rows."""
+    """tokens: [R, T] -> (Sampled with a leading [1] step axis, one token per row, PromptLogprobs of `targets`, last
+    tokens [S], cache, tables). Rows that end mid-prompt sample too; the host discards theirs (their slots are the
+    neutral one, so nothing is counted). targets: [R, T] int32, the prompt token after each position whose logprob
+    is wanted, -1 for none. decode: None, or (tokens [D], sources [D], Batch) of D decode rows run in the same
+    forward (a mixed step: the weights read once for both; `chained` with prev); their tokens follow the R rows' in
+    Sampled and in the last tokens, and sampling covers R + D rows."""
     if decode is None:
         hidden, cache = forward(params, tokens, cache, batch, config=config, ops=ops)
     else:
-        (hidden, decoded), cache = forward(params, (tokens, decode[0]), cache, (batch, decode[1]), config=config,
-                                           ops=ops)
+        decode_tokens, sources, decode_batch = decode
+        (hidden, decoded), cache = forward(params, (tokens, chained(prev, decode_tokens, sources)), cache,
+                                           (batch, decode_batch), config=config, ops=ops)
     last = jnp.take_along_axis(hidden, jnp.maximum(batch.q_lens - 1, 0)[:, None, None], axis=1)[:, 0]
     if decode is not None:
         last = jnp.concatenate([last, decoded])
     out = sample(lm_logits(params, last, ops), sampling, tables, 0, vocab_limit=vocab_limit, ops=ops)
     prompt = prompt_logprobs(params, hidden, targets, config=config, ops=ops, vocab_limit=vocab_limit)
-    return jax.tree.map(lambda x: x[None], out), prompt, cache, tables.count(sampling.slots, out.tokens)
+    return (jax.tree.map(lambda x: x[None], out), prompt, last_tokens(out.tokens, prev.shape[0]), cache,
+            tables.count(sampling.slots, out.tokens))
 
 
 def prompt_logprobs(params, hidden, targets, *, config, ops, vocab_limit) -> "PromptLogprobs":
@@ -82,15 +99,15 @@ def prompt_logprobs(params, hidden, targets, *, config, ops, vocab_limit) -> "Pr
 
 
 @functools.partial(jax.jit, static_argnames=(*_STATIC, "num_steps"), donate_argnums=(1, 2))
-def decode_step(params, cache, tables, tokens, batch: Batch, sampling: SamplingBatch, row_steps, *, config, ops,
-                vocab_limit, num_steps):
+def decode_step(params, cache, tables, prev, tokens, batch: Batch, sampling: SamplingBatch, row_steps, sources, *,
+                config, ops, vocab_limit, num_steps):
     """num_steps decode steps in one dispatch (fixed trip count: no host sync between them).
 
-    tokens: [B] last token of each row; batch describes the first step (q_lens 1, 0 on padding rows); row_steps:
-    [B] int32, the steps row b takes (<= num_steps: the KV slots the scheduler could give it). After them a row
-    writes no KV, keeps its length and counts no token; it still computes (the host drops its tokens), as do rows
-    that finish early, into pages the scheduler reserved.
-    Returns (Sampled with a leading [num_steps] axis, cache, tables).
+    tokens: [B] last token of each row, or from prev [S] where sources [B] >= 0 (`chained`); batch describes the
+    first step (q_lens 1, 0 on padding rows); row_steps: [B] int32, the steps row b takes (<= num_steps: the KV
+    slots the scheduler could give it). After them a row writes no KV, keeps its length and counts no token; it
+    still computes (the host drops its tokens), as do rows that finish early, into pages the scheduler reserved.
+    Returns (Sampled with a leading [num_steps] axis, last tokens [S]: row b's step row_steps[b], cache, tables).
     """
     def body(i, carry):
         tokens, cache, tables, seq_lens, out = carry
@@ -106,17 +123,19 @@ def decode_step(params, cache, tables, tokens, batch: Batch, sampling: SamplingB
     b = tokens.shape[0]
     out = Sampled(jnp.zeros((num_steps, b), jnp.int32), jnp.zeros((num_steps, b)),
                   jnp.zeros((num_steps, b, MAX_LOGPROBS), jnp.int32), jnp.zeros((num_steps, b, MAX_LOGPROBS)))
+    tokens = chained(prev, tokens, sources)
     _, cache, tables, _, out = jax.lax.fori_loop(0, num_steps, body, (tokens, cache, tables, batch.seq_lens, out))
-    return out, cache, tables
+    last = out.tokens[jnp.clip(row_steps - 1, 0, num_steps - 1), jnp.arange(b)]
+    return out, last_tokens(last, prev.shape[0]), cache, tables
 
 
 @functools.partial(jax.jit, static_argnames=("step", "layout", "static"), donate_argnums=(1, 2))
-def packed_step(params, cache, tables, packed, *, step, layout, static):
-    """step(params, cache, tables, *host_args, **static) with the host arguments sent as one byte buffer (packed:
+def packed_step(params, cache, tables, prev, packed, *, step, layout, static):
+    """step(params, cache, tables, prev, *host_args, **static) with the host arguments sent as one byte buffer (packed:
     [nbytes] uint8, `pack`'s; layout: theirs): one host-to-device copy per dispatch instead of one per array, which
     cost ~1 ms per dispatch for a step's 17 arrays on the H100 machine (docs/perf_notes.md, "Dispatch and host
     overhead")."""
-    return step(params, cache, tables, *_unpack(packed, layout), **dict(static))
+    return step(params, cache, tables, prev, *_unpack(packed, layout), **dict(static))
 
 
 def pack(host_args) -> tuple[np.ndarray, tuple]:
@@ -224,6 +243,9 @@ class ModelRunner:
         self.decode_rows = pow2_buckets(1, max_num_seqs)
         self.prefill_rows = pow2_buckets(1, -(-max_prefill_tokens // PREFILL_ROW))
         self.decode_steps = decode_steps
+        # The last tokens a dispatch returns (`last_tokens`): a prefill's R rows and mixed_rows decode rows at most.
+        self.last = jax.device_put(np.zeros(self.prefill_rows[-1] + self.mixed_rows, np.int32),
+                                   self._inputs_sharding)
         self.page_size, self.cascade_rules = page_size, cascade_rules
         self.cascade_members = cascade_members_per_item(config.num_heads, config.num_kv_heads)
         local_kv_heads = config.num_kv_heads if tp is None else tp.local_config.num_kv_heads
@@ -289,11 +311,12 @@ class ModelRunner:
         tokens = jax.ShapeDtypeStruct((b,) if p.num_steps else (b, t), jnp.int32)
         table = self._page_table(b, [])
         plan = self._plan(p.rows, table[:0], []) if p.cascade else None
-        args = (self.params, self.cache, self.tables, tokens, *self._inputs(p, table, [], [], {}, plan))
+        args = (self.params, self.cache, self.tables, self.last, tokens, *self._inputs(p, table, [], [], {}, plan))
         kw = dict(config=self.config, ops=self.ops, vocab_limit=self.vocab_limit)
         if p.num_steps:
-            return decode_step, (*args, jax.ShapeDtypeStruct((b,), jnp.int32)), {**kw, "num_steps": p.num_steps}
-        decode = self._decode_segment(p, [], [], []) if p.decode_rows else None
+            rows = jax.ShapeDtypeStruct((b,), jnp.int32)
+            return decode_step, (*args, rows, rows), {**kw, "num_steps": p.num_steps}
+        decode = self._decode_segment(p, [], [], [], []) if p.decode_rows else None
         return prefill_step, (*args, jax.ShapeDtypeStruct((b, t), jnp.int32), decode), kw
 
     def _key_parts(self, p) -> tuple:
@@ -305,8 +328,9 @@ class ModelRunner:
         return fn.__name__, p, kw, executable_cache.signature(args)
 
     def _record_layout(self, p, args) -> tuple:
-        """pack's layout of program p's host arrays (its arguments after params, cache and tables), kept for _run."""
-        self._layouts[p] = layout_of(args[3:])
+        """pack's layout of program p's host arrays (its arguments after params, cache, tables and prev), kept for
+        _run."""
+        self._layouts[p] = layout_of(args[4:])
         return self._layouts[p]
 
     def _lower(self, p):
@@ -315,7 +339,7 @@ class ModelRunner:
             return fn.trace(*args, **kw).lower()
         layout = self._record_layout(p, args)
         nbytes = sum(int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in layout[1])
-        return packed_step.trace(*args[:3], jax.ShapeDtypeStruct((nbytes,), jnp.uint8), step=fn, layout=layout,
+        return packed_step.trace(*args[:4], jax.ShapeDtypeStruct((nbytes,), jnp.uint8), step=fn, layout=layout,
                                  static=tuple(sorted(kw.items()))).lower()
 
     def _program(self, p):
@@ -326,15 +350,15 @@ class ModelRunner:
 
     def _run(self, p: Program, tokens: np.ndarray, table: np.ndarray, seq_lens, q_lens, sampling: dict,
              plan: CascadePlan | None = None, extra: tuple = ()) -> list:
-        """table: _page_table's; extra: a decode's row_steps [B], a prefill's targets and decode segment
+        """table: _page_table's; extra: a decode's row_steps and sources [B], a prefill's targets and decode segment
         (_decode_segment's, or None). -> the step's outputs: [Sampled] for a decode, [Sampled, PromptLogprobs] for a
-        prefill."""
+        prefill; its last tokens become `last`, the next dispatch's prev."""
         packed, layout = pack((tokens, *self._inputs(p, table, seq_lens, q_lens, sampling, plan), *extra))
         program = self._program(p)
         if layout != self._layouts[p]:  # recorded when p was keyed (compile_all) or lowered (lazily)
             raise AssertionError(f"program {p} was compiled for other host arrays: {self._layouts[p]} != {layout}")
-        *outs, self.cache, self.tables = program(self.params, self.cache, self.tables,
-                                                 jax.device_put(packed, self._inputs_sharding))
+        *outs, self.last, self.cache, self.tables = program(self.params, self.cache, self.tables, self.last,
+                                                            jax.device_put(packed, self._inputs_sharding))
         return outs
 
     def _page_table(self, rows: int, page_tables) -> np.ndarray:
@@ -354,13 +378,14 @@ class ModelRunner:
         batch = Batch(page_table=table, seq_lens=lens, q_lens=qs, cascade=plan and plan.arrays())
         return batch, sampling_batch(sampling, rows + p.decode_rows, self.neutral_slot)
 
-    def _decode_segment(self, p: Program, last_tokens, page_tables, seq_lens) -> tuple[np.ndarray, Batch]:
-        """A mixed step's decode rows, padded to p.decode_rows: (tokens [D], Batch of one new token per row)."""
+    def _decode_segment(self, p: Program, last_tokens, page_tables, seq_lens, sources) -> tuple:
+        """A mixed step's decode rows, padded to p.decode_rows: (tokens [D], sources [D], Batch of one new token
+        per row)."""
         rows = p.decode_rows
         tokens, lens = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
         tokens[:len(last_tokens)], lens[:len(seq_lens)] = last_tokens, seq_lens
-        return tokens, Batch(page_table=self._page_table(rows, page_tables), seq_lens=lens,
-                             q_lens=(lens > 0).astype(np.int32))
+        return tokens, _sources(rows, sources), Batch(page_table=self._page_table(rows, page_tables), seq_lens=lens,
+                                                      q_lens=(lens > 0).astype(np.int32))
 
     def _plan(self, rows: int, page_tables, seq_lens) -> CascadePlan:
         return plan_cascade(page_tables, seq_lens, batch=rows, page_size=self.page_size,
@@ -373,10 +398,12 @@ class ModelRunner:
 
     # ----- steps -----
     def decode(self, last_tokens: list[int], page_tables: list[list[int]], seq_lens: list[int],
-               sampling: dict[str, list], num_steps: int = 1, row_steps: list[int] | None = None) -> "Pending":
+               sampling: dict[str, list], num_steps: int = 1, row_steps: list[int] | None = None,
+               sources: list[int] | None = None) -> "Pending":
         """Dispatches num_steps decode steps (seq_lens counts the last token); [num_steps, rows], of which row b
-        keeps row_steps[b] (default: all). Rows that share prefix pages read them once per step when the cascade
-        rules find it worth it."""
+        keeps row_steps[b] (default: all). sources: per row -1 (its token is last_tokens') or the row of the
+        previous dispatch whose last sampled token it takes, on the device (default: all -1). Rows that share
+        prefix pages read them once per step when the cascade rules find it worth it."""
         p = Program(bucket(len(last_tokens), self.decode_rows), num_steps)
         tokens = np.zeros(p.rows, np.int32)
         tokens[:len(last_tokens)] = last_tokens
@@ -392,26 +419,28 @@ class ModelRunner:
                 plan = None
         steps = np.zeros(p.rows, np.int32)
         steps[:len(last_tokens)] = num_steps if row_steps is None else row_steps
-        return Pending(*self._run(p, tokens, table, seq_lens, [1] * len(last_tokens), sampling, plan, extra=(steps,)))
+        return Pending(*self._run(p, tokens, table, seq_lens, [1] * len(last_tokens), sampling, plan,
+                                  extra=(steps, _sources(p.rows, sources or ()))))
 
-    def prefill(self, chunks: list[tuple], decodes: tuple | None = None) -> list[tuple["Pending", int]]:
+    def prefill(self, chunks: list[tuple], decodes: tuple | None = None, sources: list[int] | None = None
+                ) -> list[tuple["Pending", int]]:
         """Dispatches prompt chunks (tokens, page_table, seq_len after the chunk, sampling fields of the chunk's
         request or None when it samples nothing[, targets: per token the next prompt token whose logprob is wanted,
         -1 for none]), packed into as few dispatches as the largest bucket allows. Returns each chunk's (Pending,
         row): its sampled token is Pending.tokens()[0, row]; its prompt logprobs fill the PREFILL_ROW-token rows up
         to that row (Pending.prompt_logprobs). decodes: None, or one decode step of rows (last_tokens, page_tables,
-        seq_lens, sampling fields), run in the first dispatch's forward (a mixed step); their (Pending, row) follow
-        the chunks'."""
+        seq_lens, sampling fields), run in the first dispatch's forward (a mixed step), sources as decode's; their
+        (Pending, row) follow the chunks'."""
         results, batch = [], []
         rows_in = lambda cs: sum(-(-len(c[0]) // PREFILL_ROW) for c in cs)  # noqa: E731
         for chunk in chunks:
             if batch and rows_in(batch + [chunk]) > self.prefill_rows[-1]:
-                results += self._prefill_packed(batch, decodes)
+                results += self._prefill_packed(batch, decodes, sources)
                 batch, decodes = [], None
             batch.append(chunk)
-        return results + self._prefill_packed(batch, decodes)
+        return results + self._prefill_packed(batch, decodes, sources)
 
-    def _prefill_packed(self, chunks, decodes=None) -> list[tuple["Pending", int]]:
+    def _prefill_packed(self, chunks, decodes=None, sources=None) -> list[tuple["Pending", int]]:
         tokens, tables, lens, q_lens, last_rows, targets = [], [], [], [], [], []
         fills = _sampling_fill(self.neutral_slot)
         sampling = {name: [] for name in fills}
@@ -437,7 +466,7 @@ class ModelRunner:
         segment = None
         if decodes:
             last_tokens, page_tables, seq_lens, fields = decodes
-            segment = self._decode_segment(p, last_tokens, page_tables, seq_lens)
+            segment = self._decode_segment(p, last_tokens, page_tables, seq_lens, sources or ())
             for name, fill in fills.items():  # the decode rows' sampling fields after the prompt rows' padding
                 sampling[name] += [fill] * (p.rows - len(tokens)) + list(fields.get(name, [fill] * len(last_tokens)))
             last_rows += [p.rows + i for i in range(len(last_tokens))]
@@ -477,6 +506,13 @@ class Pending:
             self._prompt = PromptLogprobs(*jax.device_get(tuple(self._prompt)))
         rows = slice(last_row + 1 - -(-num_tokens // PREFILL_ROW), last_row + 1)
         return PromptLogprobs(*(x[rows].reshape(-1, *x.shape[2:])[:num_tokens] for x in self._prompt))
+
+
+def _sources(rows: int, sources) -> np.ndarray:
+    """[rows] int32: sources, -1 after them (a host token)."""
+    out = np.full(rows, -1, np.int32)
+    out[:len(sources)] = sources
+    return out
 
 
 def sampling_batch(fields: dict[str, list], rows: int, neutral_slot: int) -> SamplingBatch:

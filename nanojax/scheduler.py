@@ -2,15 +2,22 @@
 
 Engine contract (one engine step)::
 
-    chunks = scheduler.schedule(decode_steps=K)      # [] only when nothing is unfinished
-    sampled = run_model(chunks)                      # {seq_id: token or [tokens]} for c.sample
-    scheduler.update(chunks, sampled)
-    for c in chunks:
-        if c.sample and stop(c.seq):                 # eos / max_tokens / stop string /
-            scheduler.finish(c.seq)                  # c.seq.num_tokens >= max_model_len
+    chunks = scheduler.schedule(decode_steps=K)      # [] when nothing can run now
+    pending = dispatch(chunks)                       # the device computes ...
+    scheduler.advance(chunks)                        # ... while the host goes on: sampled tokens are placeholders
+    (the next step may be scheduled and dispatched here, its inputs taken from `pending` on the device)
+    for c in chunks:                                 # once pending's tokens are read back:
+        if c.sample:
+            scheduler.fill(c.seq, tokens, c.num_steps)
+            if stop(c.seq):                          # eos / max_tokens / stop string /
+                scheduler.finish(c.seq)              # c.seq.num_tokens >= max_model_len
 
-``scheduler.finish(seq)`` also aborts a request at any time, waiting or running (mid-prefill
-included): its pages are freed and a chunk of it still in flight is skipped by ``update``.
+``scheduler.update(chunks, sampled)`` is advance then fill, for an engine that reads every step back
+before the next.  ``scheduler.finish(seq)`` also aborts a request at any time, waiting or running
+(mid-prefill included): its pages are freed and a chunk of it still in flight is skipped.  A step
+scheduled while another is in flight sees its sequences as if every scheduled token had been sampled
+(``Sequence.num_pending`` placeholders); a sequence that ends early wastes its row of that step.  No
+step goes past a sequence's ``max_num_tokens``.
 
 For every :class:`ScheduledChunk` ``c`` the engine computes the tokens
 ``c.seq.token_ids[c.start : c.start + c.num_tokens]`` at positions ``c.start .. c.end - 1``,
@@ -24,7 +31,7 @@ chunk ``c`` may get ``c.num_steps = n`` in 1..K: the engine runs its n decode st
 ``c.start + j`` (the sequence's last token for j == 0, then the token sampled at step j-1) and
 samples one token.  Pages are reserved for positions ``c.start .. c.start + n - 1`` (n new KV
 slots).  The engine passes the n sampled tokens (or only a prefix of them, e.g. cut after a stop
-token) as a list to :meth:`Scheduler.update`.
+token) as a list to :meth:`Scheduler.fill`.
 
 The scheduler never schedules a KV position >= max_model_len; as long as the engine finishes
 sequences once ``num_tokens >= max_model_len``, ``len(page_table)`` never exceeds
@@ -39,8 +46,8 @@ token budget ``max_num_batched_tokens`` and the free pages:
 3. admissions: waiting sequences in FIFO order, none in a step that had to preempt.  Admission
    allocates the pages of the whole prompt (prefix-cache hits shared);
 4. multi-step decode: in a pure-decode step each sequence gets ``num_steps`` = as many of K as it
-   has room for (``max_model_len``, and free pages for its new KV slots, given in admission order,
-   without preempting anyone), at least 1.
+   has room for (``max_model_len``, its ``max_num_tokens``, and free pages for its new KV slots,
+   given in admission order, without preempting anyone), at least 1.
 
 A prefill chunk is at most ``chunk_size`` tokens and what is left of the budget, and costs the budget its
 length rounded up to whole ``prefill_row``s (at most what is left): the runner packs each chunk into rows
@@ -69,7 +76,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence as SequenceLike
 
 from .page_manager import PageManager
-from .sequence import Sequence, SequenceStatus
+from .sequence import PLACEHOLDER, Sequence, SequenceStatus
 
 
 class CapacityError(RuntimeError):
@@ -209,7 +216,7 @@ class Scheduler:
         budget always covers them (``max_num_batched_tokens >= max_num_seqs``); a page does not:
         see :meth:`_make_room`."""
         chunks = []
-        for seq in [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]:
+        for seq in [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1 and not _at_limit(s)]:
             if seq.status is SequenceStatus.RUNNING and self._make_room(seq):  # not preempted meanwhile
                 self.page_manager.ensure_capacity(seq, seq.num_tokens)
                 chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, 1))
@@ -217,8 +224,9 @@ class Scheduler:
 
     def _make_room(self, seq: Sequence) -> bool:
         """Preempt the most recently admitted running sequences until ``seq`` has a slot for its
-        last token.  False if that preempted ``seq`` itself; CapacityError if ``seq`` runs alone
-        and still does not fit."""
+        last token, never one at its max_num_tokens (it ends once its pending tokens are read).
+        False if that preempted ``seq`` itself; CapacityError if ``seq`` runs alone and still does
+        not fit."""
         cfg, pm = self.config, self.page_manager
         if seq.num_tokens > cfg.max_model_len:
             raise RuntimeError(
@@ -233,7 +241,7 @@ class Scheduler:
                     f"for {seq.num_tokens} tokens but the pool has {pm.num_pages} pages "
                     f"({pm.num_pinned_pages} pinned) and nothing else to preempt",
                 )
-            victim = self.running[-1]
+            victim = next(s for s in reversed(self.running) if s is seq or not _at_limit(s))
             self._preempt(victim)
             if victim is seq:
                 return False
@@ -280,14 +288,17 @@ class Scheduler:
 
     def _reserve_decode_steps(self, chunks: list[ScheduledChunk], decode_steps: int) -> list[ScheduledChunk]:
         """In a pure-decode step, each chunk with ``num_steps`` = as many of ``decode_steps`` as its room allows
-        (``num_tokens + num_steps - 1 <= max_model_len``, and free pages for the new KV slots, given in
-        admission order, without preempting) and those pages reserved; else ``chunks`` as is."""
+        (``num_tokens + num_steps - 1 <= max_model_len``, ``num_tokens + num_steps <= max_num_tokens``, and
+        free pages for the new KV slots, given in admission order, without preempting) and those pages
+        reserved; else ``chunks`` as is."""
         k, pm = decode_steps, self.page_manager
         if k == 1 or not chunks or not all(c.num_tokens == 1 and c.sample for c in chunks):
             return chunks
         out = []
         for c in chunks:
             steps = min(k, self.config.max_model_len - c.seq.num_tokens + 1)
+            if c.seq.max_num_tokens is not None:
+                steps = min(steps, c.seq.max_num_tokens - c.seq.num_tokens)
             while steps > 1 and pm.num_pages_for(c.seq.num_tokens + steps - 1) - len(c.seq.page_table) \
                     > pm.num_free_pages:
                 steps -= 1
@@ -295,15 +306,11 @@ class Scheduler:
             out.append(dataclasses.replace(c, num_steps=steps))
         return out
 
-    def update(self, chunks: SequenceLike[ScheduledChunk], sampled: Mapping[int, Any]) -> None:
-        """Apply the results of running ``chunks`` (the list from the last schedule()).
-
-        ``sampled[seq_id]`` is required for every chunk with ``sample`` True: one
-        token (int or 0-d array; same as ``[tok]``) or a list of 1..num_steps tokens
-        for a multi-step decode chunk.  Other entries are ignored.  Advances
-        ``num_computed_tokens`` (to ``num_tokens - 1`` after appending the sampled
-        tokens of a sampling chunk), appends the tokens and commits full pages to
-        the prefix cache.  Chunks of sequences finished meanwhile are skipped."""
+    def advance(self, chunks: SequenceLike[ScheduledChunk]) -> None:
+        """Apply the dispatch of ``chunks`` (the list from the last schedule()) before its tokens are read
+        back: advances ``num_computed_tokens`` (to ``num_tokens - 1`` after them), gives each sampling chunk's
+        sequence ``num_steps`` PLACEHOLDER tokens for :meth:`fill` to replace, and commits the full pages
+        whose tokens are known to the prefix cache.  Chunks of sequences finished meanwhile are skipped."""
         for c in chunks:
             seq = c.seq
             if seq.status is SequenceStatus.FINISHED:
@@ -311,19 +318,49 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING or seq.num_computed_tokens != c.start:
                 raise RuntimeError(f"stale chunk for sequence {seq.seq_id}: {c} vs {seq!r}")
             if c.sample:
-                if seq.seq_id not in sampled:
-                    raise KeyError(f"no sampled token for sequence {seq.seq_id}")
-                toks = _as_token_list(sampled[seq.seq_id])
-                if not 1 <= len(toks) <= c.num_steps:
-                    raise ValueError(
-                        f"sequence {seq.seq_id}: got {len(toks)} sampled tokens, expected 1..{c.num_steps}"
-                    )
-                seq.num_computed_tokens = c.start + c.num_tokens + len(toks) - 1
-                for t in toks:
-                    seq.append_token(t)
+                seq.num_computed_tokens = c.start + c.num_tokens + c.num_steps - 1
+                seq.token_ids += [PLACEHOLDER] * c.num_steps
+                seq.num_pending += c.num_steps
             else:
                 seq.num_computed_tokens = c.start + c.num_tokens
             self.page_manager.commit(seq)
+
+    def fill(self, seq: Sequence, tokens: list[int], num_steps: int) -> None:
+        """The tokens of a sampling chunk of ``num_steps`` steps that :meth:`advance` applied (the oldest
+        pending placeholders): 1..num_steps of them.  Fewer (cut after a stop token) ends what was scheduled
+        for ``seq`` after them: its later placeholders are dropped (the engine finishes it, or schedules it
+        again).  Commits the pages this completes."""
+        if not 1 <= len(tokens) <= num_steps:
+            raise ValueError(f"sequence {seq.seq_id}: got {len(tokens)} sampled tokens, expected 1..{num_steps}")
+        if num_steps > seq.num_pending:
+            raise RuntimeError(f"sequence {seq.seq_id} has {seq.num_pending} pending tokens, not {num_steps}")
+        first = seq.num_known
+        seq.token_ids[first:first + len(tokens)] = tokens
+        if len(tokens) < num_steps:
+            del seq.token_ids[first + len(tokens):]
+            seq.num_pending = 0
+            seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
+        else:
+            seq.num_pending -= num_steps
+        if seq.status is SequenceStatus.RUNNING:
+            self.page_manager.commit(seq)
+
+    def update(self, chunks: SequenceLike[ScheduledChunk], sampled: Mapping[int, Any]) -> None:
+        """:meth:`advance` then :meth:`fill`: apply ``chunks`` with their tokens known.
+
+        ``sampled[seq_id]`` is required for every chunk with ``sample`` True: one token (int or 0-d array;
+        same as ``[tok]``) or a list of 1..num_steps tokens for a multi-step decode chunk; checked before
+        anything changes.  Other entries are ignored."""
+        live = [c for c in chunks if c.sample and c.seq.status is not SequenceStatus.FINISHED]
+        for c in live:
+            if c.seq.seq_id not in sampled:
+                raise KeyError(f"no sampled token for sequence {c.seq.seq_id}")
+            n = len(_as_token_list(sampled[c.seq.seq_id]))
+            if not 1 <= n <= c.num_steps:
+                raise ValueError(f"sequence {c.seq.seq_id}: got {n} sampled tokens, expected 1..{c.num_steps}")
+        self.advance(chunks)
+        for c in live:
+            self.fill(c.seq, _as_token_list(sampled[c.seq.seq_id]), c.num_steps)
 
     # ------------------------------------------------------------------ internals
     def _budget_left(self, chunks: list[ScheduledChunk]) -> int:
@@ -352,6 +389,11 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+
+
+def _at_limit(seq: Sequence) -> bool:
+    """Whether the sequence has (or will have, once its pending tokens are read) its max_num_tokens."""
+    return seq.max_num_tokens is not None and seq.num_tokens >= seq.max_num_tokens
 
 
 def _as_token_list(x: Any) -> list[int]:

@@ -17,6 +17,10 @@ A :class:`Sequence` is created by the engine from a tokenized prompt, handed to
                            ...); the scheduler never looks inside.
 * ``reads_prefix_cache``   False: admission computes the whole prompt, whatever the cache
                            holds (a request that wants every prompt position's logits).
+* ``max_num_tokens``       the length at which the engine ends it (prompt + max_tokens, at most
+                           max_model_len, at least prompt + 1): no step is scheduled past it.
+* ``num_pending``          trailing ``token_ids`` that are PLACEHOLDERs: tokens of a dispatched step
+                           not read back yet (``Scheduler.advance``), replaced by ``Scheduler.fill``.
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ from __future__ import annotations
 import enum
 import itertools
 from typing import Any, Iterable
+
+
+PLACEHOLDER = -1  # a token sampled on the device and not read back yet
 
 
 class SequenceStatus(enum.Enum):
@@ -35,7 +42,8 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     _next_id = itertools.count()
 
-    def __init__(self, token_ids: Iterable[int], params: Any = None, reads_prefix_cache: bool = True):
+    def __init__(self, token_ids: Iterable[int], params: Any = None, reads_prefix_cache: bool = True,
+                 max_num_tokens: int | None = None):
         self.token_ids: list[int] = [int(t) for t in token_ids]
         if not self.token_ids:
             raise ValueError("a sequence needs at least one prompt token")
@@ -47,11 +55,18 @@ class Sequence:
         self.status: SequenceStatus = SequenceStatus.WAITING
         self.params: Any = params
         self.reads_prefix_cache = reads_prefix_cache
+        self.max_num_tokens = max_num_tokens
+        self.num_pending: int = 0
 
     @property
     def num_tokens(self) -> int:
         """Prompt + generated tokens."""
         return len(self.token_ids)
+
+    @property
+    def num_known(self) -> int:
+        """Tokens whose ids the host has (all but the pending placeholders)."""
+        return len(self.token_ids) - self.num_pending
 
     @property
     def num_generated(self) -> int:

@@ -47,13 +47,13 @@ def test_mixed_and_row_limited_steps_are_one_dispatch_each(qwen3, monkeypatch):
     calls = {"mixed": 0, "row_limited": 0}
     prefill, decode = llm.runner.prefill, llm.runner.decode
 
-    def counting_prefill(chunks, decodes=None):
+    def counting_prefill(chunks, decodes=None, sources=None):
         calls["mixed"] += decodes is not None
-        return prefill(chunks, decodes)
+        return prefill(chunks, decodes, sources)
 
-    def counting_decode(*args):
-        calls["row_limited"] += len(set(args[-1])) > 1
-        return decode(*args)
+    def counting_decode(last_tokens, page_tables, seq_lens, sampling, num_steps, row_steps, sources):
+        calls["row_limited"] += len(set(row_steps)) > 1
+        return decode(last_tokens, page_tables, seq_lens, sampling, num_steps, row_steps, sources)
 
     monkeypatch.setattr(llm.runner, "prefill", counting_prefill)
     monkeypatch.setattr(llm.runner, "decode", counting_decode)
@@ -141,3 +141,31 @@ def test_stop_tokens_max_tokens_and_finish_reasons(qwen3):
     banned_early = SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_at], min_tokens=cut + 1)
     out = llm.generate([prompts[1]], banned_early, use_tqdm=False)[0]
     assert stop_at not in out.token_ids[:cut + 1]
+
+
+def test_steps_are_dispatched_before_the_previous_step_is_read_back(qwen3, monkeypatch):
+    """Decode rows take their last token from the step still in flight (on the device: a row's source is set only
+    while its token is a placeholder, before that step is read back): HF's tokens, with requests that stop early
+    (their row of the next step wasted), end at max_tokens inside a dispatch, or run to max_model_len."""
+    folder, prompts, expected = qwen3
+    llm = LLM(folder, dtype="float32", page_size=4, max_model_len=64, decode_steps=4)
+    decode, chained = llm.runner.decode, []
+
+    def recording_decode(last_tokens, page_tables, seq_lens, sampling, num_steps, row_steps, sources):
+        chained.append(sum(s >= 0 for s in sources))
+        return decode(last_tokens, page_tables, seq_lens, sampling, num_steps, row_steps, sources)
+
+    monkeypatch.setattr(llm.runner, "decode", recording_decode)
+    stop_at = expected[1][5]
+    params = [GREEDY, SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_at]),
+              SamplingParams(temperature=0, max_tokens=7, ignore_eos=True), GREEDY,
+              SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)]
+    outs = llm.generate(prompts[:5], params, use_tqdm=False)
+    cut = expected[1].index(stop_at) + 1
+    assert outs[1].token_ids == expected[1][:cut] and outs[1].finish_reason == "stop"
+    assert outs[2].token_ids == expected[2][:7] and outs[2].finish_reason == "length"
+    assert [outs[i].token_ids for i in (0, 3)] == [expected[0], expected[3]]
+    assert len(prompts[4]) + len(outs[4].token_ids) == 64 and outs[4].token_ids[:24] == expected[4]
+    assert sum(chained) > 0
+    check_invariants(llm.page_manager)
+    assert llm.page_manager.num_free_pages == llm.page_manager.num_pages

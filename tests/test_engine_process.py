@@ -57,7 +57,9 @@ def test_requests_equal_the_in_process_engine(llm, engine):
     for out, finals in zip(want, got):
         assert finals[0].token_ids == out.token_ids and finals[0].text == out.text
         assert finals[0].prompt_token_ids == out.prompt_token_ids and finals[0].finish_reason == "length"
-    assert got[1][0].logprobs == pytest.approx(want[1].logprobs)
+    # (the child admits requests as they come down the pipe, so its batches may differ: float32 rounding)
+    for (logprob, top), (want_logprob, want_top) in zip(got[1][0].logprobs, want[1].logprobs, strict=True):
+        assert logprob == pytest.approx(want_logprob) and top == pytest.approx(want_top)
     assert len(got[2]) == 2  # both choices of n=2
     assert engine.stats().kv_pages_used == 0 and engine.stats().running == 0
 

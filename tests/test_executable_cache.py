@@ -237,7 +237,9 @@ def test_a_runner_program_loads_bit_identical_and_donates(hf_model_dir, tmp_path
                       seq_lens=np.array([13, 5], np.int32), q_lens=np.array([1, 1], np.int32))
         tokens = rng.integers(0, runner.config.vocab_size, 2).astype(np.int32)
         sampling = sampling_batch(greedy_sampling(2, runner.neutral_slot), 2, runner.neutral_slot)
-        return runner.params, cache, tables, tokens, batch, sampling, np.array([3, 2], np.int32)  # row_steps
+        prev = jnp.asarray(rng.integers(0, runner.config.vocab_size, 4), jnp.int32)  # the previous dispatch's
+        sources = np.array([-1, 2], np.int32)  # row 1 feeds prev[2]
+        return runner.params, cache, tables, prev, tokens, batch, sampling, np.array([3, 2], np.int32), sources
 
     args = inputs(0)
     parts = ("decode_step", static, ec.signature(args))

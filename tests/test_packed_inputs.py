@@ -18,9 +18,9 @@ def _host(rng):
             np.array([-128, 5, 127], np.int8), np.float32(2.5), None)
 
 
-def _echo(params, cache, tables, *host, scale):
+def _echo(params, cache, tables, prev, *host, scale):
     """A step that returns its host arguments (scaled where it can), beside the device ones."""
-    return params * scale, cache, tables, host
+    return params * scale, cache, tables, prev, host
 
 
 def test_every_leaf_comes_back_bit_for_bit():
@@ -28,8 +28,9 @@ def test_every_leaf_comes_back_bit_for_bit():
     packed, layout = pack(host)
     assert packed.dtype == np.uint8 and packed.ndim == 1
     assert packed.nbytes == sum(np.asarray(x).nbytes for x in jax.tree.leaves(host))
-    params, cache, tables, back = packed_step(jnp.float32(3), jnp.zeros(2), jnp.ones(1), jnp.asarray(packed),
-                                              step=_echo, layout=layout, static=(("scale", 2.0),))
+    params, cache, tables, prev, back = packed_step(jnp.float32(3), jnp.zeros(2), jnp.ones(1), jnp.arange(4),
+                                                    jnp.asarray(packed), step=_echo, layout=layout,
+                                                    static=(("scale", 2.0),))
     assert float(params) == 6.0
     assert jax.tree.structure(back) == jax.tree.structure(host)
     for got, want in zip(jax.tree.leaves(back), jax.tree.leaves(host)):

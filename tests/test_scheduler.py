@@ -19,7 +19,7 @@ from hypothesis.errors import InvalidArgument
 
 from nanojax.page_manager import PageManager
 from nanojax.scheduler import CapacityError, ScheduledChunk, Scheduler, SchedulerConfig
-from nanojax.sequence import Sequence, SequenceStatus
+from nanojax.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from test_page_manager import check_invariants
 
 VOCAB = 13
@@ -61,6 +61,14 @@ class FakeEngine:
         self.pm = sched.page_manager
         self.ps = sched.config.page_size
         self.kv: dict[int, tuple[int, ...]] = {}
+        # seq_id -> tokens it sampled that the driver has not read back: what its placeholders stand for (the
+        # device feeds them to the next dispatch as nanojax.runner's `chained` does)
+        self.unread: dict[int, list[int]] = {}
+
+    def tokens(self, seq: Sequence) -> list[int]:
+        toks = seq.token_ids[:seq.num_known] + self.unread.get(seq.seq_id, [])[:seq.num_pending]
+        assert len(toks) == seq.num_tokens and PLACEHOLDER not in toks, f"unknown placeholders in {seq!r}"
+        return toks
 
     def _slot(self, seq: Sequence, p: int) -> int:
         assert p // self.ps < len(seq.page_table), f"position {p} beyond reserved capacity of {seq!r}"
@@ -82,7 +90,7 @@ class FakeEngine:
             assert all(c.num_tokens == 1 and c.sample for c in chunks)
         out: dict[int, list[int]] = {}
         for c in chunks:
-            seq, toks = c.seq, c.seq.token_ids
+            seq, toks = c.seq, self.tokens(c.seq)
             assert seq.status is SequenceStatus.RUNNING
             assert c.num_tokens >= 1 and c.start == seq.num_computed_tokens and c.end <= seq.num_tokens
             assert c.sample == (c.end == seq.num_tokens)
@@ -106,6 +114,7 @@ class FakeEngine:
                     if j < k - 1:  # feed the sampled token in the next step of the dispatch
                         self._write(seq, len(cur) - 1, tuple(cur))
                 out[seq.seq_id] = sampled
+                self.unread.setdefault(seq.seq_id, []).extend(sampled)
         return out
 
 
@@ -206,6 +215,7 @@ class Driver:
             sampled[seq.seq_id] = kept if c.num_steps > 1 else kept[0]
         fed = {c.seq.seq_id: (len(sampled[c.seq.seq_id]) if c.num_steps > 1 else c.num_tokens) for c in chunks}
         sched.update(chunks, sampled)
+        self.engine.unread.clear()
         for c in chunks:
             seq = c.seq
             assert seq.num_computed_tokens == c.start + fed[seq.seq_id]
@@ -249,8 +259,11 @@ class Driver:
                     assert len(prompt) > self.cfg.max_model_len or need > self.pm.num_pages
                     self.rejected.append(prompt)
             chunks = self.step()
-            assert chunks or not self.sched.has_unfinished() or self.aborted, "empty step with work left"
+            assert chunks or not self.stalled(), "empty step with work left"
             assert self.step_no < max_steps, "no progress"
+
+    def stalled(self) -> bool:
+        return self.sched.has_unfinished() and not self.aborted
 
     def finish_pins(self) -> None:
         pinned = {b for _, h in self.pins for b in self.pm._pins[h]}
@@ -260,6 +273,71 @@ class Driver:
         self.pins = []
         check_invariants(self.pm)
         assert self.pm.num_free_pages == self.pm.num_pages
+
+
+class PipelinedDriver(Driver):
+    """The engine's loop: step N+1 is scheduled and run before step N is read back (its sampled tokens are
+    placeholders until then), sequences carry their max_num_tokens, and one that stops in step N wastes its
+    row of step N+1."""
+
+    def __init__(self, cfg: SchedulerConfig, num_pages: int, decode_steps: int = 1):
+        super().__init__(cfg, num_pages, decode_steps)
+        self.inflight: tuple[list[ScheduledChunk], dict[int, list[int]]] | None = None
+        self.read_back_only = False  # the last step dispatched nothing and read the one before back
+
+    def add(self, prompt, max_tokens, pin_prefix=0, pin_for=None) -> Sequence:
+        seq = super().add(prompt, max_tokens, pin_prefix, pin_for)
+        seq.max_num_tokens = max(len(prompt) + 1, min(len(prompt) + max_tokens, self.cfg.max_model_len))
+        return seq
+
+    def step(self) -> list[ScheduledChunk]:
+        inflight, self.inflight = self.inflight, None
+        try:
+            chunks = self.sched.schedule(decode_steps=self.decode_steps)
+        except CapacityError as e:
+            self.aborted.add(e.seq.seq_id)
+            self.outputs[e.seq.seq_id] = e.seq.token_ids[:e.seq.num_known]
+            self.sched.finish(e.seq)
+            chunks = []
+        if chunks:
+            self.inflight = (chunks, self.engine.run(chunks))
+            self.sched.advance(chunks)
+        check_scheduler(self.sched)
+        if inflight is not None:
+            self.read_back(*inflight)
+        self.read_back_only = not chunks and inflight is not None
+        for at, h in [x for x in self.pins if x[0] <= self.step_no]:
+            self.pm.unpin(h)
+            self.pins.remove((at, h))
+        check_scheduler(self.sched)
+        self.step_no += 1
+        return chunks
+
+    def read_back(self, chunks: list[ScheduledChunk], sampled: dict[int, list[int]]) -> None:
+        for c in chunks:
+            seq = c.seq
+            if not c.sample or seq.status is SequenceStatus.FINISHED:
+                continue
+            unread, toks = self.engine.unread[seq.seq_id], sampled[seq.seq_id]
+            del unread[:len(toks)]
+            known, p, kept = seq.num_known, seq.params, []
+            for t in toks:
+                kept.append(t)
+                n = known + len(kept)
+                if t == EOS or n - seq.num_prompt_tokens >= p["max_tokens"] or n >= p["max_model_len"]:
+                    break
+            self.sched.fill(seq, kept, c.num_steps)
+            if len(kept) < len(toks):
+                unread.clear()
+            if kept[-1] == EOS or len(kept) < len(toks) or seq.num_known >= seq.max_num_tokens:
+                # (the engine pins requests of one token: at their limit once dispatched, never preempted)
+                if p["pin_prefix"] and p["pin_prefix"] // self.cfg.page_size and seq.status is SequenceStatus.RUNNING:
+                    self.pins.append((self.step_no + p["pin_for"], self.pm.pin_pages(seq, p["pin_prefix"])))
+                self.outputs[seq.seq_id] = seq.token_ids[:seq.num_known]
+                self.sched.finish(seq)
+
+    def stalled(self) -> bool:
+        return super().stalled() and not self.read_back_only
 
 
 def simple_run(cfg, num_pages, prompts, max_tokens, decode_steps=1):
@@ -748,11 +826,12 @@ def workloads(draw):
     return cfg, num_pages, decode_steps, arrivals
 
 
+@pytest.mark.parametrize("driver", [Driver, PipelinedDriver])
 @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
-@given(workloads())
-def test_random_workloads(w):
+@given(w=workloads())
+def test_random_workloads(driver, w):
     cfg, num_pages, decode_steps, arrivals = w
-    d = Driver(cfg, num_pages, decode_steps)
+    d = driver(cfg, num_pages, decode_steps)
     d.run_until_done(arrivals)
     d.finish_pins()
     if d.sched.num_preemptions:
