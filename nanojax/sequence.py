@@ -29,7 +29,6 @@ import enum
 import itertools
 from typing import Any, Iterable
 
-
 PLACEHOLDER = -1  # a token sampled on the device and not read back yet
 
 
