@@ -7,13 +7,14 @@ the previous one is read back (its decode rows take their last tokens on the dev
 detokenizes and streams step N while the GPU runs step N+1; a sequence that stops in step N wastes its row of N+1.
 `generate` and `stream` are built on `add_request`, and several may run at once from different threads.
 """
+import atexit
 import concurrent.futures
 import dataclasses
 import itertools
 import queue
 import threading
 import time
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, NamedTuple
 
 import jax
 import numpy as np
@@ -34,6 +35,34 @@ from nanojax.sampling import BANNED, PROMPT
 from nanojax.sampling_params import SamplingParams
 from nanojax.scheduler import CapacityError, Scheduler, SchedulerConfig
 from nanojax.sequence import Sequence, SequenceStatus
+
+
+_EXITING = threading.Event()  # set at exit: engine loops stop after their current step
+
+
+@atexit.register
+def _stop_loops() -> None:
+    """At exit, each engine loop stops after its current step and is waited for: a daemon thread inside a JAX call
+    while the interpreter finalizes aborts the process (a step is still in flight when the last request ends)."""
+    _EXITING.set()
+    for thread in threading.enumerate():
+        if thread.name == "nanojax-engine":
+            thread.join(timeout=30)
+
+
+class _Step(NamedTuple):
+    """A dispatched step: its chunks, {seq_id: (runner.Pending, row)} of the chunks that sample, {seq_id:
+    (runner.Pending, last row)} of those whose prompt logprobs are wanted, and whether the next step may be
+    dispatched before it is read back."""
+    chunks: list
+    pending: dict
+    prompt: dict
+    chainable: bool
+
+    @property
+    def first_tokens_only(self) -> bool:
+        """It samples, and only prompts' last tokens (no decodes): new requests' first tokens."""
+        return bool(self.pending) and not any(c.num_tokens == 1 and c.sample for c in self.chunks)
 
 
 @dataclasses.dataclass
@@ -355,7 +384,7 @@ class LLM(RequestFront):
     def _loop(self) -> None:
         inflight = None  # the step dispatched last, not read back yet
         try:
-            while True:
+            while not _EXITING.is_set():
                 self._take_inbox()
                 if inflight is None and not self.scheduler.has_unfinished():
                     with self._lock:
@@ -368,20 +397,21 @@ class LLM(RequestFront):
             with self._lock:
                 self._running = False
             raise
+        with self._lock:  # stopped at exit
+            self._running = False
 
-    def _step(self, inflight):
+    def _step(self, inflight: _Step | None) -> _Step | None:
         """Dispatches the next step, then reads back, checks and streams the one before it (inflight), so the
         host's work on a step overlaps the GPU's on the next: a multi-step decode's dispatch returns once the host
         has launched every step of its loop, well before they have run. -> the step dispatched (None: none).
-        A step that samples first tokens and has no decodes is read back before the next dispatch: nothing
-        else waits on it, and its new requests' first tokens (time to first token) would otherwise wait for the
-        next step's launch."""
-        if inflight is not None and not self._chainable(inflight):
+        A step that is not `chainable` is read back before the next dispatch."""
+        after_first_tokens = False
+        if inflight is not None and not inflight.chainable:
             self._read_back(inflight)
-            inflight = None
+            after_first_tokens, inflight = inflight.first_tokens_only, None
         step = None
         try:
-            step = self._dispatch(inflight)
+            step = self._dispatch(inflight, after_first_tokens)
         except CapacityError as e:  # this request can never fit: it ends, the others go on
             self._fail([e.seq], e)
         except Exception as e:  # noqa: BLE001 -- a failed step ends its requests, not the engine
@@ -390,17 +420,9 @@ class LLM(RequestFront):
             self._read_back(inflight)
         return step
 
-    @staticmethod
-    def _chainable(step) -> bool:
-        """Whether the next step may be dispatched before `step` is read back: it ran as one dispatch (the next
-        one's decode rows take their tokens from its last tokens) and has decodes, or samples nothing."""
-        chunks, pending, _ = step
-        one_dispatch = len({id(out) for out, _ in pending.values()}) <= 1
-        return one_dispatch and (not pending or any(c.num_tokens == 1 and c.sample for c in chunks))
-
-    def _read_back(self, step) -> None:
+    def _read_back(self, step: _Step) -> None:
         try:
-            seqs = self._complete(*step)
+            seqs = self._complete(step.chunks, step.pending, step.prompt)
         except Exception as e:  # noqa: BLE001
             self._step_failed(e)
             return
@@ -424,13 +446,12 @@ class LLM(RequestFront):
             else:
                 item()
 
-    def _dispatch(self, inflight=None):
+    def _dispatch(self, inflight: _Step | None = None, after_first_tokens: bool = False) -> _Step | None:
         """Schedules a step and dispatches it: a decode-only step in one call of the decode program; the prefill
         chunks packed into the prefill program, with the step's decodes (one step each) in the same forward.
         inflight: the step before, not read back yet: rows whose last token it samples take it on the device.
-        -> None when nothing can run until inflight is read back, else (chunks, {seq_id: (runner.Pending, row)}
-        of the chunks that sample, {seq_id: (runner.Pending, last row)} of the chunks whose prompt logprobs are
-        wanted)."""
+        after_first_tokens: the step before sampled prompts only and was read back just now. -> None when nothing
+        can run until inflight is read back."""
         if not self.scheduler.has_unfinished():
             return None
         chunks = self.scheduler.schedule(decode_steps=self.decode_steps)
@@ -443,7 +464,7 @@ class LLM(RequestFront):
         prefills = [c for c in chunks if not (c.num_tokens == 1 and c.sample)]
         rows = ([max(c.seq.token_ids[c.start], 0) for c in decodes], [c.seq.page_table for c in decodes],
                 [c.end for c in decodes], self._sampling(decodes)) if decodes else None
-        sources = [inflight[1][c.seq.seq_id][1] if c.seq.num_pending else -1 for c in decodes]
+        sources = [inflight.pending[c.seq.seq_id][1] if c.seq.num_pending else -1 for c in decodes]
         if not prefills:  # each row's steps (1..decode_steps) in one dispatch of the decode program
             out = self.runner.decode(*rows, self.decode_steps, [c.num_steps for c in decodes], sources)
             pending, prompt = {c.seq.seq_id: (out, i) for i, c in enumerate(decodes)}, {}
@@ -455,7 +476,13 @@ class LLM(RequestFront):
             pending = {c.seq.seq_id: out for c, out in zip(prefills + decodes, outs) if c.sample}
             prompt = {c.seq.seq_id: out for c, out, t in zip(prefills, outs, targets) if t}
         self.scheduler.advance(chunks)
-        return chunks, pending, prompt
+        # The next step may go before this one is read back when its decode rows can take their tokens from this
+        # one's last tokens (one dispatch) and this one is not a prefill-only step that samples (its first tokens
+        # would wait for the next dispatch's launch), nor the step right after one: its read back leaves the GIL
+        # to the threads that stream those first tokens (time to first token, measured: docs/perf_notes.md).
+        one_dispatch = len({id(out) for out, _ in pending.values()}) <= 1
+        step = _Step(chunks, pending, prompt, False)
+        return step._replace(chainable=one_dispatch and not step.first_tokens_only and not after_first_tokens)
 
     @staticmethod
     def _prompt_targets(c) -> list[int] | None:

@@ -235,3 +235,27 @@ def test_a_generate_calls_requests_reach_the_engine_together(qwen3, monkeypatch)
     monkeypatch.setattr(llm.scheduler, "schedule", recording_schedule)
     llm.generate(random_prompts(97, [5, 9, 3, 7], seed=8), GREEDY, use_tqdm=False)
     assert seen[0] == 4
+
+
+def test_the_process_exits_cleanly_with_a_request_running(tmp_path):
+    """At exit the engine loop stops after its current step and is waited for (a daemon thread inside a JAX call
+    while the interpreter finalizes would abort the process), even with requests still running."""
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    script = tmp_path / "exit.py"
+    script.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(root / 'scripts')!r})\n"
+        "from random_model import random_params\n"
+        "from nanojax import LLM, SamplingParams\n"
+        "llm = LLM(random_params('tiny-llama'), decode_steps=2, max_model_len=4096)\n"
+        "stream = llm.add_request([1, 2, 3], SamplingParams(max_tokens=4000, ignore_eos=True))\n"
+        "next(iter(stream))\n"
+        "print('exiting', flush=True)\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "PYTHONPATH": str(root)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "exiting" in done.stdout
