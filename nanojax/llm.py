@@ -52,17 +52,13 @@ def _stop_loops() -> None:
 
 class _Step(NamedTuple):
     """A dispatched step: its chunks, {seq_id: (runner.Pending, row)} of the chunks that sample, {seq_id:
-    (runner.Pending, last row)} of those whose prompt logprobs are wanted, and whether the next step may be
-    dispatched before it is read back."""
+    (runner.Pending, last row)} of those whose prompt logprobs are wanted; whether the next step may be dispatched
+    before it is read back; whether it samples prompts' last tokens only (new requests' first tokens)."""
     chunks: list
     pending: dict
     prompt: dict
     chainable: bool
-
-    @property
-    def first_tokens_only(self) -> bool:
-        """It samples, and only prompts' last tokens (no decodes): new requests' first tokens."""
-        return bool(self.pending) and not any(c.num_tokens == 1 and c.sample for c in self.chunks)
+    first_tokens_only: bool
 
 
 @dataclasses.dataclass
@@ -481,8 +477,9 @@ class LLM(RequestFront):
         # would wait for the next dispatch's launch), nor the step right after one: its read back leaves the GIL
         # to the threads that stream those first tokens (time to first token, measured: docs/perf_notes.md).
         one_dispatch = len({id(out) for out, _ in pending.values()}) <= 1
-        step = _Step(chunks, pending, prompt, False)
-        return step._replace(chainable=one_dispatch and not step.first_tokens_only and not after_first_tokens)
+        first_tokens_only = bool(pending) and not decodes
+        return _Step(chunks, pending, prompt, one_dispatch and not first_tokens_only and not after_first_tokens,
+                     first_tokens_only)
 
     @staticmethod
     def _prompt_targets(c) -> list[int] | None:
@@ -537,8 +534,8 @@ class LLM(RequestFront):
                     logprobs=p.logprobs or 0)
 
     def _complete(self, chunks, pending, prompt) -> list[Sequence]:
-        """Waits for the step's tokens, applies the stop conditions and frees finished requests (before the next
-        step is scheduled). -> the sequences that gained tokens."""
+        """Waits for the step's tokens, puts them in place of its placeholders, applies the stop conditions and frees
+        finished requests. -> the sequences that gained tokens."""
         for c in chunks:
             if c.seq.seq_id in prompt:
                 self._accept_prompt_logprobs(c, *prompt[c.seq.seq_id])
