@@ -1,5 +1,6 @@
 """The engine: greedy outputs are identical across batching, prefix-cache hits, chunked prefill, preemption and
 multi-step decode, and equal to HF; bad requests get clear errors; steady state does not recompile."""
+import numpy as np
 import pytest
 from conftest import hf_greedy, random_prompts
 from test_page_manager import check_invariants
@@ -169,3 +170,40 @@ def test_steps_are_dispatched_before_the_previous_step_is_read_back(qwen3, monke
     assert sum(chained) > 0
     check_invariants(llm.page_manager)
     assert llm.page_manager.num_free_pages == llm.page_manager.num_pages
+
+
+def test_a_row_fed_from_the_previous_dispatch_equals_its_token_sent_from_the_host(qwen3):
+    """runner: a row whose source is r >= 0 feeds row r of the previous dispatch's last tokens (a prefill's last
+    rows, a decode's rows at their own row_steps, a mixed step's decode rows) as if the host had sent that token:
+    the same logits (logprobs of the top tokens), as the same tokens on this random model say little."""
+    from nanojax.runner import greedy_sampling
+
+    folder, prompts, _ = qwen3
+    chained, host = (LLM(folder, dtype="float32", page_size=4, max_model_len=96, warmup=False).runner
+                     for _ in range(2))
+    tables = [list(range(12)), list(range(12, 24)), list(range(24, 36))]
+    # sampled with seeds: the tokens fed differ from row to row and step to step (greedy ones on this model repeat)
+    one = {**{name: values[0] for name, values in greedy_sampling(1, host.neutral_slot).items()}, "logprobs": 5,
+           "temperature": 1.0}
+    two = {**greedy_sampling(2, host.neutral_slot), "logprobs": [5, 5], "temperature": [1.0, 1.0], "seeds": [5, 6]}
+    lens = [len(prompts[0]) + 1, len(prompts[1]) + 1]
+
+    def prefill(runner):
+        return runner.prefill([(prompts[0], tables[0], len(prompts[0]), {**one, "seeds": 3}),
+                               (prompts[1], tables[1], len(prompts[1]), {**one, "seeds": 4})])
+
+    def same(a, b):
+        return all(np.array_equal(x, y) for x, y in zip(a.logprobs(), b.logprobs()))
+
+    rows = [row for _, row in prefill(chained)]
+    firsts = [pending.tokens()[0, row] for pending, row in prefill(host)]
+    a = chained.decode([0, 0], tables[:2], lens, two, 3, [3, 2], sources=rows)
+    b = host.decode(firsts, tables[:2], lens, two, 3, [3, 2])
+    assert firsts[0] != firsts[1] and same(a, b)
+    # then a mixed step, its decode rows in the other order: row 0 feeds the previous dispatch's row 1
+    decoded = b.tokens()
+    lens, lasts = [lens[1] + 2, lens[0] + 3], [decoded[1, 1], decoded[2, 0]]
+    mixed = (prompts[2], tables[2], len(prompts[2]), one)
+    (a, _), *_ = chained.prefill([mixed], decodes=([0, 0], tables[1::-1], lens, two), sources=[1, 0])
+    (b, _), *_ = host.prefill([mixed], decodes=(lasts, tables[1::-1], lens, two))
+    assert lasts[0] != lasts[1] and decoded[2, 1] != lasts[0] and same(a, b)  # (row 1's step 3: past its steps)
