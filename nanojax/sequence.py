@@ -3,7 +3,7 @@
 A :class:`Sequence` is created by the engine from a tokenized prompt, handed to
 ``Scheduler.add`` and then mutated only by the scheduler and the page manager:
 
-* ``token_ids``            prompt + generated tokens (grows via :meth:`append_token`).
+* ``token_ids``            prompt + generated tokens (grown by ``Scheduler.advance`` / ``fill``).
 * ``num_prompt_tokens``    length of the original prompt (never changes, also not
                            when a preempted sequence recomputes its generated tokens).
 * ``num_computed_tokens``  tokens ``token_ids[:num_computed_tokens]`` have their KV in
@@ -71,10 +71,6 @@ class Sequence:
     def num_generated(self) -> int:
         """Generated tokens (``num_tokens - num_prompt_tokens``)."""
         return len(self.token_ids) - self.num_prompt_tokens
-
-    def append_token(self, token_id: int) -> None:
-        """Append one generated token (numpy / 0-d array scalars are converted to int)."""
-        self.token_ids.append(int(token_id))
 
     def __len__(self) -> int:
         return len(self.token_ids)

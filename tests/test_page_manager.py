@@ -79,8 +79,8 @@ def test_sequence_basics():
     assert a.seq_id != b.seq_id
     assert (a.num_tokens, a.num_prompt_tokens, a.num_generated) == (3, 3, 0)
     assert a.status is SequenceStatus.WAITING and a.page_table == [] and a.num_computed_tokens == 0
-    a.append_token(7)
-    assert a.token_ids == [1, 2, 3, 7] and a.num_generated == 1 and type(a.token_ids[-1]) is int
+    a.token_ids.append(7)
+    assert a.token_ids == [1, 2, 3, 7] and a.num_generated == 1 and a.num_known == 4
     assert a.params == {"x": 1}
     with pytest.raises(ValueError):
         Sequence([])
@@ -309,7 +309,7 @@ def test_chat_followup_hits_generated_pages():
     pm = PageManager(num_pages=10, page_size=4)
     turn1 = committed(pm, [1, 2, 3, 4, 5, 6])
     for t in (7, 8, 9):  # decode three tokens
-        turn1.append_token(t)
+        turn1.token_ids.append(t)
         pm.ensure_capacity(turn1, turn1.num_tokens)
         computed(pm, turn1)
     pm.free(turn1)
@@ -442,7 +442,7 @@ class PageManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data(), tok=st.integers(0, 2), extra=st.integers(0, 3))
     def append(self, data, tok, extra):
         seq = data.draw(st.sampled_from([s for s in self.live if s.num_computed_tokens == s.num_tokens]))
-        seq.append_token(tok)
+        seq.token_ids.append(tok)
         want = seq.num_tokens + extra
         table = list(seq.page_table)
         if self.pm.can_ensure_capacity(seq, want):
