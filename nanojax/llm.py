@@ -38,6 +38,7 @@ from nanojax.sequence import Sequence, SequenceStatus
 
 
 _EXITING = threading.Event()  # set at exit: engine loops stop after their current step
+_LOOP_THREAD = "nanojax-engine"
 
 
 @atexit.register
@@ -46,7 +47,7 @@ def _stop_loops() -> None:
     while the interpreter finalizes aborts the process (a step is still in flight when the last request ends)."""
     _EXITING.set()
     for thread in threading.enumerate():
-        if thread.name == "nanojax-engine":
+        if thread.name == _LOOP_THREAD:
             thread.join(timeout=30)
 
 
@@ -375,7 +376,7 @@ class LLM(RequestFront):
         with self._lock:
             if not self._running:
                 self._running = True
-                threading.Thread(target=self._loop, name="nanojax-engine", daemon=True).start()
+                threading.Thread(target=self._loop, name=_LOOP_THREAD, daemon=True).start()
 
     def _loop(self) -> None:
         inflight = None  # the step dispatched last, not read back yet

@@ -330,8 +330,7 @@ class Scheduler:
         pending placeholders): 1..num_steps of them.  Fewer (cut after a stop token) ends what was scheduled
         for ``seq`` after them: its later placeholders are dropped (the engine finishes it, or schedules it
         again).  Commits the pages this completes."""
-        if not 1 <= len(tokens) <= num_steps:
-            raise ValueError(f"sequence {seq.seq_id}: got {len(tokens)} sampled tokens, expected 1..{num_steps}")
+        _check_count(seq, len(tokens), num_steps)
         if num_steps > seq.num_pending:
             raise RuntimeError(f"sequence {seq.seq_id} has {seq.num_pending} pending tokens, not {num_steps}")
         first = seq.num_known
@@ -355,9 +354,7 @@ class Scheduler:
         for c in live:
             if c.seq.seq_id not in sampled:
                 raise KeyError(f"no sampled token for sequence {c.seq.seq_id}")
-            n = len(_as_token_list(sampled[c.seq.seq_id]))
-            if not 1 <= n <= c.num_steps:
-                raise ValueError(f"sequence {c.seq.seq_id}: got {n} sampled tokens, expected 1..{c.num_steps}")
+            _check_count(c.seq, len(_as_token_list(sampled[c.seq.seq_id])), c.num_steps)
         self.advance(chunks)
         for c in live:
             self.fill(c.seq, _as_token_list(sampled[c.seq.seq_id]), c.num_steps)
@@ -389,6 +386,11 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+
+
+def _check_count(seq: Sequence, count: int, num_steps: int) -> None:
+    if not 1 <= count <= num_steps:
+        raise ValueError(f"sequence {seq.seq_id}: got {count} sampled tokens, expected 1..{num_steps}")
 
 
 def _at_limit(seq: Sequence) -> bool:
