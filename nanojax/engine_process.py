@@ -16,7 +16,6 @@ the caller's thread; the child checks them again when it adds them.
 import dataclasses
 import itertools
 import multiprocessing
-import queue
 import threading
 from concurrent.futures import Future
 
@@ -179,10 +178,42 @@ def _stats(llm) -> EngineStats:
 _SENT_FIELDS = tuple(f.name for f in dataclasses.fields(RequestOutput) if f.name != "prompt_token_ids")
 
 
-class _Sink:
-    """Stands in for a RequestStream in the child: the LLM's events for one request go to the sender's queue."""
+class _Outbox:
+    """The child's messages to the parent. The engine loop's events queue up and go as one message when the loop has
+    put a step's events (`LLM.events_out`): sent from the loop's own thread, so a first token does not wait for
+    another thread to get the GIL while the loop dispatches the next step. Other threads' messages go at once."""
 
-    def __init__(self, request_id: str, out: queue.SimpleQueue):
+    def __init__(self, conn, llm):
+        self.conn, self.llm = conn, llm
+        self.items: list[tuple] = []
+        self.lock = threading.Lock()  # one writer at a time on the connection
+        self.dead_sent = False
+
+    def put(self, item: tuple) -> None:
+        with self.lock:
+            self.items.append(item)
+
+    def flush(self) -> None:
+        with self.lock:
+            items, self.items = self.items, []
+            if self.llm.dead is not None and not self.dead_sent:
+                items.append(("dead", repr(self.llm.dead)))
+                self.dead_sent = True
+            if items:
+                try:
+                    self.conn.send(items)
+                except (OSError, ValueError):  # the parent has gone: the command loop ends on its own
+                    pass
+
+    def send(self, item: tuple) -> None:
+        self.put(item)
+        self.flush()
+
+
+class _Sink:
+    """Stands in for a RequestStream in the child: the LLM's events for one request go to the outbox."""
+
+    def __init__(self, request_id: str, out: _Outbox):
         self.request_id, self.out = request_id, out
 
     def expect(self, choices: int) -> None:
@@ -194,7 +225,7 @@ class _Sink:
 
 def _child(conn, model, llm_kwargs) -> None:
     """The child process: builds the LLM, then runs commands from the parent until told to stop or the parent
-    goes away. A sender thread ships everything queued since its last message as one message."""
+    goes away."""
     try:
         from nanojax.llm import LLM
 
@@ -204,9 +235,8 @@ def _child(conn, model, llm_kwargs) -> None:
         return
     conn.send(("ready", {"config": llm.config, "limits": llm.limits, "tokenizer": llm.tokenizer,
                          "decode_steps": llm.decode_steps}))
-    out: queue.SimpleQueue = queue.SimpleQueue()
-    sender = threading.Thread(target=_send_items, args=(conn, out, llm), name="nanojax-engine-sender", daemon=True)
-    sender.start()
+    out = _Outbox(conn, llm)
+    llm.events_out = out.flush
     while True:
         try:
             command = conn.recv()
@@ -219,38 +249,15 @@ def _child(conn, model, llm_kwargs) -> None:
                 llm.add_request(ids, params, request_id=request_id, index=index, stream=_Sink(request_id, out),
                                 stream_text=stream_text)
             except Exception as e:  # noqa: BLE001 -- the request ends with it, the engine goes on
-                out.put(("refused", request_id, index, e))
+                out.send(("refused", request_id, index, e))
         elif kind == "abort":
             llm.abort(command[1])
         elif kind == "call":
             token, fn, args = command[1:]
             try:
-                out.put(("reply", token, fn(llm, *args), None))
+                out.send(("reply", token, fn(llm, *args), None))
             except Exception as e:  # noqa: BLE001
-                out.put(("reply", token, None, e))
+                out.send(("reply", token, None, e))
         elif kind == "stop":
             break
-    out.put(None)
-    sender.join(30)
-
-
-def _send_items(conn, out: queue.SimpleQueue, llm) -> None:
-    dead_sent = False
-    while True:
-        items = [out.get()]
-        while True:
-            try:
-                items.append(out.get_nowait())
-            except queue.Empty:
-                break
-        done = items[-1] is None
-        items = [i for i in items if i is not None]
-        if llm.dead is not None and not dead_sent:
-            items.append(("dead", repr(llm.dead)))
-            dead_sent = True
-        try:
-            conn.send(items)
-        except (OSError, ValueError):
-            return
-        if done:
-            return
+    out.flush()

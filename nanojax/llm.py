@@ -14,7 +14,7 @@ import itertools
 import queue
 import threading
 import time
-from typing import Iterable, Iterator, NamedTuple
+from typing import Callable, Iterable, Iterator, NamedTuple
 
 import jax
 import numpy as np
@@ -181,6 +181,9 @@ class LLM(RequestFront):
         self._requests: dict[str, list[Sequence]] = {}  # request id -> its unfinished choices
         self._ids = itertools.count()
         self.dead: BaseException | None = None  # set when a step failed in a way that lost the device state
+        # Called on the loop thread once a step's events are in their streams (and at each turn of the loop, for
+        # the events of aborts and failures): the engine process sends them to the server's process from there.
+        self.events_out: Callable[[], None] = lambda: None
         built_at = time.perf_counter()
         if warmup if warmup is not None else on_gpu:
             self.warmup(progress)
@@ -383,6 +386,7 @@ class LLM(RequestFront):
         try:
             while not _EXITING.is_set():
                 self._take_inbox()
+                self.events_out()
                 if inflight is None and not self.scheduler.has_unfinished():
                     with self._lock:
                         if self._inbox.empty():  # (a request queued after this starts the loop again)
@@ -424,6 +428,7 @@ class LLM(RequestFront):
             self._step_failed(e)
             return
         self._emit(seqs)
+        self.events_out()
 
     def _take_inbox(self) -> None:
         while True:
