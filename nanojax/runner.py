@@ -53,15 +53,15 @@ def last_tokens(tokens, size: int):
     return jnp.zeros(size, jnp.int32).at[:tokens.shape[0]].set(tokens)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnums=(1, 2))
-def prefill_step(params, cache, tables, prev, tokens, batch: Batch, sampling: SamplingBatch, targets, decode=None, *,
-                 config, ops, vocab_limit):
-    """tokens: [R, T] -> (Sampled with a leading [1] step axis, one token per row, PromptLogprobs of `targets`, last
-    tokens [S], cache, tables). Rows that end mid-prompt sample too; the host discards theirs (their slots are the
-    neutral one, so nothing is counted). targets: [R, T] int32, the prompt token after each position whose logprob
-    is wanted, -1 for none. decode: None, or (tokens [D], sources [D], Batch) of D decode rows run in the same
-    forward (a mixed step: the weights read once for both; `chained` with prev); their tokens follow the R rows' in
-    Sampled and in the last tokens, and sampling covers R + D rows."""
+@functools.partial(jax.jit, static_argnames=(*_STATIC, "hidden_rows"), donate_argnums=(1, 2))
+def prefill_step(params, cache, tables, prev, tokens, batch: Batch, sampling: SamplingBatch, decode=None, *,
+                 config, ops, vocab_limit, hidden_rows):
+    """tokens: [R, T] -> (Sampled with a leading [1] step axis, one token per row, the final hidden states [hidden_rows,
+    T, H] (zeros after R: one shape for every bucket, for prompt_step), last tokens [S], cache, tables). Rows that
+    end mid-prompt sample too; the host discards theirs (their slots are the neutral one, so nothing is counted).
+    decode: None, or (tokens [D], sources [D], Batch) of D decode rows run in the same forward (a mixed step: the
+    weights read once for both; `chained` with prev); their tokens follow the R rows' in Sampled and in the last
+    tokens, and sampling covers R + D rows."""
     if decode is None:
         hidden, cache = forward(params, tokens, cache, batch, config=config, ops=ops)
     else:
@@ -72,15 +72,19 @@ def prefill_step(params, cache, tables, prev, tokens, batch: Batch, sampling: Sa
     if decode is not None:
         last = jnp.concatenate([last, decoded])
     out = sample(lm_logits(params, last, ops), sampling, tables, 0, vocab_limit=vocab_limit, ops=ops)
-    prompt = prompt_logprobs(params, hidden, targets, config=config, ops=ops, vocab_limit=vocab_limit)
-    return (jax.tree.map(lambda x: x[None], out), prompt, last_tokens(out.tokens, prev.shape[0]), cache,
+    hidden = jnp.zeros((hidden_rows, *hidden.shape[1:]), hidden.dtype).at[:hidden.shape[0]].set(hidden)
+    return (jax.tree.map(lambda x: x[None], out), hidden, last_tokens(out.tokens, prev.shape[0]), cache,
             tables.count(sampling.slots, out.tokens))
 
 
-def prompt_logprobs(params, hidden, targets, *, config, ops, vocab_limit) -> "PromptLogprobs":
-    """hidden: [R, T, H]; targets: [R, T] int32 (-1: none) -> PromptLogprobs [R, T](, MAX_LOGPROBS): each target's
-    logprob and the top MAX_LOGPROBS of the model's distribution at its position (no sampling adjustments), as the
-    logits of every position take [T, V] per row: one row at a time, and only in a step where a row wants them."""
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def prompt_step(params, hidden, targets, *, config, ops, vocab_limit) -> "PromptLogprobs":
+    """hidden: [R, T, H], a prefill's; targets: [R, T] int32, the prompt token after each position whose logprob is
+    wanted, -1 for none -> PromptLogprobs [R, T](, MAX_LOGPROBS): each target's logprob and the top MAX_LOGPROBS of
+    the model's distribution at its position (no sampling adjustments). The logits of every position take [T, V]
+    per row: one row at a time, and only rows with targets. A program of its own, dispatched after the prefill only
+    in steps that want prompt logprobs: its branches wait for the GPU on the host (an XLA conditional reads its
+    predicate back), which inside the prefill program held every prefill's dispatch until the GPU was done."""
     def row(args):
         h, target = args
         logits = lm_logits(params, h, ops)
@@ -90,12 +94,11 @@ def prompt_logprobs(params, hidden, targets, *, config, ops, vocab_limit) -> "Pr
         chosen = jnp.take_along_axis(log_probs, jnp.maximum(target, 0)[:, None], axis=-1)[:, 0]
         return PromptLogprobs(chosen, top_ids.astype(jnp.int32), top_logprobs)
 
-    def none(_):
-        r, t = targets.shape
-        return PromptLogprobs(jnp.zeros((r, t)), jnp.zeros((r, t, MAX_LOGPROBS), jnp.int32),
-                              jnp.zeros((r, t, MAX_LOGPROBS)))
+    def none(args):
+        t = args[1].shape[0]
+        return PromptLogprobs(jnp.zeros(t), jnp.zeros((t, MAX_LOGPROBS), jnp.int32), jnp.zeros((t, MAX_LOGPROBS)))
 
-    return jax.lax.cond(jnp.any(targets >= 0), lambda _: jax.lax.map(row, (hidden, targets)), none, None)
+    return jax.lax.map(lambda args: jax.lax.cond(jnp.any(args[1] >= 0), row, none, args), (hidden, targets))
 
 
 @functools.partial(jax.jit, static_argnames=(*_STATIC, "num_steps"), donate_argnums=(1, 2))
@@ -263,10 +266,11 @@ class ModelRunner:
     # ----- programs -----
     def programs(self) -> list:
         """Every program the engine runs: the decode and prefill buckets (cascade: the multi-step decodes of the
-        batches the rules allow) and the token-table writer."""
+        batches the rules allow), prompt logprobs and the token-table writer."""
         return [Program(b, self.decode_steps) for b in self.decode_rows] + [
             Program(b, self.decode_steps, True) for b in self.cascade_rows] + [
-            Program(r, 0, decode_rows=d) for r in self.prefill_rows for d in (0, self.mixed_rows)] + ["set_slot"]
+            Program(r, 0, decode_rows=d) for r in self.prefill_rows for d in (0, self.mixed_rows)] + [
+            "prompt", "set_slot"]
 
     @property
     def mixed_rows(self) -> int:
@@ -304,26 +308,30 @@ class ModelRunner:
 
     def _call(self, p) -> tuple:
         """(jitted step, its arguments, its static keywords) of program p; arguments as arrays or shapes."""
+        kw = dict(config=self.config, ops=self.ops, vocab_limit=self.vocab_limit)
         if p == "set_slot":
             row = lambda dtype: jax.ShapeDtypeStruct((self.config.vocab_size,), dtype)  # noqa: E731
             return _set_slot, (self.tables, np.int32(0), row(jnp.int32), row(jnp.int8), row(jnp.float32)), {}
+        if p == "prompt":
+            r, dtype = self.prefill_rows[-1], self.params["embed"].dtype
+            hidden = jax.ShapeDtypeStruct((r, PREFILL_ROW, self.config.hidden_size), dtype)
+            return prompt_step, (self.params, hidden, jax.ShapeDtypeStruct((r, PREFILL_ROW), jnp.int32)), kw
         b, t = p.rows, p.tokens_per_row
         tokens = jax.ShapeDtypeStruct((b,) if p.num_steps else (b, t), jnp.int32)
         table = self._page_table(b, [])
         plan = self._plan(p.rows, table[:0], []) if p.cascade else None
         args = (self.params, self.cache, self.tables, self.last, tokens, *self._inputs(p, table, [], [], {}, plan))
-        kw = dict(config=self.config, ops=self.ops, vocab_limit=self.vocab_limit)
         if p.num_steps:
             rows = jax.ShapeDtypeStruct((b,), jnp.int32)
             return decode_step, (*args, rows, rows), {**kw, "num_steps": p.num_steps}
         decode = self._decode_segment(p, [], [], [], []) if p.decode_rows else None
-        return prefill_step, (*args, jax.ShapeDtypeStruct((b, t), jnp.int32), decode), kw
+        return prefill_step, (*args, decode), {**kw, "hidden_rows": self.prefill_rows[-1]}
 
     def _key_parts(self, p) -> tuple:
         """What program p's executable depends on besides the environment, read without tracing; records the layout
         of its host arrays (pack's), which _run checks every dispatch against."""
         fn, args, kw = self._call(p)
-        if p != "set_slot":
+        if isinstance(p, Program):
             self._record_layout(p, args)
         return fn.__name__, p, kw, executable_cache.signature(args)
 
@@ -335,7 +343,7 @@ class ModelRunner:
 
     def _lower(self, p):
         fn, args, kw = self._call(p)
-        if p == "set_slot":
+        if not isinstance(p, Program):  # called with its arguments as they are
             return fn.trace(*args, **kw).lower()
         layout = self._record_layout(p, args)
         nbytes = sum(int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in layout[1])
@@ -350,9 +358,9 @@ class ModelRunner:
 
     def _run(self, p: Program, tokens: np.ndarray, table: np.ndarray, seq_lens, q_lens, sampling: dict,
              plan: CascadePlan | None = None, extra: tuple = ()) -> list:
-        """table: _page_table's; extra: a decode's row_steps and sources [B], a prefill's targets and decode segment
-        (_decode_segment's, or None). -> the step's outputs: [Sampled] for a decode, [Sampled, PromptLogprobs] for a
-        prefill; its last tokens become `last`, the next dispatch's prev."""
+        """table: _page_table's; extra: a decode's row_steps and sources [B], a prefill's decode segment
+        (_decode_segment's, or None). -> the step's outputs: [Sampled] for a decode, [Sampled, hidden] for a prefill;
+        its last tokens become `last`, the next dispatch's prev."""
         packed, layout = pack((tokens, *self._inputs(p, table, seq_lens, q_lens, sampling, plan), *extra))
         program = self._program(p)
         if layout != self._layouts[p]:  # recorded when p was keyed (compile_all) or lowered (lazily)
@@ -459,7 +467,8 @@ class ModelRunner:
                     sampling[name].append(fields[name] if last and fields else fill)
             last_rows.append(len(tokens) - 1)
         p = Program(bucket(max(len(tokens), 1), self.prefill_rows), 0, decode_rows=decodes and self.mixed_rows or 0)
-        padded, flat_targets = np.zeros((p.rows, PREFILL_ROW), np.int32), np.full(p.rows * PREFILL_ROW, -1, np.int32)
+        padded = np.zeros((p.rows, PREFILL_ROW), np.int32)
+        flat_targets = np.full(self.prefill_rows[-1] * PREFILL_ROW, -1, np.int32)  # prompt_step's rows
         padded[:len(tokens)] = tokens
         for first, values in targets:
             flat_targets[first:first + len(values)] = values
@@ -470,8 +479,12 @@ class ModelRunner:
             for name, fill in fills.items():  # the decode rows' sampling fields after the prompt rows' padding
                 sampling[name] += [fill] * (p.rows - len(tokens)) + list(fields.get(name, [fill] * len(last_tokens)))
             last_rows += [p.rows + i for i in range(len(last_tokens))]
-        pending = Pending(*self._run(p, padded, self._page_table(p.rows, tables), lens, q_lens, sampling,
-                                     extra=(flat_targets.reshape(p.rows, PREFILL_ROW), segment)))
+        sampled, hidden = self._run(p, padded, self._page_table(p.rows, tables), lens, q_lens, sampling,
+                                    extra=(segment,))
+        prompt = None
+        if targets:
+            prompt = self._program("prompt")(self.params, hidden, flat_targets.reshape(-1, PREFILL_ROW))
+        pending = Pending(sampled, prompt)
         return [(pending, row) for row in last_rows]
 
     def set_slot(self, slot: int, counts: np.ndarray, flags: np.ndarray, bias: np.ndarray) -> None:

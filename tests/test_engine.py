@@ -61,7 +61,7 @@ def test_mixed_and_row_limited_steps_are_one_dispatch_each(qwen3, monkeypatch):
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outs] == expected
     assert calls["mixed"] > 0 and calls["row_limited"] > 0
-    assert all(p == "set_slot" or p.num_steps in (0, llm.decode_steps) for p in llm.runner._compiled)
+    assert all(p in ("prompt", "set_slot") or p.num_steps in (0, llm.decode_steps) for p in llm.runner._compiled)
 
 
 def test_prefix_cache_hits_give_the_same_tokens(qwen3):
@@ -91,14 +91,15 @@ def test_no_compiles_after_warmup_for_any_request_mix(qwen3):
     llm.warmup(progress=False)
     compiled = llm.runner.compiles
     # decode 1..8 rows x 8 steps, the cascade decode at 8 rows, prefill 1 row alone and with 8 decode rows (a mixed
-    # step), the token tables
-    assert compiled == len(llm.runner.programs()) == 4 + 1 + 2 + 1
+    # step), prompt logprobs, the token tables
+    assert compiled == len(llm.runner.programs()) == 4 + 1 + 2 + 1 + 1
     mix = [GREEDY, SamplingParams(temperature=0.7, top_p=0.9, max_tokens=9, seed=1),
            SamplingParams(temperature=1.0, top_k=5, max_tokens=5), SamplingParams(temperature=0.5, min_p=0.1),
            SamplingParams(temperature=0, presence_penalty=0.5, frequency_penalty=0.3, max_tokens=12),
            SamplingParams(temperature=0.9, repetition_penalty=1.3, logit_bias={3: 2.0, 7: -5.0}, max_tokens=6),
            SamplingParams(temperature=0, min_tokens=4, max_tokens=8, logprobs=5),
-           SamplingParams(temperature=0.8, n=3, max_tokens=4, logprobs=0)]
+           SamplingParams(temperature=0.8, n=3, max_tokens=4, logprobs=0),
+           SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2)]
     long_prompts = random_prompts(97, [1, 2, 63, 64, 65, 90], seed=9)
     for batch in (1, 3, 8, len(prompts) + len(long_prompts)):
         chosen = (prompts + long_prompts)[:batch]

@@ -100,6 +100,14 @@ def test_pallas_kernels_per_shard(tp_model):
     alone = llm.generate([prompts[0]], seeded, use_tqdm=False)[0]
     beside = llm.generate(prompts, [seeded, greedy], use_tqdm=False)[0]
     assert beside.token_ids == alone.token_ids and len(beside.logprobs) == 3
+    # Prompt logprobs (their program takes the prefill's hidden states, replicated): those of one device.
+    echo = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2)
+    one = LLM(folder, dtype="float32", page_size=8, max_model_len=32, max_num_seqs=2, decode_steps=2,
+              kernels="interpret", progress=False)
+    expected = one.generate([prompts[0]], echo, use_tqdm=False)[0].prompt_logprobs
+    for (logprob, top), (want, want_top) in zip(llm.generate([prompts[0]], echo, use_tqdm=False)[0].prompt_logprobs[1:],
+                                                expected[1:], strict=True):
+        assert logprob == pytest.approx(want, abs=1e-5) and top == pytest.approx(want_top, abs=1e-5)
 
 
 @on_host_devices
