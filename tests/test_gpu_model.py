@@ -28,8 +28,9 @@ def test_kernels_and_reference_give_hf_greedy_tokens(name):
     del hf
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     for kernels in ("pallas", "reference"):
+        # chunked prefill: cached-prefix attention too; only the programs that run are compiled
         llm = LLM(loaded, dtype="float32", kernels=kernels, max_model_len=128, max_num_seqs=4, decode_steps=4,
-                  chunk_size=16, max_num_batched_tokens=32)  # chunked prefill: cached-prefix attention too
+                  chunk_size=16, max_num_batched_tokens=32, warmup=False)
         assert [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == expected, kernels
         # Alone, a sequence decodes with one row: the M = 1 path of the fused projections.
         assert llm.generate(prompts[1], greedy, use_tqdm=False)[0].token_ids == expected[1], kernels
@@ -56,7 +57,7 @@ def test_cascade_gives_hf_greedy_tokens(name):
     del hf
     rules = CascadeRules(min_shared_tokens=32, min_piece_tokens=64, min_saved_tokens=1, min_batch=8)
     llm = LLM(loaded, dtype="float32", kernels="pallas", max_model_len=640, max_num_seqs=16, decode_steps=4,
-              cascade=rules)
+              cascade=rules, warmup=False)  # compiles only what runs: every program would take minutes in float32
     for prefix in (system + doc_a, system + doc_b):
         llm.pin_prefix(prefix)
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -85,7 +86,7 @@ def test_tensor_parallel_gives_hf_greedy_tokens(name, size):
     loaded = loaded_model(hf, "float32")
     del hf
     llm = LLM(loaded, dtype="float32", kernels="pallas", max_model_len=128, max_num_seqs=4, decode_steps=4,
-              chunk_size=16, max_num_batched_tokens=32, tensor_parallel_size=size)
+              chunk_size=16, max_num_batched_tokens=32, tensor_parallel_size=size, warmup=False)
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     assert llm.generate(prompts[0], greedy, use_tqdm=False)[0].token_ids == expected[0]
     outs = llm.generate(prompts, greedy, use_tqdm=False)  # the first two read the cached shared pages
