@@ -9,8 +9,10 @@ nanojax.sampling):
   the cache up to its own last token, so many short prompts cost one dispatch and a long one the same as unpacked.
   A step that has prompt chunks and decodes (a mixed step) runs both in one forward, so the weights are read once:
   the prefill program with max_num_seqs one-token decode rows after the prompt rows.
-`compile_all` lowers every bucket and compiles them on a thread pool (XLA compiles outside the GIL). A dispatch
-sends its host arrays as one byte buffer (`pack`), which the program unpacks (`packed_step`).
+Prompt logprobs, wanted by few requests, run in a third program on the prefill's hidden states, dispatched only in
+steps that want them (`prompt_step`). `compile_all` lowers every bucket and compiles them on a thread pool (XLA
+compiles outside the GIL). A dispatch sends its host arrays as one byte buffer (`pack`), which the program unpacks
+(`packed_step`).
 Every program also returns each row's last sampled token in a fixed-size device array, which the next dispatch
 takes as `prev`: a decode row whose `sources` entry is r >= 0 feeds the previous dispatch's row r instead of a
 host token, so the engine can dispatch a step before it has read the previous one back.
