@@ -29,7 +29,9 @@ in flight (`-`: no cap), arriving at RATE requests/s (default inf: all at once).
 without a concurrency cap, `LLM.generate` of NUM requests of the same shape (output tok/s; "vs offline" is the
 server's over it); with cap C, the decode step at batch C (two generates of C prompts, OUT and 1 tokens, differenced
 so the prefill cancels; the median of five such pairs) in the TPOT p50 column ("vs offline" is the server's TPOT p50
-over it).
+over it), then an "engine" row: the same scenario through the engine's `add_request` in its own process, timed as
+the client times it (the served figures without HTTP and the pipe; its "vs offline" is what the engine's own mixing
+of arrivals' prefills with the decodes costs).
 
 Arrivals: a gamma process with mean interval 1/rate and shape `burstiness` (1: Poisson; smaller: burstier); rate inf
 sends everything at once. Each request asks for exactly OUT tokens (greedy; nanojax: ignore_eos; the peer's model
@@ -288,6 +290,40 @@ def offline_row(llm, scenario: Scenario, index: int, args) -> dict:
             "median_tpot_ms": step_ms}
 
 
+def engine_row(llm, scenario: Scenario, index: int, args) -> dict:
+    """Cap C: the scenario's requests through the engine's own request surface, in its process (`add_request`,
+    delivered to asyncio as the server's are: one wakeup per step for every stream), at most C in flight, all at
+    once, timed as the client times them: the served row without HTTP and the pipe. Its TPOT over the decode step
+    is what the engine's own scheduling costs (the arrivals' prefills among the decodes). Other random tokens."""
+    from nanojax import SamplingParams
+    from nanojax.engine_io import RequestStream
+
+    prompts = random_prompts(scenario.num_prompts, scenario.input_len, args.vocab_size, args.seed + 10 * index + 7)
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=scenario.output_len)
+
+    async def one(prompt, limit) -> dict:
+        async with limit:
+            start = time.perf_counter()
+            last, ttft, itl, tokens = start, None, [], 0
+            async for batch in llm.add_request(prompt, params, stream=RequestStream(asyncio.get_running_loop())
+                                               ).batches():
+                if len(batch[-1].token_ids) > tokens:  # one wakeup's events: one SSE chunk when served
+                    now = time.perf_counter()
+                    if ttft is None:
+                        ttft = now - start
+                    else:
+                        itl.append(now - last)
+                    last, tokens = now, len(batch[-1].token_ids)
+            return {"ttft": ttft, "itl": itl, "e2e": last - start, "output_tokens": tokens, "error": None}
+
+    async def run() -> tuple[list[dict], float]:
+        limit, start = asyncio.Semaphore(scenario.max_concurrency), time.perf_counter()
+        results = await asyncio.gather(*(one(p, limit) for p in prompts))
+        return results, time.perf_counter() - start
+
+    return {"num_prompts": len(prompts), **summarize(*asyncio.run(run()), scenario.input_len)}
+
+
 # ----- results -----
 COLUMNS = [("server", "server", "{}"), ("steps", "decode_steps", "{}"), ("scenario", "scenario", "{}"),
            ("n", "num_prompts", "{}"), ("fail", "failed", "{}"), ("req/s", "request_throughput", "{:,.2f}"),
@@ -314,6 +350,8 @@ class Report:
             key = "output_throughput" if scenario.max_concurrency is None else "median_tpot_ms"
             if served.get(key) is not None:
                 served["vs_offline"] = served[key] / row[key]
+        if server == "engine":  # after the offline row of its scenario: the decode step
+            row["vs_offline"] = row["median_tpot_ms"] / self.data["rows"][-1]["median_tpot_ms"]
         self.data["rows"].append(row)
         self.write()
         print(" | ".join(f"{head} {cell(row, key, fmt)}" for head, key, fmt in COLUMNS[:-1]), flush=True)
@@ -328,7 +366,8 @@ class Report:
         table += [[cell(row, key, fmt) for _, key, fmt in COLUMNS] for row in self.data["rows"]]
         widths = [max(len(r[i]) for r in table) for i in range(len(COLUMNS))]
         print("\nms for TTFT / TPOT / ITL / E2E; scenario IN,OUT,NUM,CONCURRENCY,RATE; offline TPOT p50: the decode "
-              "step at batch CONCURRENCY; vs offline: out tok/s over offline's (no cap), TPOT p50 over its (cap)")
+              "step at batch CONCURRENCY; engine: the scenario through add_request in the engine's process; vs "
+              "offline: out tok/s over offline's (no cap), TPOT p50 over its (cap)")
         for r in table:
             print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
         for row in self.data["rows"]:
@@ -375,6 +414,9 @@ def run_nanojax(model, decode_steps: int | None, args, scenarios: list[Scenario]
                            serve_scenario(server.url, scenario, index, args, client_processes=procs))
                 if not args.no_offline:
                     report.add("offline", engine.decode_steps, scenario, on_engine(offline_row, scenario, index, args))
+                    if scenario.max_concurrency is not None:
+                        report.add("engine", engine.decode_steps, scenario,
+                                   on_engine(engine_row, scenario, index, args))
     finally:
         server.stop()
         if isinstance(engine, EngineProcess):

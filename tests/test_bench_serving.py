@@ -73,7 +73,7 @@ def test_tiny_launch_with_the_transformers_peer(tmp_path, monkeypatch):
         "--peer-timeout", "120", "--peer-args", "--cb-num-blocks 32 --cb-max-batch-tokens 64", "--out", str(out)])
     assert json.loads(out.read_text()) == report and "peer_error" not in report
     rows = {(r["server"], r["decode_steps"], r["scenario"]): r for r in report["rows"]}
-    assert len(rows) == len(report["rows"]) == 2 * 2 * 2 + 2
+    assert len(rows) == len(report["rows"]) == 2 * 2 * 2 + 2 + 2  # served and offline, the engine rows, the peer
     for steps in (2, 4):
         served, offline = rows["nanojax", steps, "12,6,5,-,inf"], rows["offline", steps, "12,6,5,-,inf"]
         assert (served["completed"], served["failed"], served["total_output_tokens"]) == (5, 0, 30), served["errors"]
@@ -81,6 +81,9 @@ def test_tiny_launch_with_the_transformers_peer(tmp_path, monkeypatch):
         served, step = rows["nanojax", steps, "12,6,3,1,inf"], rows["offline", steps, "12,6,3,1,inf"]
         assert (served["completed"], served["total_output_tokens"]) == (3, 18) and step["decode_ms_per_step"] > 0
         assert served["vs_offline"] == pytest.approx(served["median_tpot_ms"] / step["decode_ms_per_step"])
+        engine = rows["engine", steps, "12,6,3,1,inf"]
+        assert (engine["completed"], engine["total_output_tokens"]) == (3, 18), engine["errors"]
+        assert engine["vs_offline"] == pytest.approx(engine["median_tpot_ms"] / step["decode_ms_per_step"])
     for scenario in ("12,6,5,-,inf", "12,6,3,1,inf"):
         peer = rows["transformers", None, scenario]
         assert (peer["num_prompts"], peer["completed"], peer["total_output_tokens"]) == (2, 2, 12), peer["errors"]
