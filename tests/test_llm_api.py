@@ -259,3 +259,43 @@ def test_the_process_exits_cleanly_with_a_request_running(tmp_path):
                           env={**__import__("os").environ, "PYTHONPATH": str(root)})
     assert done.returncode == 0, done.stderr[-2000:]
     assert "exiting" in done.stdout
+
+
+def test_the_loop_waits_for_work_without_holding_the_llm(qwen3, monkeypatch):
+    """An idle loop's thread waits a while for the next request (a new thread per request cost ~0.5 ms of each
+    first token) holding the LLM only weakly: the next request reuses it, an unused LLM is freed at once, and the
+    thread ends when the wait runs out."""
+    import gc
+    import threading
+    import weakref
+
+    from nanojax import llm as llm_module
+
+    monkeypatch.setattr(llm_module, "_LINGER_S", 1.0)
+    folder, model = qwen3
+    llm = LLM(folder, dtype="float32", page_size=4, max_model_len=96)
+    prompts = random_prompts(97, [5, 9], seed=12)
+    expected = hf_greedy(model, prompts[1], 8)
+    threads = set()
+
+    def loop_thread():
+        loops = [t for t in threading.enumerate() if t.name == llm_module._LOOP_THREAD and t not in threads]
+        assert len(loops) == 1
+        return loops[0]
+
+    threads = {t for t in threading.enumerate() if t.name == llm_module._LOOP_THREAD}  # other tests' LLMs'
+    first = llm.generate(prompts[:1], GREEDY, use_tqdm=False)[0]
+    thread = loop_thread()
+    second = llm.generate(prompts[1:], GREEDY, use_tqdm=False)[0]
+    assert loop_thread() is thread  # still waiting when the second request came
+    assert second.token_ids == expected
+    thread.join(timeout=5)
+    assert not thread.is_alive() and not llm._running  # the wait ran out
+    assert llm.generate(prompts[:1], GREEDY, use_tqdm=False)[0].token_ids == first.token_ids  # a new thread
+    ref, thread = weakref.ref(llm), loop_thread()
+    assert thread.is_alive()
+    del llm
+    gc.collect()
+    assert ref() is None  # freed while its loop waits; the thread then ends without waiting out the time
+    thread.join(timeout=0.3)
+    assert not thread.is_alive()
