@@ -384,10 +384,13 @@ class LLM(RequestFront):
                 threading.Thread(target=_engine_loop, args=(weakref.ref(self), self._inbox), name=_LOOP_THREAD,
                                  daemon=True).start()
 
-    def _loop(self) -> bool:
-        """Steps until nothing is left to do (-> True) or the process exits (-> False)."""
+    def _loop(self, first: tuple | None = None) -> bool:
+        """Steps until nothing is left to do (-> True) or the process exits (-> False). first: an inbox item
+        already taken out."""
         inflight = None  # the step dispatched last, not read back yet
         try:
+            if first is not None:
+                self._take(*first)
             while not _EXITING.is_set():
                 self._take_inbox()
                 self.events_out()
@@ -695,20 +698,23 @@ def _engine_loop(ref: "weakref.ref[LLM]", inbox: queue.SimpleQueue) -> None:
     """An LLM's loop thread: runs its loop until it is idle, then waits up to _LINGER_S for more work, holding the
     inbox but not the LLM (a thread's start cost 0.5-0.75 ms of each first token when the loop ended between requests
     on the H200 machine). It ends when the wait runs out with nothing queued, at exit, or once the LLM is freed."""
-    while (llm := ref()) is not None and llm._loop():
+    item = None
+    while (llm := ref()) is not None and llm._loop(item):
         del llm
-        item, deadline = None, time.monotonic() + _LINGER_S
-        while item is None and time.monotonic() < deadline and not _EXITING.is_set() and ref() is not None:
-            try:
-                item = inbox.get(timeout=0.05)  # (returns at once when something is put)
-            except queue.Empty:
-                pass
-        if (llm := ref()) is None:
+        item = _next_item(ref, inbox)
+        if item is None and ((llm := ref()) is None or llm._end_if_idle()):
             return
-        if item is not None:
-            llm._take(*item)
-        elif llm._end_if_idle():
-            return
+
+
+def _next_item(ref: "weakref.ref[LLM]", inbox: queue.SimpleQueue) -> tuple | None:
+    """The inbox's next item within _LINGER_S; None if none came, at exit, or once the LLM is freed."""
+    deadline = time.monotonic() + _LINGER_S
+    while time.monotonic() < deadline and not _EXITING.is_set() and ref() is not None:
+        try:
+            return inbox.get(timeout=0.05)  # (returns at once when something is put)
+        except queue.Empty:
+            pass
+    return None
 
 
 def _positive(name: str, value: int | None, default: int) -> int:
