@@ -276,14 +276,13 @@ def test_the_loop_waits_for_work_without_holding_the_llm(qwen3, monkeypatch):
     llm = LLM(folder, dtype="float32", page_size=4, max_model_len=96)
     prompts = random_prompts(97, [5, 9], seed=12)
     expected = hf_greedy(model, prompts[1], 8)
-    threads = set()
+    others = {t for t in threading.enumerate() if t.name == llm_module._LOOP_THREAD}  # other tests' LLMs' loops
 
     def loop_thread():
-        loops = [t for t in threading.enumerate() if t.name == llm_module._LOOP_THREAD and t not in threads]
+        loops = [t for t in threading.enumerate() if t.name == llm_module._LOOP_THREAD and t not in others]
         assert len(loops) == 1
         return loops[0]
 
-    threads = {t for t in threading.enumerate() if t.name == llm_module._LOOP_THREAD}  # other tests' LLMs'
     first = llm.generate(prompts[:1], GREEDY, use_tqdm=False)[0]
     thread = loop_thread()
     second = llm.generate(prompts[1:], GREEDY, use_tqdm=False)[0]
