@@ -494,7 +494,8 @@ class LLM(RequestFront):
         # The next step may go before this one is read back when its decode rows can take their tokens from this
         # one's last tokens (one dispatch) and this one is not a prefill-only step that samples (its first tokens
         # would wait for the next dispatch's launch), nor the step right after one: its read back leaves the GIL
-        # to the threads that stream those first tokens (time to first token, measured: docs/perf_notes.md).
+        # to the threads that stream those first tokens (in-process consumers; measured with the engine process's
+        # former sender thread: time to first token, docs/perf_notes.md).
         one_dispatch = len({id(out) for out, _ in pending.values()}) <= 1
         first_tokens_only = bool(pending) and not decodes
         return _Step(chunks, pending, prompt, one_dispatch and not first_tokens_only and not after_first_tokens,

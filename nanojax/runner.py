@@ -470,10 +470,7 @@ class ModelRunner:
             last_rows.append(len(tokens) - 1)
         p = Program(bucket(max(len(tokens), 1), self.prefill_rows), 0, decode_rows=decodes and self.mixed_rows or 0)
         padded = np.zeros((p.rows, PREFILL_ROW), np.int32)
-        flat_targets = np.full(self.prefill_rows[-1] * PREFILL_ROW, -1, np.int32)  # prompt_step's rows
         padded[:len(tokens)] = tokens
-        for first, values in targets:
-            flat_targets[first:first + len(values)] = values
         segment = None
         if decodes:
             last_tokens, page_tables, seq_lens, fields = decodes
@@ -483,11 +480,16 @@ class ModelRunner:
             last_rows += [p.rows + i for i in range(len(last_tokens))]
         sampled, hidden = self._run(p, padded, self._page_table(p.rows, tables), lens, q_lens, sampling,
                                     extra=(segment,))
-        prompt = None
-        if targets:
-            prompt = self._program("prompt")(self.params, hidden, flat_targets.reshape(-1, PREFILL_ROW))
-        pending = Pending(sampled, prompt)
+        pending = Pending(sampled, self._prompt_logprobs(hidden, targets) if targets else None)
         return [(pending, row) for row in last_rows]
+
+    def _prompt_logprobs(self, hidden, targets: list[tuple[int, list[int]]]) -> PromptLogprobs:
+        """Dispatches prompt_step on a prefill's hidden states; targets: (first position in the flattened rows, the
+        target of each position from there) per chunk that wants them."""
+        flat = np.full(self.prefill_rows[-1] * PREFILL_ROW, -1, np.int32)  # prompt_step's rows
+        for first, values in targets:
+            flat[first:first + len(values)] = values
+        return self._program("prompt")(self.params, hidden, flat.reshape(-1, PREFILL_ROW))
 
     def set_slot(self, slot: int, counts: np.ndarray, flags: np.ndarray, bias: np.ndarray) -> None:
         """Writes one request's token tables ([V] each) into `slot`, queued before the next step."""
