@@ -6,6 +6,7 @@ compiler params is what selects the Triton lowering: without them jax >= 0.11 lo
 which does not support the pointer-gather loads these kernels use.
 """
 import functools
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +15,23 @@ from jax.experimental.pallas import triton as plgpu
 
 load = plgpu.load
 store = plgpu.store
+
+
+def _name_the_triton_dialect_module() -> None:
+    """MLIR's Python bindings import a dialect's module (under each of their search prefixes) whenever they wrap a
+    value or an op of that dialect, until one import succeeds. jaxlib ships the Triton dialect's module as
+    `jaxlib.triton.dialect`, a name they do not search, so every wrap in JAX's Triton lowering failed an import
+    through the whole path: ~3,000 failed imports per program, ~18% of the programs' lowering on the CPU and more on
+    the GPU machine (docs/perf_notes.md, "Start-up"). Under the name they search, the first lookup succeeds and is
+    remembered; the ops' classes were registered when the module was imported, so the lowering is unchanged."""
+    try:
+        from jaxlib.triton import dialect
+    except ImportError:
+        return
+    sys.modules.setdefault("jaxlib.mlir.dialects.tt", dialect)
+
+
+_name_the_triton_dialect_module()
 
 # SMs of an H100 (and H200), the GPU the tilings were measured on.
 H100_SMS = 132

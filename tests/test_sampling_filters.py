@@ -7,6 +7,9 @@ logits have many ties (a kept prefix may end inside one: token ids break it, as 
 (banned tokens), +-0.0, a row of one value; vocabularies that are not a multiple of the kernel's block, and smaller
 than the number of top tokens.
 """
+import functools
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -144,3 +147,26 @@ def test_kernel_matches_the_reference_on_the_gpu(batch, ties, splits):
     logits, rows = random_rows(np.random.default_rng(batch), batch, 151936, ties)
     got, want = run_both(logits, rows, config=FilterConfig(splits=splits))
     check(logits, rows, got, want)
+
+
+
+@pytest.mark.skipif(not can_lower_for_cuda(), reason="this jaxlib compiles Triton kernels while lowering")
+def test_lowering_the_kernel_looks_no_dialect_module_up():
+    """Lowering a Triton kernel imports nothing (pallas_kernels._compat names the Triton dialect's module where
+    MLIR's bindings look for it; before, they tried to import it anew at every value they wrapped)."""
+    asked = []
+
+    class Record:  # first in the meta path: sees every import of a module not yet in sys.modules
+        def find_spec(self, name, path=None, target=None):
+            asked.append(name)
+            return None
+
+    x = jax.ShapeDtypeStruct((8, 1000), jnp.float32)
+    rows = [jax.ShapeDtypeStruct((8,), d) for d in (jnp.float32, jnp.int32, jnp.float32, jnp.float32, jnp.int32)]
+    traced = jax.jit(functools.partial(sampling_filters, num_top=4)).trace(x, *rows)
+    sys.meta_path.insert(0, Record())
+    try:
+        traced.lower(lowering_platforms=("cuda",))
+    finally:
+        sys.meta_path.pop(0)
+    assert not [n for n in asked if n.endswith(".tt")], sorted(set(asked))
