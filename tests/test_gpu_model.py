@@ -24,6 +24,8 @@ def test_kernels_and_reference_give_hf_greedy_tokens(name):
     with torch.no_grad():
         expected = [hf.generate(torch.tensor([p], device=hf.device), max_new_tokens=12, min_new_tokens=12,
                                 do_sample=False)[0, len(p):].tolist() for p in prompts]
+        log_probs = torch.log_softmax(hf(torch.tensor([prompts[0]], device=hf.device)).logits[0].double(), -1)
+    log_probs = log_probs.cpu().numpy()
     loaded = loaded_model(hf, "float32")
     del hf
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -34,6 +36,13 @@ def test_kernels_and_reference_give_hf_greedy_tokens(name):
         assert [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == expected, kernels
         # Alone, a sequence decodes with one row: the M = 1 path of the fused projections.
         assert llm.generate(prompts[1], greedy, use_tqdm=False)[0].token_ids == expected[1], kernels
+        # Prompt logprobs (runner.prompt_step, after the chunks' prefills): HF's log-softmax, and its top token.
+        out = llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=3),
+                           use_tqdm=False)[0]
+        for pos in range(1, len(prompts[0])):
+            logprob, top = out.prompt_logprobs[pos]
+            np.testing.assert_allclose(logprob, log_probs[pos - 1, prompts[0][pos]], atol=1e-3, err_msg=kernels)
+            assert max(top, key=top.get) == log_probs[pos - 1].argmax(), (kernels, pos)
         del llm
 
 
