@@ -5,11 +5,13 @@ as each part is converted: Orbax holds a second copy of what it saves, so saving
 need twice the model in memory. A conversion writes everything into a temporary sibling folder and renames it
 into place at the end, so a failed or interrupted conversion leaves nothing half-written at the destination.
 """
+import concurrent.futures
 import json
 import os
 import shutil
 import uuid
 from pathlib import Path
+from typing import Callable
 
 import jax
 import numpy as np
@@ -30,12 +32,20 @@ DTYPES = {"float32": np.float32, "bfloat16": jax.numpy.bfloat16, "float16": np.f
 QUANTIZATIONS = (None, "fp8")
 
 
-def params_from_source(source: Source, dtype: str, progress: bool = False) -> tuple[ModelConfig, dict]:
+def params_from_source(source: Source, dtype: str, progress: bool = False,
+                       place: Callable[[dict], dict] | None = None) -> tuple[ModelConfig, dict]:
     """The whole model in memory; its layers converted on a thread per core (up to 16): the whole model is held
-    anyway, and conversion was most of a warm start of `LLM(hf_folder)` (docs/perf_notes.md, "Start-up")."""
+    anyway, and conversion was most of a warm start of `LLM(hf_folder)` (docs/perf_notes.md, "Start-up").
+    place: applied to each part on a thread of its own as the part is converted (`jax.device_put`: the copies to
+    the device run while the next parts convert)."""
     config = ModelConfig.from_hf_config(source.hf_config)
     threads = min(16, os.cpu_count() or 1)
-    return config, params_from_parts(_parts(source, config, dtype, progress, threads), config.num_layers)
+    parts = _parts(source, config, dtype, progress, threads)
+    if place is not None:
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="place") as pool:
+            placing = [(name, pool.submit(place, part)) for name, part in parts]
+        parts = [(name, future.result()) for name, future in placing]
+    return config, params_from_parts(parts, config.num_layers)
 
 
 def _parts(source: Source, config: ModelConfig, dtype: str, progress: bool, threads: int = 1):

@@ -134,7 +134,12 @@ class LLM(RequestFront):
             raise ValueError(f"quantization must be None or 'fp8', got {quantization!r}")
         if not isinstance(cascade, (bool, CascadeRules)):
             raise ValueError(f"cascade must be True, False or a nanojax.cascade.CascadeRules, got {cascade!r}")
-        loaded = load_model(model, self.dtype)
+        several = jax.process_count() > 1  # a jax.distributed job: one model over every process's devices
+        sharded = tensor_parallel_size is not None or several
+        # One device: a converted checkpoint's parts go to it while the next ones convert (the first large copies
+        # to a GPU are slow, docs/perf_notes.md "Start-up"). Sharded weights are placed by TensorParallel; weights
+        # quantized at load go as FP8 only (below).
+        loaded = load_model(model, self.dtype, place=None if sharded or quantization else jax.device_put)
         loaded_at = time.perf_counter()
         self.config, params = loaded.config, loaded.params
         if quantization == "fp8" and not is_quantized(params["layers"][0]["qkv"]):
@@ -149,8 +154,7 @@ class LLM(RequestFront):
         budget = _positive("max_num_batched_tokens", max_num_batched_tokens, 8192 if on_gpu else 2048)
         pages_per_seq = -(-max_model_len // page_size)
         tp = None
-        several = jax.process_count() > 1  # a jax.distributed job: one model over every process's devices
-        if tensor_parallel_size is not None or several:
+        if sharded:
             from nanojax.sharding import TensorParallel
 
             size = jax.device_count() if tensor_parallel_size is None else tensor_parallel_size

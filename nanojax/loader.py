@@ -9,7 +9,7 @@ from nanojax.config import ModelConfig
 @dataclasses.dataclass
 class LoadedModel:
     config: ModelConfig
-    params: dict  # numpy arrays, see nanojax.model
+    params: dict  # numpy arrays (device arrays where load_model placed them), see nanojax.model
     tokenizer: "object | Future | None"  # an HF tokenizer (or a Future of it, while it loads); None: weights only
     tokenizer_len: int | None = None  # len(tokenizer): set with a Future, whose tokenizer is not there yet
 
@@ -27,9 +27,11 @@ class LoadedModel:
         return min(size, self.config.vocab_size)
 
 
-def load_model(model: "str | LoadedModel | None", dtype: str) -> LoadedModel:
+def load_model(model: "str | LoadedModel | None", dtype: str, place=None) -> LoadedModel:
     """Resolve `model` and cast its params to `dtype`. The tokenizer of an HF folder or a checkpoint loads on a
-    thread while the weights are read, and may still be loading when this returns (see LoadedModel.resolved)."""
+    thread while the weights are read, and may still be loading when this returns (see LoadedModel.resolved).
+    place: applied to each part of a converted source's params (a layer, the rest) while the next ones convert
+    (params_from_source); other params come as they are."""
     # convert/ builds on nanojax.config, so it is imported here rather than at module level.
     from convert import is_checkpoint, load_checkpoint, open_source, params_from_source
     from convert.checkpoint import DTYPES
@@ -49,10 +51,10 @@ def load_model(model: "str | LoadedModel | None", dtype: str) -> LoadedModel:
         return LoadedModel(config, _cast(params, DTYPES[dtype]), *tokenizer)
     source = open_source(model)
     if source.format == "gguf":
-        config, params = params_from_source(source, dtype)
+        config, params = params_from_source(source, dtype, place=place)
         return LoadedModel(config, params, _gguf_tokenizer(source.description))
     tokenizer = _start_tokenizer(hf_tokenizer(source.description))
-    config, params = params_from_source(source, dtype)
+    config, params = params_from_source(source, dtype, place=place)
     return LoadedModel(config, params, *tokenizer)
 
 

@@ -60,3 +60,24 @@ def test_a_changed_tokenizer_is_asked_again(hf_model_dir, tmp_path, monkeypatch)
     second = load_hf_tokenizer(folder)
     assert (first.model_max_length, second.model_max_length) == (first.model_max_length, 77)
     assert len(list((tmp_path / "cache" / "answers" / "tokenizer").glob("*.json"))) == 2
+
+
+def test_placed_parts_equal_the_host_params(hf_model_dir):
+    """place= sends each converted part to the device while the next ones convert (what LLM does on one device):
+    every leaf is a device array, equal to the host conversion."""
+    import jax
+    import numpy as np
+
+    from nanojax.loader import load_model
+
+    src, _ = hf_model_dir("qwen3")
+    placed_parts = []
+
+    def place(part):
+        placed_parts.append(part)
+        return jax.device_put(part)
+
+    host, placed = load_model(str(src), "float32").params, load_model(str(src), "float32", place=place).params
+    assert len(placed_parts) == len(host["layers"]) + 1  # the layers, then the rest
+    assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(placed))
+    jax.tree.map(np.testing.assert_array_equal, host, placed)
