@@ -210,3 +210,19 @@ def test_layers_converted_on_threads_come_in_order_and_errors_surface_in_order()
             held.discard(i)
     assert out == [0, 1, 2, 3, 4] and most[0] <= 4  # 3 running, one done and not yet taken
     assert list(_in_order(lambda i: i * i, 6, threads=1)) == [0, 1, 4, 9, 16, 25]
+
+
+@pytest.mark.parametrize("shape", [(300, 7), (1, 513), (600, 260)])
+@pytest.mark.parametrize("src,dst", [("float32", "bfloat16"), ("bfloat16", "bfloat16"), ("float32", "float32"),
+                                     ("float32", "float16")])
+def test_transposed_weights_copy_as_numpy_does(shape, src, dst):
+    """The converter's banded copy of a transposed view (an HF [out, in] weight as [in, out]) gives numpy's C-order
+    cast bit for bit, in bands that do not divide the rows."""
+    from convert.checkpoint import DTYPES
+    from convert.keys import _cast
+
+    x = np.random.default_rng(0).standard_normal(shape[::-1]).astype(DTYPES[src]).T
+    got = _cast(x, DTYPES[dst])
+    want = np.array(x, dtype=DTYPES[dst], order="C")
+    assert got.flags.c_contiguous and got.dtype == want.dtype
+    np.testing.assert_array_equal(got.view(f"u{got.itemsize}"), want.view(f"u{want.itemsize}"))
