@@ -5,7 +5,6 @@ import hashlib
 import json
 import os
 import tempfile
-import uuid
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any, Callable
@@ -26,33 +25,6 @@ def use_compilation_cache() -> None:
     if jax.config.jax_compilation_cache_dir is None:
         jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # the few programs there are, all kept
-    _write_cache_entries_whole()
-
-
-def _write_cache_entries_whole() -> None:
-    """JAX's file cache writes an entry in place (`LRUCache.put`), so a process reading it meanwhile (a second
-    nanojax process, another test worker) or one after a writer was killed half-way reads a truncated executable,
-    and deserializing one aborts the process (a CI run on the CPU, two pytest workers sharing the cache). Entries
-    are written to a temporary file and renamed into place, as nanojax's own executable files are. With eviction on
-    (`jax_compilation_cache_max_size`) or a cache that is not a local folder, JAX's own write stays."""
-    from jax._src import lru_cache
-
-    put = lru_cache.LRUCache.put
-    if getattr(put, "whole", False):
-        return
-
-    def put_whole(cache, key: str, value: bytes) -> None:
-        if cache.eviction_enabled or not key or not lru_cache._is_local_filesystem(str(cache.path)):
-            return put(cache, key, value)
-        path = cache.path / f"{key}{lru_cache._CACHE_SUFFIX}"
-        if path.exists():
-            return
-        tmp = cache.path / f".{key}.{uuid.uuid4().hex}.tmp"
-        tmp.write_bytes(value)
-        os.replace(str(tmp), str(path))
-
-    put_whole.whole = True
-    lru_cache.LRUCache.put = put_whole
 
 
 def remembered(kind: str, key: bytes, compute: Callable[[], Any]) -> Any:
