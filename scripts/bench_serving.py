@@ -126,10 +126,30 @@ def request_body(prompt: list[int], output_len: int, model: str | None, as_text:
     return {**body, "model": model} if model else body
 
 
+class Clock:
+    """When one request's tokens came, as its client sees them: time to the first, gaps between the next ones."""
+
+    def __init__(self):
+        self.start = self.last = time.perf_counter()
+        self.ttft, self.itl = None, []
+
+    def tokens_came(self) -> None:
+        now = time.perf_counter()
+        if self.ttft is None:
+            self.ttft = now - self.start
+        else:
+            self.itl.append(now - self.last)
+        self.last = now
+
+    def result(self, output_tokens: int) -> dict:
+        """-> ttft, itl (list), e2e (s), output_tokens, error."""
+        return {"ttft": self.ttft, "itl": self.itl, "e2e": self.last - self.start, "output_tokens": output_tokens,
+                "error": None}
+
+
 async def one_request(client, url: str, body: dict) -> dict:
-    """Streams one completion -> ttft, itl (list), e2e (s), output_tokens, error."""
-    start = time.perf_counter()
-    last, ttft, itl, tokens, usage = start, None, [], 0, None
+    """Streams one completion -> Clock.result's, or an error."""
+    clock, tokens, usage = Clock(), 0, None
     try:
         async with client.stream("POST", url, json=body) as response:
             if response.status_code != 200:
@@ -145,18 +165,13 @@ async def one_request(client, url: str, body: dict) -> dict:
                 gained = sum(len(c["token_ids"]) if "token_ids" in c else bool(c.get("text"))
                              for c in chunk["choices"])
                 if gained:
-                    now = time.perf_counter()
-                    if ttft is None:
-                        ttft = now - start
-                    else:
-                        itl.append(now - last)
-                    last, tokens = now, tokens + gained
+                    clock.tokens_came()
+                    tokens += gained
     except Exception as e:  # noqa: BLE001 -- a failed request is counted, the run goes on
         return {"error": repr(e)}
-    if ttft is None:
+    if clock.ttft is None:
         return {"error": "no token came back"}
-    tokens = usage["completion_tokens"] if usage else tokens
-    return {"ttft": ttft, "itl": itl, "e2e": last - start, "output_tokens": tokens, "error": None}
+    return clock.result(usage["completion_tokens"] if usage else tokens)
 
 
 async def run_requests(base_url: str, model: str | None, prompts, output_len: int, offsets, max_concurrency,
@@ -303,18 +318,13 @@ def engine_row(llm, scenario: Scenario, index: int, args) -> dict:
 
     async def one(prompt, limit) -> dict:
         async with limit:
-            start = time.perf_counter()
-            last, ttft, itl, tokens = start, None, [], 0
+            clock, tokens = Clock(), 0
             async for batch in llm.add_request(prompt, params, stream=RequestStream(asyncio.get_running_loop())
                                                ).batches():
                 if len(batch[-1].token_ids) > tokens:  # one wakeup's events: one SSE chunk when served
-                    now = time.perf_counter()
-                    if ttft is None:
-                        ttft = now - start
-                    else:
-                        itl.append(now - last)
-                    last, tokens = now, len(batch[-1].token_ids)
-            return {"ttft": ttft, "itl": itl, "e2e": last - start, "output_tokens": tokens, "error": None}
+                    clock.tokens_came()
+                    tokens = len(batch[-1].token_ids)
+            return clock.result(tokens)
 
     async def run() -> tuple[list[dict], float]:
         limit, start = asyncio.Semaphore(scenario.max_concurrency), time.perf_counter()
