@@ -19,7 +19,9 @@ def use_compilation_cache() -> None:
     with their Triton kernels (compiled into the executable) and XLA's autotuning results. A user's own
     JAX_COMPILATION_CACHE_DIR wins. XLA's kernel cache file is left off (`jax_persistent_cache_enable_xla_caches`
     "all"): shared by processes that compile different programs, it made later runs fail on the H100 with
-    CUDA_ERROR_ILLEGAL_INSTRUCTION (docs/perf_notes.md, "Start-up")."""
+    CUDA_ERROR_ILLEGAL_INSTRUCTION (docs/perf_notes.md, "Start-up"). `LLM` turns it on only on a GPU: an XLA:CPU
+    executable that one process stored can abort another that loads it (jaxlib 0.10.2: CI workers sharing the
+    cache lost a test process that way)."""
     import jax
 
     if jax.config.jax_compilation_cache_dir is None:

@@ -102,7 +102,7 @@ class LLM(RequestFront):
     (the Pallas kernels on a GPU where the model's shapes allow them).
     warmup: compile every program before returning, behind one progress bar (None: on a GPU; on a CPU programs
     compile on first use). Compiled programs are kept on disk as executables (nanojax.executable_cache), which the
-    next start loads without tracing, and in the persistent compilation cache (`nanojax.cache`).
+    next start loads without tracing, and on a GPU in the persistent compilation cache (`nanojax.cache`).
     quantization: None, or "fp8": every projection's weights in FP8 (E4M3) with per-output-channel scales, quantized
     at load (nanojax.quantize); embeddings, norms and the LM head stay in `dtype`. A `LoadedModel` whose weights are
     device arrays keeps its bf16 copy in use while the KV pool is sized (the caller holds it); to give that memory to
@@ -127,8 +127,9 @@ class LLM(RequestFront):
 
         start = time.perf_counter()
 
-        use_compilation_cache()
         on_gpu = jax.default_backend() == "gpu"
+        if on_gpu:  # XLA:CPU executables do not reliably survive the persistent cache (nanojax.cache)
+            use_compilation_cache()
         self.dtype = dtype or ("bfloat16" if on_gpu else "float32")
         if quantization not in (None, "fp8"):
             raise ValueError(f"quantization must be None or 'fp8', got {quantization!r}")

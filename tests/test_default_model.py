@@ -2,6 +2,7 @@
 own GGUF loading of the same file, and the CLI answers the README's question."""
 import subprocess
 
+import jax
 import pytest
 
 import nanojax.cache
@@ -75,8 +76,6 @@ def test_cli_streams_the_answer(gguf_path, capsys, monkeypatch, options):
 
 
 def test_llm_keeps_compiled_programs_beside_the_model(tmp_path, monkeypatch):
-    import jax
-
     monkeypatch.setenv("NANOJAX_CACHE", str(tmp_path))
     names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
              "jax_persistent_cache_enable_xla_caches")
@@ -91,3 +90,13 @@ def test_llm_keeps_compiled_programs_beside_the_model(tmp_path, monkeypatch):
     finally:
         for name, value in zip(names, saved):
             jax.config.update(name, value)
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="the CPU's choice")
+def test_llm_on_the_cpu_leaves_the_persistent_compilation_cache_off(hf_model_dir):
+    """An XLA:CPU executable one process stored can abort another that loads it (jaxlib 0.10.2), so `LLM` turns
+    JAX's persistent cache on only on a GPU."""
+    folder, _ = hf_model_dir("qwen3")
+    chosen = jax.config.jax_compilation_cache_dir  # None unless the user set one
+    LLM(str(folder), dtype="float32", max_model_len=64)
+    assert jax.config.jax_compilation_cache_dir == chosen
