@@ -101,8 +101,8 @@ class LLM(RequestFront):
     kernels: "reference" (jnp), "pallas", "interpret" (the Pallas kernels interpreted, for CPU tests), or "auto"
     (the Pallas kernels on a GPU where the model's shapes allow them).
     warmup: compile every program before returning, behind one progress bar (None: on a GPU; on a CPU programs
-    compile on first use). Compiled programs are kept on disk as executables (nanojax.executable_cache), which the
-    next start loads without tracing, and on a GPU in the persistent compilation cache (`nanojax.cache`).
+    compile on first use). On a GPU compiled programs are kept on disk as executables (nanojax.executable_cache),
+    which the next start loads without tracing, and in the persistent compilation cache (`nanojax.cache`).
     quantization: None, or "fp8": every projection's weights in FP8 (E4M3) with per-output-channel scales, quantized
     at load (nanojax.quantize); embeddings, norms and the LM head stay in `dtype`. A `LoadedModel` whose weights are
     device arrays keeps its bf16 copy in use while the KV pool is sized (the caller holds it); to give that memory to
@@ -178,7 +178,8 @@ class LLM(RequestFront):
             max_num_seqs=max_num_seqs, max_prefill_tokens=budget, decode_steps=self.decode_steps,
             tensor_parallel=tp, cascade_rules=CascadeRules() if cascade is True else cascade or None,
             # Off for several processes: each holds other devices' executables, under keys not yet made per process.
-            executable_dir=None if several else executable_cache.default_directory())
+            # Off on the CPU: an XLA:CPU executable is not reliably loaded by another process (nanojax.cache).
+            executable_dir=executable_cache.default_directory() if on_gpu and not several else None)
         self.eos_ids = frozenset(self.config.eos_token_ids)
         self._rng = np.random.default_rng(seed)
         self._free_slots = list(range(max_num_seqs))

@@ -93,10 +93,11 @@ def test_llm_keeps_compiled_programs_beside_the_model(tmp_path, monkeypatch):
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="the CPU's choice")
-def test_llm_on_the_cpu_leaves_the_persistent_compilation_cache_off(hf_model_dir):
-    """An XLA:CPU executable one process stored can abort another that loads it (jaxlib 0.10.2), so `LLM` turns
-    JAX's persistent cache on only on a GPU."""
+def test_llm_on_the_cpu_keeps_no_compiled_programs(hf_model_dir):
+    """An XLA:CPU executable one process stored can abort another that loads it (jaxlib 0.10.2), so `LLM` keeps
+    compiled programs (JAX's persistent cache, its own executable files) only on a GPU."""
     folder, _ = hf_model_dir("qwen3")
     chosen = jax.config.jax_compilation_cache_dir  # None unless the user set one
-    LLM(str(folder), dtype="float32", max_model_len=64)
+    llm = LLM(str(folder), dtype="float32", max_model_len=64)
     assert jax.config.jax_compilation_cache_dir == chosen
+    assert llm.runner.executable_dir is None
