@@ -411,6 +411,7 @@ def run_nanojax(model, decode_steps: int | None, args, scenarios: list[Scenario]
     else:
         engine = EngineProcess(model, **knobs)
     on_engine = (lambda fn, *a: fn(engine, *a)) if isinstance(engine, LLM) else engine.call
+    args.vocab_size = min(args.vocab_size, engine.config.vocab_size)  # a small model's prompts stay in its vocabulary
     report.data["device"] = on_engine(_device_name)
     server = BackgroundServer(build_app(engine, args.launch, limits=ServerLimits(max_n=1, max_prompts=1)))
     print(f"served {args.launch} at {server.url} after {time.perf_counter() - start:.1f} s "
