@@ -235,11 +235,12 @@ def summarize(results: list[dict], seconds: float, input_len: int) -> dict:
 
 
 def serve_scenario(url: str, scenario: Scenario, index: int, args, *, as_text: bool = False, cap: int | None = None,
-                   time_limit: float | None = None, client_processes: int = 1) -> dict:
+                   time_limit: float | None = None, client_processes: int = 1, after_warmup=lambda: None) -> dict:
     """The scenario's requests (at most `cap`) after --warmup-requests of its shape -> summarize's metrics. The
     client runs in processes of its own, as `vllm bench serve` does: in this one it would share the GIL with a
     launched server and its engine loop (issue 24: a quarter of the engine's throughput on the H100). Without a
-    concurrency cap the requests are dealt round-robin to client_processes processes, which start together."""
+    concurrency cap the requests are dealt round-robin to client_processes processes, which start together.
+    after_warmup() is called once the warm-up requests have finished."""
     num = min(scenario.num_prompts, cap or scenario.num_prompts)
     seed, length = args.seed + 10 * index, scenario.input_len
     client = functools.partial(run_client, url, args.model, output_len=scenario.output_len, api_key=args.api_key,
@@ -251,6 +252,7 @@ def serve_scenario(url: str, scenario: Scenario, index: int, args, *, as_text: b
     # spawn, not fork: this process runs JAX's and uvicorn's threads
     with concurrent.futures.ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn")) as pool:
         pool.submit(client, prompts=warmup, offsets=np.zeros(len(warmup)), max_concurrency=None).result()
+        after_warmup()
         list(pool.map(time.sleep, [0.5] * procs))  # every process spawned and idle before the clock starts
         start_at = time.time() + 0.2
         shares = [pool.submit(client, prompts=prompts[i::procs], offsets=offsets[i::procs],
@@ -338,7 +340,8 @@ def engine_row(llm, scenario: Scenario, index: int, args) -> dict:
 COLUMNS = [("server", "server", "{}"), ("steps", "decode_steps", "{}"), ("scenario", "scenario", "{}"),
            ("n", "num_prompts", "{}"), ("fail", "failed", "{}"), ("req/s", "request_throughput", "{:,.2f}"),
            ("out tok/s", "output_throughput", "{:,.0f}"), ("TTFT p50", "median_ttft_ms", "{:,.2f}"),
-           ("TTFT p99", "p99_ttft_ms", "{:,.2f}"), ("TPOT p50", "median_tpot_ms", "{:,.3f}"),
+           ("TTFT p99", "p99_ttft_ms", "{:,.2f}"), ("TTFT mean", "mean_ttft_ms", "{:,.2f}"),
+           ("at engine", "mean_engine_ttft_ms", "{:,.2f}"), ("TPOT p50", "median_tpot_ms", "{:,.3f}"),
            ("TPOT p99", "p99_tpot_ms", "{:,.3f}"), ("ITL p50", "median_itl_ms", "{:,.2f}"),
            ("ITL p99", "p99_itl_ms", "{:,.2f}"), ("E2E p50", "median_e2el_ms", "{:,.1f}"),
            ("vs offline", "vs_offline", "{:.3f}")]
@@ -376,7 +379,8 @@ class Report:
         table += [[cell(row, key, fmt) for _, key, fmt in COLUMNS] for row in self.data["rows"]]
         widths = [max(len(r[i]) for r in table) for i in range(len(COLUMNS))]
         print("\nms for TTFT / TPOT / ITL / E2E; scenario IN,OUT,NUM,CONCURRENCY,RATE; offline TPOT p50: the decode "
-              "step at batch CONCURRENCY; engine: the scenario through add_request in the engine's process; vs "
+              "step at batch CONCURRENCY; TTFT mean at engine: the served requests' as the engine measured it (from "
+              "their arrival there); engine: the scenario through add_request in the engine's process; vs "
               "offline: out tok/s over offline's (no cap), TPOT p50 over its (cap)")
         for r in table:
             print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
@@ -393,6 +397,30 @@ def cell(row: dict, key: str, fmt: str) -> str:
 
 
 # ----- the launched servers -----
+class EngineTTFT:
+    """The mean time to first token the engine measured (from a request's arrival in the engine to its first token)
+    over the requests that finished between start() and mean_ms(), from nanojax's /metrics: the client's TTFT less
+    this is the requests' way through HTTP, the server and the pipe, and their first tokens' way back."""
+    NAME = "nanojax_time_to_first_token_seconds"
+
+    def __init__(self, url: str):
+        self.url, self.at_start = url, (0.0, 0.0)
+
+    def read(self) -> tuple[float, float]:
+        import httpx
+
+        lines = httpx.get(f"{self.url}/metrics").text.splitlines()
+        value = {x.split()[0]: float(x.split()[-1]) for x in lines if x.startswith(self.NAME + "_")}
+        return value.get(self.NAME + "_sum", 0.0), value.get(self.NAME + "_count", 0.0)
+
+    def start(self) -> None:
+        self.at_start = self.read()
+
+    def mean_ms(self) -> float | None:
+        (total, count), (total0, count0) = self.read(), self.at_start
+        return 1e3 * (total - total0) / (count - count0) if count > count0 else None
+
+
 def run_nanojax(model, decode_steps: int | None, args, scenarios: list[Scenario], report: Report) -> None:
     """One engine (compiled once) served on a free port; every scenario through it, each with its offline row.
     model: a LoadedModel, or a picklable function returning one (called where the engine runs). The engine runs in
@@ -421,8 +449,10 @@ def run_nanojax(model, decode_steps: int | None, args, scenarios: list[Scenario]
         for procs in args.client_processes:
             name = "nanojax" + (f" c{procs}" if len(args.client_processes) > 1 else "")
             for index, scenario in enumerate(scenarios):
-                report.add(name, engine.decode_steps, scenario,
-                           serve_scenario(server.url, scenario, index, args, client_processes=procs))
+                ttft = EngineTTFT(server.url)
+                metrics = serve_scenario(server.url, scenario, index, args, client_processes=procs,
+                                         after_warmup=ttft.start)
+                report.add(name, engine.decode_steps, scenario, {**metrics, "mean_engine_ttft_ms": ttft.mean_ms()})
                 if not args.no_offline:
                     report.add("offline", engine.decode_steps, scenario, on_engine(offline_row, scenario, index, args))
                     if scenario.max_concurrency is not None:

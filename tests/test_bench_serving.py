@@ -78,6 +78,8 @@ def test_tiny_launch_with_the_transformers_peer(tmp_path, monkeypatch):
         served, offline = rows["nanojax", steps, "12,6,5,-,inf"], rows["offline", steps, "12,6,5,-,inf"]
         assert (served["completed"], served["failed"], served["total_output_tokens"]) == (5, 0, 30), served["errors"]
         assert offline["total_output_tokens"] == 30 and served["vs_offline"] > 0
+        # the engine's own mean TTFT for the same requests: no more than the client's
+        assert 0 < served["mean_engine_ttft_ms"] <= served["mean_ttft_ms"]
         served, step = rows["nanojax", steps, "12,6,3,1,inf"], rows["offline", steps, "12,6,3,1,inf"]
         assert (served["completed"], served["total_output_tokens"]) == (3, 18) and step["decode_ms_per_step"] > 0
         assert served["vs_offline"] == pytest.approx(served["median_tpot_ms"] / step["decode_ms_per_step"])
