@@ -21,7 +21,7 @@ rows on the H100, from the repository root, the git-ignored .whl/ carried (fasta
     sniffio==1.3.1 starlette==1.10.0 typer==0.29.2 typing_extensions==4.16.0 typing_inspection==0.4.5 uvicorn==0.54.0 \
     httptools==0.9.0
 (httptools, not in the first H100 run: uvicorn's C HTTP parser, which it takes over h11 when installed; the GPU
-machine has uvloop.)
+machine has uvloop, and aiohttp for the client.)
 
 --scenario IN,OUT,NUM,CONCURRENCY[,RATE]: NUM prompts of IN tokens asking for OUT tokens each, at most CONCURRENCY
 in flight (`-`: no cap), arriving at RATE requests/s (default inf: all at once). Without --scenario, --input-len,
@@ -48,7 +48,6 @@ memory (XLA_PYTHON_CLIENT_MEM_FRACTION, unless set), since JAX keeps its pool un
 import argparse
 import asyncio
 import concurrent.futures
-import contextlib
 import dataclasses
 import functools
 import gc
@@ -56,7 +55,6 @@ import json
 import multiprocessing
 import os
 import shutil
-import ssl
 import sys
 import tempfile
 import time
@@ -67,8 +65,6 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 
 from transformers_serve_peer import prompt_text
-
-CONNECTIONS_PER_CLIENT = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,14 +143,15 @@ class Clock:
                 "error": None}
 
 
-async def one_request(client, url: str, body: dict) -> dict:
+async def one_request(session, url: str, body: dict) -> dict:
     """Streams one completion -> Clock.result's, or an error."""
     clock, tokens, usage = Clock(), 0, None
     try:
-        async with client.stream("POST", url, json=body) as response:
-            if response.status_code != 200:
-                return {"error": f"HTTP {response.status_code}: {(await response.aread())[:300]!r}"}
-            async for line in response.aiter_lines():
+        async with session.post(url, json=body) as response:
+            if response.status != 200:
+                return {"error": f"HTTP {response.status}: {(await response.read())[:300]!r}"}
+            async for raw in response.content:  # a line at a time
+                line = raw.decode().strip()
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
@@ -178,38 +175,32 @@ async def run_requests(base_url: str, model: str | None, prompts, output_len: in
                        api_key: str | None, *, as_text: bool = False,
                        time_limit: float | None = None) -> tuple[list[dict], float]:
     """Sends every prompt at its offset -> (one result per prompt, seconds). Requests unfinished time_limit
-    seconds after the start are cancelled and counted as failed."""
-    import httpx
+    seconds after the start are cancelled and counted as failed. The client is aiohttp's, as `vllm bench serve`'s:
+    httpx's connection pool held a request 71 ms on average before its first byte went out (concurrency 64 on the
+    2-core CPU machine), longer than the server then took to start its prefill (docs/perf_notes.md, "Serving")."""
+    import aiohttp
 
     limit = asyncio.Semaphore(max_concurrency or len(prompts))
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     url = base_url.rstrip("/") + "/v1/completions"
 
-    async def send(client, prompt, offset):
+    async def send(session, prompt, offset):
         await asyncio.sleep(max(0.0, offset - (time.perf_counter() - start)))
         async with limit:
-            return await one_request(client, url, request_body(prompt, output_len, model, as_text))
+            return await one_request(session, url, request_body(prompt, output_len, model, as_text))
 
-    async def send_in_time(client, prompt, offset):
+    async def send_in_time(session, prompt, offset):
         if time_limit is None:
-            return await send(client, prompt, offset)
+            return await send(session, prompt, offset)
         try:
-            return await asyncio.wait_for(send(client, prompt, offset), start + time_limit - time.perf_counter())
+            return await asyncio.wait_for(send(session, prompt, offset), start + time_limit - time.perf_counter())
         except TimeoutError:
             return {"error": f"not finished within {time_limit:g} s"}
 
-    # Several clients, each holding few connections: httpx's pool scans all its connections whenever a response
-    # closes, which with 1,000 streams in one pool took most of the client's time (and delayed what it measured).
-    in_flight = min(len(prompts), max_concurrency or len(prompts))
-    connections = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    tls = ssl.create_default_context()  # one for all the clients (each would load the CA certificates again)
-    async with contextlib.AsyncExitStack() as stack:
-        clients = [await stack.enter_async_context(httpx.AsyncClient(
-            timeout=httpx.Timeout(None), limits=connections, headers=headers, verify=tls))
-            for _ in range(-(-in_flight // CONNECTIONS_PER_CLIENT))]
+    async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=None),
+                                     connector=aiohttp.TCPConnector(limit=0)) as session:  # 0: no connection cap
         start = time.perf_counter()
-        results = await asyncio.gather(*(send_in_time(clients[i % len(clients)], p, o)
-                                         for i, (p, o) in enumerate(zip(prompts, offsets))))
+        results = await asyncio.gather(*(send_in_time(session, p, o) for p, o in zip(prompts, offsets)))
         return results, time.perf_counter() - start
 
 
