@@ -398,9 +398,10 @@ class EngineTTFT:
         self.url, self.at_start = url, (0.0, 0.0)
 
     def read(self) -> tuple[float, float]:
-        import httpx
+        import urllib.request
 
-        lines = httpx.get(f"{self.url}/metrics").text.splitlines()
+        with urllib.request.urlopen(f"{self.url}/metrics") as response:
+            lines = response.read().decode().splitlines()
         value = {x.split()[0]: float(x.split()[-1]) for x in lines if x.startswith(self.NAME + "_")}
         return value.get(self.NAME + "_sum", 0.0), value.get(self.NAME + "_count", 0.0)
 
