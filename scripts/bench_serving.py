@@ -138,9 +138,9 @@ class Clock:
         self.last = now
 
     def result(self, output_tokens: int) -> dict:
-        """-> ttft, itl (list), e2e (s), output_tokens, error."""
-        return {"ttft": self.ttft, "itl": self.itl, "e2e": self.last - self.start, "output_tokens": output_tokens,
-                "error": None}
+        """-> start (perf_counter), ttft, itl (list), e2e (s), output_tokens, error."""
+        return {"start": self.start, "ttft": self.ttft, "itl": self.itl, "e2e": self.last - self.start,
+                "output_tokens": output_tokens, "error": None}
 
 
 async def one_request(session, url: str, body: dict) -> dict:
@@ -201,7 +201,11 @@ async def run_requests(base_url: str, model: str | None, prompts, output_len: in
                                      connector=aiohttp.TCPConnector(limit=0)) as session:  # 0: no connection cap
         start = time.perf_counter()
         results = await asyncio.gather(*(send_in_time(session, p, o) for p, o in zip(prompts, offsets)))
-        return results, time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        for r in results:  # when each was sent, from the run's start
+            if "start" in r:
+                r["sent"] = r.pop("start") - start
+        return results, seconds
 
 
 def summarize(results: list[dict], seconds: float, input_len: int) -> dict:
@@ -250,8 +254,13 @@ def serve_scenario(url: str, scenario: Scenario, index: int, args, *, as_text: b
                               max_concurrency=scenario.max_concurrency, start_at=start_at) for i in range(procs)]
         done = [f.result() for f in shares]
     results = [r for share, _ in done for r in share]
-    return {"num_prompts": num, "client_processes": procs,
-            **summarize(results, max(seconds for _, seconds in done), scenario.input_len)}
+    row = {"num_prompts": num, "client_processes": procs,
+           **summarize(results, max(seconds for _, seconds in done), scenario.input_len)}
+    if args.save_detailed:  # as `vllm bench serve --save-detailed`: each request's times, in the order sent
+        row["requests"] = sorted(({"sent_s": r["sent"], "ttft_s": r["ttft"], "e2el_s": r["e2e"],
+                                   "output_tokens": r["output_tokens"]} for r in results if r["error"] is None),
+                                 key=lambda r: r["sent_s"])
+    return row
 
 
 def run_client(url: str, model: str | None, *, prompts, offsets, max_concurrency, start_at: float | None = None,
@@ -559,6 +568,8 @@ def parse_args(argv=None):
     p.add_argument("--mem-fraction", type=float, default=0.5, help="with --peer: JAX's share of the GPU's memory "
                    "(XLA_PYTHON_CLIENT_MEM_FRACTION, unless set)")
     p.add_argument("--out", default=None, help="write the results as JSON here (rewritten after each row)")
+    p.add_argument("--save-detailed", action="store_true",
+                   help="served rows also list each request: when it was sent, its TTFT, E2E latency and tokens")
     args = p.parse_args(argv)
     if args.peer and not args.launch:
         p.error("--peer needs --launch (the peer serves the launched random-weight model)")

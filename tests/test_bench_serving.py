@@ -70,7 +70,8 @@ def test_tiny_launch_with_the_transformers_peer(tmp_path, monkeypatch):
     report = bench_serving.main([
         "--launch", "tiny-llama", "--scenario", "12,6,5,-", "--scenario", "12,6,3,1", "--decode-steps", "2", "4",
         "--vocab-size", "200", "--warmup-requests", "1", "--peer", "transformers", "--peer-num-prompts", "2",
-        "--peer-timeout", "120", "--peer-args", "--cb-num-blocks 32 --cb-max-batch-tokens 64", "--out", str(out)])
+        "--peer-timeout", "120", "--peer-args", "--cb-num-blocks 32 --cb-max-batch-tokens 64", "--out", str(out),
+        "--save-detailed"])
     assert json.loads(out.read_text()) == report and "peer_error" not in report
     rows = {(r["server"], r["decode_steps"], r["scenario"]): r for r in report["rows"]}
     assert len(rows) == len(report["rows"]) == 2 * 2 * 2 + 2 + 2  # served and offline, the engine rows, the peer
@@ -80,6 +81,9 @@ def test_tiny_launch_with_the_transformers_peer(tmp_path, monkeypatch):
         assert offline["total_output_tokens"] == 30 and served["vs_offline"] > 0
         # the engine's own mean TTFT for the same requests: no more than the client's
         assert 0 < served["mean_engine_ttft_ms"] <= served["mean_ttft_ms"]
+        sent = [r["sent_s"] for r in served["requests"]]  # --save-detailed: each request, in the order sent
+        assert len(sent) == 5 and sent == sorted(sent) and sent[0] >= 0
+        assert all(0 < r["ttft_s"] <= r["e2el_s"] and r["output_tokens"] == 6 for r in served["requests"])
         served, step = rows["nanojax", steps, "12,6,3,1,inf"], rows["offline", steps, "12,6,3,1,inf"]
         assert (served["completed"], served["total_output_tokens"]) == (3, 18) and step["decode_ms_per_step"] > 0
         assert served["vs_offline"] == pytest.approx(served["median_tpot_ms"] / step["decode_ms_per_step"])
