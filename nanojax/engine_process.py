@@ -14,6 +14,7 @@ Prompts are encoded and requests checked here (`RequestFront`, shared with LLM),
 the caller's thread; the child checks them again when it adds them.
 """
 import dataclasses
+import gc
 import itertools
 import multiprocessing
 import threading
@@ -223,6 +224,16 @@ class _Sink:
         self.out.put(("event", self.request_id, tuple(getattr(event, f) for f in _SENT_FIELDS), error))
 
 
+def freeze_startup_heap() -> None:
+    """Puts every object alive now beyond the garbage collector's reach (gc.freeze, as vLLM's engine and API server
+    do once started), so that its collections of the oldest generation walk only what serving allocates. A serving
+    process holds millions of objects from start-up (JAX, the model, transformers), and each such collection was a
+    pause of the whole process: 140-410 ms on the CPU machine (docs/perf_notes.md, "Serving"), the engine's loop
+    or the server's event loop standing still meanwhile."""
+    gc.collect()
+    gc.freeze()
+
+
 def _child(conn, model, llm_kwargs) -> None:
     """The child process: builds the LLM, then runs commands from the parent until told to stop or the parent
     goes away."""
@@ -233,6 +244,7 @@ def _child(conn, model, llm_kwargs) -> None:
     except BaseException as e:  # noqa: BLE001 -- raised in the parent
         conn.send(("failed", e))
         return
+    freeze_startup_heap()
     conn.send(("ready", {"config": llm.config, "limits": llm.limits, "tokenizer": llm.tokenizer,
                          "decode_steps": llm.decode_steps}))
     out = _Outbox(conn, llm)

@@ -601,7 +601,7 @@ def engine_options(args) -> dict:
 def main(argv=None) -> None:
     import uvicorn
 
-    from nanojax.engine_process import EngineProcess
+    from nanojax.engine_process import EngineProcess, freeze_startup_heap
     from nanojax.llm import LLM
 
     args = parse_args(argv)
@@ -609,6 +609,7 @@ def main(argv=None) -> None:
     limits = ServerLimits(args.max_body_bytes, args.max_n, args.max_tokens_limit, args.max_prompts)
     app = build_app(engine, args.served_model_name or served_name(args.model), api_key=args.api_key, limits=limits,
                     on_shutdown=engine.close if isinstance(engine, EngineProcess) else None)
+    freeze_startup_heap()
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 
 

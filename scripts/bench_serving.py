@@ -427,7 +427,7 @@ def run_nanojax(model, decode_steps: int | None, args, scenarios: list[Scenario]
     model: a LoadedModel, or a picklable function returning one (called where the engine runs). The engine runs in
     a process of its own, as `python -m nanojax.serve` runs it, unless --engine-in-process."""
     from nanojax import LLM
-    from nanojax.engine_process import EngineProcess
+    from nanojax.engine_process import EngineProcess, freeze_startup_heap
     from nanojax.serve import BackgroundServer, ServerLimits, build_app
 
     start = time.perf_counter()
@@ -443,6 +443,7 @@ def run_nanojax(model, decode_steps: int | None, args, scenarios: list[Scenario]
     args.vocab_size = min(args.vocab_size, engine.config.vocab_size)  # a small model's prompts stay in its vocabulary
     report.data["device"] = on_engine(_device_name)
     server = BackgroundServer(build_app(engine, args.launch, limits=ServerLimits(max_n=1, max_prompts=1)))
+    freeze_startup_heap()  # as `python -m nanojax.serve` does in the server's process
     print(f"served {args.launch} at {server.url} after {time.perf_counter() - start:.1f} s "
           f"(decode_steps={engine.decode_steps}, engine {'in process' if args.engine_in_process else 'process'})",
           flush=True)
@@ -461,6 +462,7 @@ def run_nanojax(model, decode_steps: int | None, args, scenarios: list[Scenario]
                                    on_engine(engine_row, scenario, index, args))
     finally:
         server.stop()
+        gc.unfreeze()  # this process goes on (a peer, a test): what it frees from now on is collected again
         if isinstance(engine, EngineProcess):
             engine.close()
 

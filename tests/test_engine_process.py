@@ -3,6 +3,7 @@ tokens as the in-process engine, requests refused at once in the caller, aborts 
 metrics asked of the child, a child that splits the model over two devices, and a dead child reported by /health
 while the server goes on answering."""
 import dataclasses
+import gc
 import time
 
 import httpx
@@ -109,6 +110,15 @@ def test_abort_and_a_disconnected_client_free_the_childs_pages(engine, server):
         assert metric(server, "nanojax_requests_aborted_total") == aborted + 1
     finally:
         engine.call(_plain_decode)
+
+
+def _heap_frozen(llm) -> int:
+    return gc.get_freeze_count()
+
+
+def test_the_child_freezes_its_start_up_heap(engine):
+    # its full collections would otherwise walk JAX's and the model's objects, a pause of the loop each time
+    assert engine.call(_heap_frozen) > 10_000
 
 
 def test_served_32_concurrent_clients_equal_offline_generate(llm, engine, server):
