@@ -228,7 +228,7 @@ def freeze_startup_heap() -> None:
     """Puts every object alive now beyond the garbage collector's reach (gc.freeze, as vLLM's engine and API server
     do once started), so that its collections of the oldest generation walk only what serving allocates. A serving
     process holds millions of objects from start-up (JAX, the model, transformers), and each such collection was a
-    pause of the whole process: 140-410 ms on the CPU machine (docs/perf_notes.md, "Serving"), the engine's loop
+    pause of the whole process: 190-280 ms on the CPU machine (docs/perf_notes.md, "Serving"), the engine's loop
     or the server's event loop standing still meanwhile."""
     gc.collect()
     gc.freeze()
