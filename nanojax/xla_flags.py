@@ -1,6 +1,7 @@
 """The XLA flags nanojax sets unless the user's XLA_FLAGS names them. XLA reads XLA_FLAGS once, when JAX starts a
 backend, so `import nanojax` sets them (before any array exists, as a script's first imports do); a process whose
-GPU backend started earlier keeps XLA's defaults."""
+GPU backend started earlier keeps XLA's defaults. XLA's own behaviour back:
+`XLA_FLAGS=--xla_gpu_experimental_cost_model_gemm_tiling_options=` (an empty map)."""
 import importlib.metadata
 import os
 
