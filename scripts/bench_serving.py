@@ -138,9 +138,9 @@ class Clock:
         self.last = now
 
     def result(self, output_tokens: int) -> dict:
-        """-> start (perf_counter), ttft, itl (list), e2e (s), output_tokens, error."""
-        return {"start": self.start, "ttft": self.ttft, "itl": self.itl, "e2e": self.last - self.start,
-                "output_tokens": output_tokens, "error": None}
+        """-> ttft, itl (list), e2e (s), output_tokens, error."""
+        return {"ttft": self.ttft, "itl": self.itl, "e2e": self.last - self.start, "output_tokens": output_tokens,
+                "error": None}
 
 
 async def one_request(session, url: str, body: dict) -> dict:
@@ -187,7 +187,8 @@ async def run_requests(base_url: str, model: str | None, prompts, output_len: in
     async def send(session, prompt, offset):
         await asyncio.sleep(max(0.0, offset - (time.perf_counter() - start)))
         async with limit:
-            return await one_request(session, url, request_body(prompt, output_len, model, as_text))
+            sent = time.perf_counter() - start  # from the run's start
+            return {**await one_request(session, url, request_body(prompt, output_len, model, as_text)), "sent": sent}
 
     async def send_in_time(session, prompt, offset):
         if time_limit is None:
@@ -201,11 +202,7 @@ async def run_requests(base_url: str, model: str | None, prompts, output_len: in
                                      connector=aiohttp.TCPConnector(limit=0)) as session:  # 0: no connection cap
         start = time.perf_counter()
         results = await asyncio.gather(*(send_in_time(session, p, o) for p, o in zip(prompts, offsets)))
-        seconds = time.perf_counter() - start
-        for r in results:  # when each was sent, from the run's start
-            if "start" in r:
-                r["sent"] = r.pop("start") - start
-        return results, seconds
+        return results, time.perf_counter() - start
 
 
 def summarize(results: list[dict], seconds: float, input_len: int) -> dict:
