@@ -30,6 +30,9 @@ DTYPES = {"float32": np.float32, "bfloat16": jax.numpy.bfloat16, "float16": np.f
 # Weight formats a checkpoint may record besides its dtype: "fp8", every projection in FP8 (E4M3) with
 # per-output-channel scales (nanojax/quantize.py); embeddings, norms and the LM head stay in dtype.
 QUANTIZATIONS = (None, "fp8")
+# The FP8 layout this code writes and reads. 2: {w_t [N, K], scale [N]} (a row per output channel). 1 (no "fp8_format"
+# in the manifest): {w [K, N], scale [N]}, which this code would misread.
+FP8_FORMAT = 2
 
 
 def params_from_source(source: Source, dtype: str, progress: bool = False,
@@ -81,6 +84,7 @@ def convert(src, dst, dtype: str = "bfloat16", overwrite: bool = False, progress
             "architecture": config.architecture,
             "dtype": dtype,
             "quantization": quantization,
+            **({"fp8_format": FP8_FORMAT} if quantization == "fp8" else {}),
             "params_format": PARAMS_FORMAT,
             "num_parameters": num_parameters,
             "tokenizer": has_tokenizer,
@@ -125,6 +129,11 @@ def load_checkpoint(path) -> tuple[ModelConfig, dict, dict]:
     if manifest.get("quantization") not in QUANTIZATIONS:
         raise CheckpointError(f"{path} holds {manifest['quantization']!r} weights, which this nanojax does not read "
                               f"(it reads {list(QUANTIZATIONS)})")
+    if manifest.get("quantization") == "fp8" and manifest.get("fp8_format", 1) != FP8_FORMAT:
+        raise CheckpointError(
+            f"{path} holds FP8 weights in layout {manifest.get('fp8_format', 1)} (written by another nanojax version), "
+            f"this nanojax reads layout {FP8_FORMAT}; convert its source again: python -m convert "
+            f"{manifest.get('source', 'SRC')} {path} --quantize fp8 --overwrite")
     config = ModelConfig.from_hf_config(json.loads((path / "config.json").read_text()))
     return config, _load_params(path / PARAMS, config), manifest
 

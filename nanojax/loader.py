@@ -71,9 +71,10 @@ def _start_tokenizer(found) -> tuple:
 
 
 def _cast(params, dtype):
-    """Casts float params to dtype; FP8 projections ({w: float8, scale: float32}, nanojax.quantize) stay as they are."""
-    if isinstance(params, dict) and "w" in params and params["w"].dtype.itemsize == 1:
-        return {k: v if k in ("w", "scale") else _cast(v, dtype) for k, v in params.items()}
+    """Casts float params to dtype; FP8 projections ({w_t: float8, scale: float32}, nanojax.quantize) stay as they
+    are."""
+    if isinstance(params, dict) and "w_t" in params:
+        return {k: v if k in ("w_t", "scale") else _cast(v, dtype) for k, v in params.items()}
     if isinstance(params, (dict, tuple, list)):
         items = params.items() if isinstance(params, dict) else enumerate(params)
         cast = {k: _cast(v, dtype) for k, v in items}

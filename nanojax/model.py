@@ -142,13 +142,14 @@ def lm_logits(params, hidden, ops: Ops = Ops()):
 
 
 def head_logits(head, hidden):
-    """head: {lm_head [H, V]}, {embed [V, H]} (tied) or an FP8 {lm_head: {w [H, V], scale [V]}} (nanojax/quantize.py;
-    beside the embedding when tied), dequantized in front of XLA's dot: (hidden @ w.astype(hidden.dtype)) * scale in
-    f32. hidden: [..., H] -> float32 logits [..., V]."""
+    """head: {lm_head [H, V]}, {embed [V, H]} (tied) or an FP8 {lm_head: {w_t [V, H], scale [V]}} (nanojax/quantize.py;
+    beside the embedding when tied), dequantized in front of XLA's dot: (hidden @ w_t.astype(hidden.dtype)^T) * scale
+    in f32. hidden: [..., H] -> float32 logits [..., V]."""
     precision = jax.lax.Precision.HIGHEST
     w = head.get("lm_head")
     if isinstance(w, dict):
-        logits = jnp.dot(hidden, w["w"].astype(hidden.dtype), precision=precision, preferred_element_type=jnp.float32)
+        logits = jnp.einsum("...h,vh->...v", hidden, w["w_t"].astype(hidden.dtype), precision=precision,
+                            preferred_element_type=jnp.float32)
         return logits * w["scale"]
     if w is None:
         return jnp.einsum("...h,vh->...v", hidden, head["embed"], precision=precision,

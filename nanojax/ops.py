@@ -31,13 +31,11 @@ PALLAS_PROJECTION_MAX_ROWS = 1
 # With a norm (QKV, gate/up) the fused kernel replaces XLA's two kernels (the norm, then the GEMM) by one, and stays
 # ahead up to batched decode sizes (docs/perf_notes.md, "Fused projections: which rows take the kernel").
 PALLAS_NORMED_PROJECTION_MAX_ROWS = 64
-# FP8 weights (nanojax/quantize.py): XLA fuses the upcast of the E4M3 weight into its dot's operand load (one kernel
-# reading the FP8 bytes), and on the H100 that beat the fused kernel's FP8 path at every row count of Qwen3-8B's
-# projections (1, 8, 64 rows: 0.7-0.9x its time) and in the decode step (batch 1 5.64 vs 6.69 ms, batch 8 4.89 vs
-# 15.65; docs/perf_notes.md, "FP8 weights"), so the kernel takes none.
-PALLAS_FP8_PROJECTION_MAX_ROWS = 0
-# XLA runs a one-row dot as a reduction fusion, which read FP8 slower than its GEMM on two rows (Qwen3-8B batch 1:
-# 5.67 vs 4.48 ms per step, padded to 8 rows 4.58), so fewer rows are padded to this many.
+# FP8 weights (nanojax/quantize.py) go to XLA's dot, which fuses the upcast of the E4M3 weight into its operand load
+# (one kernel reading the FP8 bytes); their [N, K] layout reads at 84-85% of the copy ceiling there for Qwen3-8B's
+# gate/up at 2-8 rows (docs/perf_notes.md, "FP8 weights"). XLA runs a one-row dot as a reduction fusion, which read
+# FP8 slower than its GEMM on two rows (Qwen3-8B batch 1: 5.67 vs 4.48 ms per step, padded to 8 rows 4.58), so fewer
+# rows are padded to this many.
 FP8_XLA_MIN_ROWS = 2
 
 
@@ -49,21 +47,21 @@ class Ops:
     interpret: bool = False
 
     def project(self, x, p, *, norm_eps=None, residual=None, activation=None):
-        """x: [N, K]; p: {w [K, N'], b [N']?} (an RMSNorm's scale folded into w), or FP8 {w float8_e4m3fn [K, N'],
-        scale [N'], b?} (nanojax/quantize.py) -> [N, N_out]; see rmsnorm_matmul_reference. Above the kernel's row
-        limit an FP8 projection is dequantized in front of XLA's dot, (x @ w.astype(x.dtype)) * scale in f32, its rows
-        padded to FP8_XLA_MIN_ROWS."""
-        if "scale" in p:
-            max_rows = PALLAS_FP8_PROJECTION_MAX_ROWS
-        else:
-            max_rows = PALLAS_PROJECTION_MAX_ROWS if norm_eps is None else PALLAS_NORMED_PROJECTION_MAX_ROWS
-        kw = {"w_scale": p.get("scale"), "norm_eps": norm_eps, "residual": residual, "activation": activation}
-        if not self.pallas or x.shape[0] > max_rows:
-            rows = x.shape[0]
-            if "scale" in p and rows < FP8_XLA_MIN_ROWS:
+        """x: [N, K]; p: {w [K, N'], b [N']?} (an RMSNorm's scale folded into w), or FP8 {w_t float8_e4m3fn [N', K],
+        scale [N'], b?} (nanojax/quantize.py) -> [N, N_out]; see rmsnorm_matmul_reference. An FP8 projection is
+        dequantized in front of XLA's dot, (x @ w_t.astype(x.dtype)^T) * scale in f32, its rows padded to
+        FP8_XLA_MIN_ROWS."""
+        kw = {"norm_eps": norm_eps, "residual": residual, "activation": activation}
+        rows = x.shape[0]
+        if "w_t" in p:
+            kw["w_scale"] = p["scale"]
+            if rows < FP8_XLA_MIN_ROWS:
                 pad = lambda a: jnp.pad(a, ((0, FP8_XLA_MIN_ROWS - rows), (0, 0)))  # noqa: E731
                 kw["residual"] = None if residual is None else pad(residual)
-                return rmsnorm_matmul_reference(pad(x), p["w"], p.get("b"), **kw)[:rows]
+                return rmsnorm_matmul_reference(pad(x), p["w_t"], p.get("b"), **kw)[:rows]
+            return rmsnorm_matmul_reference(x, p["w_t"], p.get("b"), **kw)
+        max_rows = PALLAS_PROJECTION_MAX_ROWS if norm_eps is None else PALLAS_NORMED_PROJECTION_MAX_ROWS
+        if not self.pallas or rows > max_rows:
             return rmsnorm_matmul_reference(x, p["w"], p.get("b"), **kw)
         return rmsnorm_matmul(x, p["w"], p.get("b"), interpret=self.interpret, **kw)
 

@@ -3,14 +3,17 @@
 A decode step at small batch reads every weight once, so its time is the weight bytes over the memory bandwidth:
 E4M3 weights halve the bytes of bf16. Each projection {w [K, N], b [N]?} becomes
 
-    {w: float8_e4m3fn [K, N], scale: float32 [N], b [N]?}      w_hf[:, n] ~= w[:, n] * scale[n]
+    {w_t: float8_e4m3fn [N, K], scale: float32 [N], b [N]?}    w_hf[:, n] ~= w_t[n, :] * scale[n]
 
-with scale[n] = r * max_k |w_hf[k, n]| / 448 (E4M3's largest finite value), r <= 1 the clip ratio that minimizes
-the column's squared rounding error (searched per column, CLIP_RATIOS); the projection computes (x @ w) * scale
-with an f32 accumulator (pallas_kernels/rmsnorm_matmul.py). The RMSNorm scales folded into the qkv / up weights by
-convert/ are in w_hf already: quantizing after the fold keeps the fused norm exact up to the weights' rounding. The
-LM head becomes params["lm_head"] = {w [H, V], scale [V]}; for tied embeddings it is added beside params["embed"],
-which stays for the embedding lookup. Embedding rows and norms keep their dtype.
+one row per output channel (HF's [out, in] layout: the transpose of a bf16 projection's w), with scale[n] = r *
+max_k |w_hf[k, n]| / 448 (E4M3's largest finite value), r <= 1 the clip ratio that minimizes the channel's squared
+rounding error (searched per channel, CLIP_RATIOS); the projection computes (x @ w_t^T) * scale with an f32
+accumulator (pallas_kernels/rmsnorm_matmul.py, rmsnorm_matmul_reference). XLA's dot upcasting the E4M3 weight in its
+operand load reads this layout up to 1.3x faster than [K, N] at decode sizes (docs/perf_notes.md, "FP8 weights").
+The RMSNorm scales folded into the qkv / up weights by convert/ are in w_hf already: quantizing after the fold keeps
+the fused norm exact up to the weights' rounding. The LM head becomes params["lm_head"] = {w_t [V, H], scale [V]}; for
+tied embeddings it is added beside params["embed"], which stays for the embedding lookup. Embedding rows and norms
+keep their dtype.
 """
 import jax
 import jax.numpy as jnp
@@ -21,8 +24,8 @@ PROJECTIONS = ("qkv", "o", "up", "down")
 
 
 def is_quantized(p) -> bool:
-    """Whether a projection's params {w, scale?, b?} hold FP8 weights (nanojax.ops routes on this)."""
-    return "scale" in p
+    """Whether a projection's params are FP8 {w_t, scale, b?} rather than {w, b?} (nanojax.ops routes on this)."""
+    return "w_t" in p
 
 
 # Candidate clip ratios, 1 first (argmin keeps the first of equal errors: no clipping unless it helps). Clipping a
@@ -38,7 +41,7 @@ def _round(wf, scale):
 
 @jax.jit
 def quantize_weight(w):
-    """w: [K, N] float -> {"w": float8_e4m3fn [K, N], "scale": float32 [N]}: column n is w[:, n] / scale[n] rounded to
+    """w: [K, N] float -> {"w_t": float8_e4m3fn [N, K], "scale": float32 [N]}: row n is w[:, n] / scale[n] rounded to
     nearest even, with scale[n] = r * max_k |w[k, n]| / 448 for the clip ratio r of CLIP_RATIOS (1 down to 0.75)
     that gives the column the least squared error; values beyond r * max saturate at +-448. An all-zero column gets
     scale 1 (any scale dequantizes its zeros exactly). Runs on the default device; numpy inputs are copied there."""
@@ -55,24 +58,25 @@ def quantize_weight(w):
 
     _, errors = jax.lax.scan(column_errors, None, ratios)  # [R, N]
     scale = scale_for(ratios[jnp.argmin(errors, axis=0)])
-    return {"w": _round(wf, scale), "scale": scale}
+    return {"w_t": _round(wf, scale).T, "scale": scale}
 
 
 def dequantize(p, dtype=jnp.float32):
-    """{w float8_e4m3fn [K, N], scale [N]} -> w * scale [K, N] in dtype (multiplied in f32): the weight the FP8
-    projection stands for, for references."""
-    return (p["w"].astype(jnp.float32) * p["scale"].astype(jnp.float32)).astype(dtype)
+    """{w_t float8_e4m3fn [N, K], scale [N]} -> (w_t * scale[:, None])^T [K, N] in dtype (multiplied in f32): the weight
+    the FP8 projection stands for, in a bf16 projection's layout, for references."""
+    return (p["w_t"].astype(jnp.float32) * p["scale"].astype(jnp.float32)[:, None]).T.astype(dtype)
 
 
 def quantize_layer(lp: dict) -> dict:
     """One layer's params with its projections (qkv, o, up, down) in FP8, the rest as is."""
-    return {**lp, **{name: {**lp[name], **quantize_weight(lp[name]["w"])} for name in PROJECTIONS}}
+    return {**lp, **{name: {k: v for k, v in lp[name].items() if k != "w"} | quantize_weight(lp[name]["w"])
+                     for name in PROJECTIONS}}
 
 
 def quantize_params(params, config, *, lm_head: bool = True) -> dict:
     """The model's params (nanojax.model's layout) with every projection (qkv, o, up, down of each layer) and, if
-    lm_head, the LM head in FP8: {w [K, N], b?} -> {w float8_e4m3fn, scale float32 [N], b?}. The LM head is
-    params["lm_head"] = {w [H, V], scale [V]}, quantized from params["lm_head"] or, for tied embeddings, from
+    lm_head, the LM head in FP8: {w [K, N], b?} -> {w_t float8_e4m3fn [N, K], scale float32 [N], b?}. The LM head is
+    params["lm_head"] = {w_t [V, H], scale [V]}, quantized from params["lm_head"] or, for tied embeddings, from
     params["embed"].T (embed stays). Everything else is returned as is. ValueError for params that are quantized
     already. (On SmolLM2-135M the head alone gives 40% of FP8's KL divergence: scripts/fp8_quality.py.)"""
     if any(is_quantized(lp[name]) for lp in params["layers"] for name in PROJECTIONS):

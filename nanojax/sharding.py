@@ -38,13 +38,14 @@ def split_axis(names: tuple[str, ...], ndim: int) -> int | None:
     over the devices; None: replicated."""
     if names[0] == "embed":
         return 0  # [V, H]
+    fp8 = names[-1] == "w_t"  # FP8 weights are [N, K] (nanojax/quantize.py)
     if names[0] == "lm_head":
-        return ndim - 1  # w [H, V], or an FP8 head's scale [V]
+        return 0 if fp8 else ndim - 1  # w [H, V], an FP8 head's w_t [V, H] and scale [V]: by vocabulary
     group = names[-2] if len(names) > 1 else None
     if group in ("qkv", "up"):
-        return ndim - 1  # w [H, N'], b and scale [N']: by output columns
-    if group in ("o", "down") and names[-1] == "w":
-        return 0  # [q or I, H]: by rows; their b and scale apply after the all-reduce, on every device
+        return 0 if fp8 else ndim - 1  # w [H, N'], w_t [N', H], b and scale [N']: by output columns
+    if group in ("o", "down") and names[-1] in ("w", "w_t"):
+        return int(fp8)  # w [q or I, H], w_t [H, q or I]: by input rows; b and scale apply after the all-reduce
     return None
 
 

@@ -12,10 +12,9 @@ w and scales its f32 accumulator by rstd at the end. A norm applied to each x ti
 for rstd, then a scale gather per tile) cost 1 us at M = 1 and 11 us at M = 64, up to twice the matmul itself
 (docs/perf_notes.md, "The RMSNorm statistic in the fused projections").
 
-FP8 weights (nanojax/quantize.py): w in float8_e4m3fn with one f32 scale per output column, w_scale [N]. The kernel
-loads E4M3 tiles (half the bytes of bf16), upcasts them to x.dtype for the dot (exact: E4M3 values are bf16, f16 and
-f32 values) and multiplies the f32 accumulator by the column scales in the epilogue, as it does with rstd:
-(x @ (w * scale)) = (x @ w) * scale per column.
+FP8 weights (nanojax/quantize.py: float8_e4m3fn [N, K], one row per output channel, with f32 scales [N]) are read by
+XLA's dot in rmsnorm_matmul_reference, which upcasts them in its operand load; in this layout it read them faster than
+an FP8 path of this kernel did (docs/perf_notes.md, "FP8 weights"), so the kernel takes x.dtype weights only.
 """
 import dataclasses
 import functools
@@ -38,22 +37,25 @@ def rmsnorm_matmul_reference(x, w, bias=None, *, w_scale=None, norm_eps=None, re
 
         h = x                                               if norm_eps is None
           = rms_normalize(x, norm_eps)                      else: x * rsqrt(mean(x^2) + eps) in f32, cast to x.dtype
-        p = (h @ w [* w_scale] [+ bias]).astype(x.dtype)    dot accumulated in f32, bias added in f32 (`linear`)
+        p = (h @ w [* w_scale] [+ bias]).astype(x.dtype)    dot accumulated in f32 (h @ w^T for FP8 [N, K]), bias
+                                                            added in f32 (`linear`)
         p = silu(p[:, :N/2]) * p[:, N/2:]                   if activation == "silu_mul", in x.dtype (gate | up)
         out = residual + p                                  if residual is not None, in x.dtype
 
     With a norm, w holds the norm's scale in its rows (convert/keys.py, fold_norm_scale), so h @ w is HF's
     RMSNorm(x) @ w_hf up to where the scale is rounded (once, into w, instead of onto each normalized x).
-    x: [..., K]; w: [K, N] in x.dtype, or float8_e4m3fn with w_scale [N] float32 its per-column scales (upcast to
-    x.dtype for the dot, scaled in f32 after it: dequantize-then-dot); bias: [N] or None; residual: [..., N]
-    ([..., N/2] with silu_mul) -> x.dtype. The kernel
+    x: [..., K]; w: [K, N] in x.dtype, or float8_e4m3fn [N, K] (a row per output channel) with w_scale [N] float32
+    its per-channel scales (upcast to x.dtype for the dot, scaled in f32 after it: dequantize-then-dot); bias: [N] or
+    None; residual: [..., N] ([..., N/2] with silu_mul) -> x.dtype. The kernel
     scales the f32 dot of raw x by rstd, keeps the activation and the residual add in f32 and rounds once at the end,
     so it can differ from this by about one rounding of x.dtype (nothing for f32).
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     h = x if norm_eps is None else rms_normalize(x, norm_eps)
-    out = jnp.dot(h, w.astype(x.dtype), preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)
+    contract = 0 if w_scale is None else 1  # w [K, N], or FP8 [N, K]
+    out = lax.dot_general(h, w.astype(x.dtype), (((h.ndim - 1,), (contract,)), ((), ())),
+                          preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)
     if w_scale is not None:
         out = out * w_scale.astype(jnp.float32)
     if bias is not None:
@@ -177,13 +179,11 @@ def _k_slice(kb, block_k, k):
     return cols, cols < k
 
 
-def _rmsnorm_matmul_kernel(x_ref, w_ref, scale_ref, bias_ref, res_ref, o_ref, *sum_sq_refs, norm_eps, stat_rows,
+def _rmsnorm_matmul_kernel(x_ref, w_ref, bias_ref, res_ref, o_ref, *sum_sq_refs, norm_eps, stat_rows,
                            silu_mul, block_m, block_n, block_k, n_out, k_blocks_per_split, partial):
-    # x_ref: [M, K]; w_ref: [K, N] (x.dtype or float8_e4m3fn); scale_ref: [N] f32 (FP8 w's column scales) or None;
-    # bias_ref: [N] or None; res_ref: [M, N_out] or None;
+    # x_ref: [M, K]; w_ref: [K, N]; bias_ref: [N] or None; res_ref: [M, N_out] or None;
     # o_ref: [M, N_out] with N_out = N, or N / 2 for silu_mul; if partial (split K): [k_splits, M, N] f32, where this
-    #     program stores its split's accumulators and leaves scales, bias, activation and residual to _epilogue in
-    #     XLA;
+    #     program stores its split's accumulators and leaves bias, activation and residual to _epilogue in XLA;
     # sum_sq_refs: (sum_sq_ref [k_splits, M] f32,) with split K and the "gram" statistic: each split's x^2 sums.
     m, k = x_ref.shape
     norm, gram = norm_eps is not None, norm_eps is not None and not stat_rows
@@ -206,8 +206,8 @@ def _rmsnorm_matmul_kernel(x_ref, w_ref, scale_ref, bias_ref, res_ref, o_ref, *s
         accs, gram_acc = carry
         cols_k, k_ok = _k_slice(first_kb + i, block_k, k)
         x = x_tile(rows, cols_k, k_ok)
-        ws = [load(w_ref.at[cols_k[:, None], cols[None, :]], mask=k_ok[:, None] & n_ok[None, :],
-                   other=0.0).astype(x.dtype) for cols in col_groups]
+        ws = [load(w_ref.at[cols_k[:, None], cols[None, :]], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+              for cols in col_groups]
         accs = tuple(acc + dot(x, w) for acc, w in zip(accs, ws))
         return accs, gram_acc + dot(x, x, trans_b=True) if gram else None
 
@@ -227,18 +227,14 @@ def _rmsnorm_matmul_kernel(x_ref, w_ref, scale_ref, bias_ref, res_ref, o_ref, *s
             store(sum_sq_refs[0].at[pl.program_id(2), rows], sum_sq, mask=row_ok & (pl.program_id(1) == 0))
         return
     tile_mask = row_ok[:, None] & n_ok[None, :]
-    scales, biases = (None if ref is None else tuple(load(ref.at[cols], mask=n_ok, other=0.0) for cols in col_groups)
-                      for ref in (scale_ref, bias_ref))
+    biases = None if bias_ref is None else tuple(load(bias_ref.at[cols], mask=n_ok, other=0.0) for cols in col_groups)
     residual = None if res_ref is None else load(res_ref.at[rows[:, None], cols_n[None, :]], mask=tile_mask, other=0.0)
-    store(o_ref.at[rows[:, None], cols_n[None, :]], _epilogue(accs, scales, biases, residual, o_ref.dtype),
-          mask=tile_mask)
+    store(o_ref.at[rows[:, None], cols_n[None, :]], _epilogue(accs, biases, residual, o_ref.dtype), mask=tile_mask)
 
 
-def _epilogue(accs, scales, biases, residual, dtype):
-    """f32 accumulators (gate and up for silu_mul) [* FP8 column scales] [+ bias] [-> silu(gate) * up] [+ residual],
-    rounded once to dtype. Shared by the kernel and the split-K path, which runs it in XLA on the summed partials."""
-    if scales is not None:
-        accs = tuple(acc * s.astype(jnp.float32)[None, :] for acc, s in zip(accs, scales))
+def _epilogue(accs, biases, residual, dtype):
+    """f32 accumulators (gate and up for silu_mul) [+ bias] [-> silu(gate) * up] [+ residual], rounded once to dtype.
+    Shared by the kernel and the split-K path, which runs it in XLA on the summed partials."""
     if biases is not None:
         accs = tuple(acc + b.astype(jnp.float32)[None, :] for acc, b in zip(accs, biases))
     if len(accs) == 2:
@@ -251,7 +247,7 @@ def _epilogue(accs, scales, biases, residual, dtype):
     return out.astype(dtype)
 
 
-def _check_inputs(x, w, w_scale, bias, residual, norm_eps, activation):
+def _check_inputs(x, w, bias, residual, norm_eps, activation):
     """-> N_out, the output width; ValueError for anything the kernel does not handle."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
@@ -267,14 +263,9 @@ def _check_inputs(x, w, w_scale, bias, residual, norm_eps, activation):
         raise ValueError(f"bias must be [N] = [{n}] (w's columns), got {bias.shape}")
     if residual is not None and residual.shape != (m, n_out):
         raise ValueError(f"residual must be [M, N_out] = [{m}, {n_out}] (the output's shape), got {residual.shape}")
-    if x.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32) or w.dtype not in (x.dtype, jnp.float8_e4m3fn):
-        raise ValueError(f"x must be bf16, f16 or f32 and w x's dtype or float8_e4m3fn, got {x.dtype} and {w.dtype}")
-    if (w_scale is None) != (w.dtype != jnp.float8_e4m3fn):
-        raise ValueError(f"w_scale goes with float8_e4m3fn weights and only with them, got w {w.dtype} and w_scale "
-                         f"{None if w_scale is None else w_scale.dtype}")
-    if w_scale is not None and (w_scale.shape != (n,) or w_scale.dtype != jnp.float32):
-        raise ValueError(f"w_scale must be [N] = [{n}] float32 (w's column scales), got {w_scale.shape} "
-                         f"{w_scale.dtype}")
+    if x.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32) or w.dtype != x.dtype:
+        raise ValueError(f"x must be bf16, f16 or f32 and w x's dtype (FP8 weights go to rmsnorm_matmul_reference), "
+                         f"got {x.dtype} and {w.dtype}")
     if residual is not None and residual.dtype != x.dtype:
         raise ValueError(f"residual dtype {residual.dtype} must be x's dtype {x.dtype}")
     if bias is not None and not jnp.issubdtype(bias.dtype, jnp.floating):
@@ -285,20 +276,19 @@ def _check_inputs(x, w, w_scale, bias, residual, norm_eps, activation):
 
 
 @functools.partial(jax.jit, static_argnames=("norm_eps", "activation", "config", "interpret"))
-def rmsnorm_matmul(x, w, bias=None, *, w_scale=None, norm_eps=None, residual=None, activation=None, config=None,
-                   interpret=False):
+def rmsnorm_matmul(x, w, bias=None, *, norm_eps=None, residual=None, activation=None, config=None, interpret=False):
     """[RMSNorm](x) @ w [+ bias] [-> silu(gate) * up] [+ residual] in one kernel: rmsnorm_matmul_reference's
     semantics (see there), up to one rounding of x.dtype (the reference rounds the normalized x and the projection
     before the activation / residual add; the kernel rounds once at the end).
 
-    x: [M, K]; w: [K, N] (x.dtype, or float8_e4m3fn with w_scale [N] float32 its column scales), with the norm's
-    scale folded into its rows when norm_eps is given; bias: [N] or None; norm_eps: the RMSNorm's epsilon, or None
-    for no norm; residual: [M, N_out] (x.dtype) or None; activation: None, or "silu_mul" with w = [K, 2I] holding the
-    gate columns then the up columns (N_out = I) -> [M, N_out] in x.dtype. config None picks DECODE_CONFIG for
+    x: [M, K]; w: [K, N] in x.dtype, with the norm's scale folded into its rows when norm_eps is given; bias: [N] or
+    None; norm_eps: the RMSNorm's epsilon, or None for no norm; residual: [M, N_out] (x.dtype) or None; activation:
+    None, or "silu_mul" with w = [K, 2I] holding the gate columns then the up columns (N_out = I) -> [M, N_out] in
+    x.dtype. config None picks DECODE_CONFIG for
     M <= 16, BATCHED_DECODE_CONFIG for M <= 64 and PREFILL_CONFIG above, adapted to the shape (see _default_config);
     a given config is used as is.
     """
-    n_out = _check_inputs(x, w, w_scale, bias, residual, norm_eps, activation)
+    n_out = _check_inputs(x, w, bias, residual, norm_eps, activation)
     (m, k), silu_mul = x.shape, activation == "silu_mul"
     config = config or _default_config(m, k, n_out, x.dtype, silu_mul=silu_mul)
     block_m = _block_m(config, m)
@@ -321,7 +311,7 @@ def rmsnorm_matmul(x, w, bias=None, *, w_scale=None, norm_eps=None, residual=Non
         compiler_params=triton_params(config.num_warps, config.num_stages),
         interpret=interpret,
         name="rmsnorm_matmul",
-    )(x, w, w_scale, bias, residual)
+    )(x, w, bias, residual)
     if not partial:
         return outs[0]
     # Split K: XLA sums the partials and runs the epilogue, one fusion after the kernel.
@@ -329,5 +319,5 @@ def rmsnorm_matmul(x, w, bias=None, *, w_scale=None, norm_eps=None, residual=Non
     if gram_partials:
         acc = acc * lax.rsqrt(outs[1].sum(axis=0) / k + norm_eps)[:, None]
     groups = 2 if silu_mul else 1
-    scales, biases = (None if a is None else jnp.split(a, groups) for a in (w_scale, bias))
-    return _epilogue(jnp.split(acc, groups, axis=1), scales, biases, residual, x.dtype)
+    biases = None if bias is None else jnp.split(bias, groups)
+    return _epilogue(jnp.split(acc, groups, axis=1), biases, residual, x.dtype)

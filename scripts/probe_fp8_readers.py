@@ -2,11 +2,15 @@
 
     PYTHONPATH=$PWD python3 scripts/probe_fp8_readers.py --m 1 8 64 [--shapes qkv o gate_up down] [--only xla_deq ...]
 
-Variants (x @ w for x [M, K] bf16, w [K, N] E4M3 with one f32 scale per column, or bf16 as the peer):
-- kern_bf16 / kern_fp8: the fused projection kernel (pallas_kernels.rmsnorm_matmul) on bf16 / FP8 weights, default
-  tiles; kern_fp8_bn64 / _bn128: other tiles; kern_fp8_f16x: x in f16, so the upcast is one hardware conversion.
-- xla_bf16 / xla_deq: XLA's dot on bf16 weights / on `w.astype(bf16)` (XLA fuses the upcast into the GEMM's operand
-  load); xla_deq_pad2 / _pad8: one row padded to 2 / 8.
+Variants (x @ w for x [M, K] bf16, w [K, N] E4M3 with one f32 scale per column, or bf16 as the peer; "T": the
+weight held as [N, K], a row per output channel, the layout nanojax.quantize stores):
+- kern_bf16: the fused projection kernel (pallas_kernels.rmsnorm_matmul) on bf16 weights, its default tiles. (Its
+  FP8 path, which read [K, N] E4M3 tiles at 23-55% of the copy ceiling here, was removed with the [N, K] layout.)
+- xla_bf16 / xla_deq / xla_deqT: XLA's dot on bf16 weights / on `w.astype(bf16)` (XLA fuses the upcast into the
+  GEMM's operand load) / the same on [N, K]; _pad2 / _pad8: one row padded to 2 / 8.
+- swapab_{fp8,f16x,bf16} / swapabT_f16x: a Pallas dot with the weight tile as the left operand ([bn, bk] @ x^T: its
+  upcast in registers, x's rows the narrow side) on [N, K] E4M3 (x bf16, or f16 so that the upcast is one hardware
+  conversion), on [N, K] bf16, or on [K, N] E4M3 contracted over its first axis.
 - gemv_fp8 / gemv_bf16: a GEMV without tensor cores (multiply-add on the upcast tile, one reduction at the end).
 - u8dot: the fused kernel's dot with the upcast done by integer bit operations (E4M3 subnormals flushed to zero).
 - xla_deq_materialized: the upcast weight written out, then XLA's bf16 GEMM; xla_w8a8: XLA's FP8 x FP8 dot on rows
@@ -17,7 +21,6 @@ max abs value against the f32 product of the dequantized weight. On a CPU the ke
 shape, untimed (a check that each variant computes the product). Results: docs/benchmarks.md, "FP8 weights".
 """
 import argparse
-import dataclasses
 import functools
 import sys
 from pathlib import Path
@@ -34,7 +37,7 @@ from bench_kernels import normal, time_per_call  # noqa: E402
 
 from nanojax.quantize import quantize_weight  # noqa: E402
 from pallas_kernels._compat import dot, load, num_sms, store, triton_params  # noqa: E402
-from pallas_kernels.rmsnorm_matmul import _default_config, rmsnorm_matmul  # noqa: E402
+from pallas_kernels.rmsnorm_matmul import rmsnorm_matmul  # noqa: E402
 
 BW = 2.83e12
 PEAK_FLOPS = 777e12  # bf16 dense matmul, measured (../shared/DEVICE.md)
@@ -109,16 +112,26 @@ def quantize_rows(x):
     return (x.astype(jnp.float32) / xs[:, None]).astype(jnp.float8_e4m3fn), xs
 
 
+def program_tile(bm, bn, kb_per_split):
+    """-> (the x rows [bm], the output columns [bn] and the first K block of a program of grid (N / bn, splits,
+    M / bm))."""
+    return (pl.program_id(2) * bm + jnp.arange(bm), pl.program_id(0) * bn + jnp.arange(bn),
+            pl.program_id(1) * kb_per_split)
+
+
+def x_block(x_ref, rows, ks):
+    """x_ref [M, K] -> its [rows, ks] block, zeros past M."""
+    return load(x_ref.at[rows[:, None], ks[None, :]], mask=(rows < x_ref.shape[0])[:, None], other=0.0)
+
+
 def w8a8_kernel(x_ref, w_ref, o_ref, *, bm, bk, bn, kb_per_split):
     # x_ref [M, K] float8_e4m3fn (rows quantized, scales outside); w_ref [K, N] float8_e4m3fn; o_ref [splits, M, N]
     m = x_ref.shape[0]
-    rows = pl.program_id(2) * bm + jnp.arange(bm)
-    cols = pl.program_id(0) * bn + jnp.arange(bn)
-    first = pl.program_id(1) * kb_per_split
+    rows, cols, first = program_tile(bm, bn, kb_per_split)
 
     def body(i, acc):
         ks = (first + i) * bk + jnp.arange(bk)
-        x = load(x_ref.at[rows[:, None], ks[None, :]], mask=(rows < m)[:, None], other=0.0)
+        x = x_block(x_ref, rows, ks)
         w = load(w_ref.at[ks[:, None], cols[None, :]])
         return acc + lax.dot_general(x, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
@@ -138,24 +151,68 @@ def w8a8(x, w8, scale, *, bm, bk, bn, splits, warps, stages, interpret=False):
     return (out.sum(0) * xs[:, None] * scale).astype(x.dtype)
 
 
-def xla_deq(pad: int):
-    """XLA's dot on the upcast weight, x padded with `pad` zero rows (the result sliced back)."""
-    def fn(x, w8, s, wb, u8):
+def swapab_kernel(x_ref, w_ref, o_ref, *, bm, bk, bn, kb_per_split, w_kn):
+    # x_ref [M, K] (bf16 or f16); w_ref [N, K] (E4M3 or bf16; K contiguous, HF's layout); o_ref [splits, M, N] f32.
+    # The weight tile is the dot's left operand, [bn, bk] @ x^T [bk, bm]: its upcast can stay in registers (a
+    # tensor-core dot takes its left operand from registers, its right one from shared memory), x's rows the narrow
+    # side.
+    m = x_ref.shape[0]
+    rows, cols, first = program_tile(bm, bn, kb_per_split)
+
+    def body(i, acc):
+        ks = (first + i) * bk + jnp.arange(bk)
+        x = x_block(x_ref, rows, ks)
+        if w_kn:  # w_ref [K, N]: the [bk, bn] tile contracted over its first axis
+            w = load(w_ref.at[ks[:, None], cols[None, :]]).astype(x.dtype)
+            return acc + lax.dot_general(w, x, (((0,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        w = load(w_ref.at[cols[:, None], ks[None, :]]).astype(x.dtype)
+        return acc + dot(w, x, trans_b=True)
+
+    acc = lax.fori_loop(0, kb_per_split, body, jnp.zeros((bn, bm), jnp.float32))
+    store(o_ref.at[pl.program_id(1), rows[None, :], cols[:, None]], acc, mask=(rows < m)[None, :])
+
+
+@functools.partial(jax.jit, static_argnames=("bm", "bk", "bn", "splits", "warps", "stages", "f16", "w_kn",
+                                             "interpret"))
+def swapab(x, wt, scale, *, bm, bk, bn, splits, warps, stages, f16=False, w_kn=False, interpret=False):
+    """x: [M, K] bf16 (cast to f16 with f16: E4M3 -> f16 is one hardware conversion); wt: [N, K] E4M3 with scale
+    [N], or bf16 with scale None -> [M, N]; split K summed by XLA."""
+    m, (n, k) = x.shape[0], wt.shape[::-1] if w_kn else wt.shape
+    xin = x.astype(jnp.float16) if f16 else x
+    out = pl.pallas_call(
+        functools.partial(swapab_kernel, bm=bm, bk=bk, bn=bn, kb_per_split=k // bk // splits, w_kn=w_kn),
+        grid=(n // bn, splits, pl.cdiv(m, bm)), out_shape=jax.ShapeDtypeStruct((splits, m, n), jnp.float32),
+        compiler_params=triton_params(warps, stages), name="swapab", interpret=interpret)(xin, wt)
+    out = out.sum(0)
+    if scale is not None:
+        out = out * scale
+    return out.astype(x.dtype)
+
+
+def xla_deq(pad: int, transposed: bool = False):
+    """XLA's dot on the upcast weight, x padded with `pad` zero rows (the result sliced back); transposed: the weight
+    held as [N, K]."""
+    def fn(x, w8, s, wb, u8, wt):
         rows = x.shape[0]
-        out = (jnp.pad(x, ((0, pad), (0, 0))) @ w8.astype(x.dtype)).astype(jnp.float32) * s
+        xp = jnp.pad(x, ((0, pad), (0, 0)))
+        if transposed:
+            out = lax.dot_general(xp, wt[0].astype(x.dtype), (((1,), (1,)), ((), ())),
+                                  preferred_element_type=jnp.float32) * s
+        else:
+            out = (xp @ w8.astype(x.dtype)).astype(jnp.float32) * s
         return out.astype(x.dtype)[:rows]
     return jax.jit(fn)
 
 
 @jax.jit
-def xla_deq_materialized(x, w8, s, wb, u8):
+def xla_deq_materialized(x, w8, s, wb, u8, wt):
     """The upcast weight written out first (an optimization barrier keeps XLA from fusing it), then a bf16 GEMM."""
     w = lax.optimization_barrier(w8.astype(x.dtype))
     return ((x @ w).astype(jnp.float32) * s).astype(x.dtype)
 
 
 @jax.jit
-def xla_w8a8(x, w8, s, wb, u8):
+def xla_w8a8(x, w8, s, wb, u8, wt):
     """x quantized per row to E4M3, then XLA's FP8 x FP8 dot (cuBLASLt on Hopper), both scales in the epilogue."""
     xq, xs = quantize_rows(x)
     out = lax.dot_general(xq, w8, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
@@ -166,42 +223,51 @@ def variants(m, k, n, interpret) -> dict:
     """name -> (fn(x, w8, scale, w_bf16, w_u8), bytes it reads)."""
     fp8_bytes, bf16_bytes = k * n + 4 * n, 2 * k * n
     out = {
-        "kern_bf16": (lambda x, w8, s, wb, u8: rmsnorm_matmul(x, wb, interpret=interpret), bf16_bytes),
-        "kern_fp8": (lambda x, w8, s, wb, u8: rmsnorm_matmul(x, w8, w_scale=s, interpret=interpret), fp8_bytes),
-        "xla_bf16": (jax.jit(lambda x, w8, s, wb, u8: x @ wb), bf16_bytes),
+        "kern_bf16": (lambda x, w8, s, wb, u8, wt: rmsnorm_matmul(x, wb, interpret=interpret), bf16_bytes),
+        "xla_bf16": (jax.jit(lambda x, w8, s, wb, u8, wt: x @ wb), bf16_bytes),
         "xla_deq": (xla_deq(0), fp8_bytes),
         "xla_deq_materialized": (xla_deq_materialized, fp8_bytes),
         "xla_w8a8": (xla_w8a8, fp8_bytes),
         "xla_deq_pad2": (xla_deq(1), fp8_bytes),
         "xla_deq_pad8": (xla_deq(7), fp8_bytes),
-        "kern_fp8_f16x": (lambda x, w8, s, wb, u8: rmsnorm_matmul(x.astype(jnp.float16), w8, w_scale=s,
-                                                                   interpret=interpret), fp8_bytes),
+        "xla_deqT": (xla_deq(0, transposed=True), fp8_bytes),
+        "xla_deqT_pad2": (xla_deq(1, transposed=True), fp8_bytes),
     }
-    default = _default_config(m, k, n, jnp.bfloat16)
-    for bn in (64, 128):
-        cfg = dataclasses.replace(default, block_n=bn, block_k=256 if bn == 64 else 128)
-        out[f"kern_fp8_bn{bn}"] = (lambda x, w8, s, wb, u8, c=cfg: rmsnorm_matmul(x, w8, w_scale=s, config=c,
-                                                                                   interpret=interpret),
-                                   fp8_bytes)
     for bn, bk, warps in ((128, 64, 4), (256, 32, 4), (256, 64, 8), (512, 32, 8)):
         if n % bn or k % bk:
             continue
         splits = split_k(n // bn, k // bk, 2 * num_sms())
         kw = dict(bk=bk, bn=bn, splits=splits, warps=warps, stages=3, interpret=interpret)
-        out[f"u8dot_bn{bn}_bk{bk}_w{warps}_s{splits}"] = (lambda x, w8, s, wb, u8, kw=kw: dot_u8(x, u8, s, **kw),
+        out[f"u8dot_bn{bn}_bk{bk}_w{warps}_s{splits}"] = (lambda x, w8, s, wb, u8, wt, kw=kw: dot_u8(x, u8, s, **kw),
                                                          fp8_bytes)
         if m == 1:
             out[f"gemv_fp8_bn{bn}_bk{bk}_w{warps}_s{splits}"] = (
-                lambda x, w8, s, wb, u8, kw=kw: gemv(x, w8, s, **kw), fp8_bytes)
+                lambda x, w8, s, wb, u8, wt, kw=kw: gemv(x, w8, s, **kw), fp8_bytes)
             out[f"gemv_bf16_bn{bn}_bk{bk}_w{warps}_s{splits}"] = (
-                lambda x, w8, s, wb, u8, kw=kw: gemv(x, wb, None, **kw), bf16_bytes)
+                lambda x, w8, s, wb, u8, wt, kw=kw: gemv(x, wb, None, **kw), bf16_bytes)
     for bm, bn, bk, warps in ((16, 64, 128, 4), (64, 64, 128, 4), (64, 128, 128, 4), (64, 64, 256, 4)):
         if n % bn or k % bk:
             continue
         splits = split_k(n // bn * -(-m // bm), k // bk, num_sms())
         kw = dict(bm=bm, bk=bk, bn=bn, splits=splits, warps=warps, stages=4, interpret=interpret)
-        out[f"w8a8_bm{bm}_bn{bn}_bk{bk}_s{splits}"] = (lambda x, w8, s, wb, u8, kw=kw: w8a8(x, w8, s, **kw),
+        out[f"w8a8_bm{bm}_bn{bn}_bk{bk}_s{splits}"] = (lambda x, w8, s, wb, u8, wt, kw=kw: w8a8(x, w8, s, **kw),
                                                       fp8_bytes)
+    bm = 16 if m <= 16 else 64
+    for bn, bk, warps, stages in ((64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 4), (128, 128, 8, 4),
+                                  (128, 256, 8, 3), (256, 64, 8, 4), (64, 512, 4, 2), (32, 256, 4, 3)):
+        if n % bn or k % bk:
+            continue
+        for programs in (num_sms(), 2 * num_sms()):
+            splits = split_k(n // bn * -(-m // bm), k // bk, programs)
+            kw = dict(bm=bm, bk=bk, bn=bn, splits=splits, warps=warps, stages=stages, interpret=interpret)
+            tag = f"bn{bn}_bk{bk}_w{warps}_st{stages}_s{splits}"
+            out[f"swapab_fp8_{tag}"] = (lambda x, w8, s, wb, u8, wt, kw=kw: swapab(x, wt[0], s, **kw), fp8_bytes)
+            out[f"swapab_f16x_{tag}"] = (lambda x, w8, s, wb, u8, wt, kw=kw: swapab(x, wt[0], s, f16=True, **kw),
+                                         fp8_bytes)
+            out[f"swapabT_f16x_{tag}"] = (lambda x, w8, s, wb, u8, wt, kw=kw: swapab(x, w8, s, f16=True, w_kn=True,
+                                                                                      **kw), fp8_bytes)
+            out[f"swapab_bf16_{tag}"] = (lambda x, w8, s, wb, u8, wt, kw=kw: swapab(x, wt[1], None, **kw),
+                                         bf16_bytes)
     return out
 
 
@@ -229,7 +295,9 @@ def main():
         for _ in range(copies):
             w32 = normal(rng, (k, n), k ** -0.5).astype(jnp.float32)
             q = quantize_weight(w32)
-            weights.append((q["w"], q["scale"], w32.astype(jnp.bfloat16), lax.bitcast_convert_type(q["w"], jnp.uint8)))
+            wb = w32.astype(jnp.bfloat16)
+            w8 = jnp.transpose(q["w_t"])  # [K, N]
+            weights.append((w8, q["scale"], wb, lax.bitcast_convert_type(w8, jnp.uint8), (q["w_t"], jnp.transpose(wb))))
         for m in args.m:
             sets = [(normal(rng, (m, k)), *ws) for ws in weights]
             x, w8, scale = sets[0][:3]

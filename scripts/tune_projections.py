@@ -5,9 +5,7 @@
 Each projection of a layer is timed in its fused form (RMSNorm + QKV, o_proj + residual, RMSNorm + gate/up +
 SiLU-and-mul, down + residual) with bench_kernels' harness (back-to-back calls in one jit, inputs rotated past L2),
 for every config of the grid and for the default that `_default_config` picks. %HBM counts the weight bytes.
-`--fp8`: the weights in FP8 (nanojax.quantize.quantize_weight: E4M3 and a scale per column), which the kernel
-reads as such; the grid then also tries K slices of 512 and tiles 128 columns wide (an FP8 tile holds half the
-bytes of a bf16 one). `--block-n`, `--block-k`, `--k-splits`, `--num-stages` replace the grid's values.
+`--block-n`, `--block-k`, `--k-splits`, `--num-stages` replace the grid's values.
 """
 import argparse
 import dataclasses
@@ -23,7 +21,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from bench_kernels import EPS, kernel_time_per_call, normal, rotations, time_per_call  # noqa: E402
 
-from nanojax.quantize import quantize_weight  # noqa: E402
 from pallas_kernels.rmsnorm_matmul import _default_config, rmsnorm_matmul  # noqa: E402
 
 GRID = {"block_n": (16, 32, 64), "block_k": (128, 256), "k_splits": (1, 2, 4, 8)}
@@ -46,12 +43,11 @@ def main():
     ap.add_argument("--m", type=int, nargs="+", default=[1])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--hbm-bw", type=float, default=2.83e12)
-    ap.add_argument("--fp8", action="store_true", help="FP8 weights with per-column scales")
     ap.add_argument("--out")
     for knob in GRID_KNOBS:
         ap.add_argument(f"--{knob.replace('_', '-')}", type=int, nargs="+", help=f"the grid's {knob} values")
     args = ap.parse_args()
-    grid = dict(GRID, block_n=(32, 64, 128), block_k=(128, 256, 512)) if args.fp8 else dict(GRID)
+    grid = dict(GRID)
     grid.update({knob: tuple(v) for knob in GRID_KNOBS if (v := getattr(args, knob)) is not None})
     args.max_rotations = 16
     cfg = json.loads((Path(__file__).parent / "configs" / f"{args.model}.json").read_text())
@@ -59,19 +55,17 @@ def main():
     results = []
     for (name, (k, n, activation, role)), m in itertools.product(projections(cfg).items(), args.m):
         n_out = n // 2 if activation else n
-        w_bytes = k * n + 4 * n if args.fp8 else k * n * 2
-        weight = lambda: quantize_weight(normal(rng, (k, n), k ** -0.5)) if args.fp8 else {  # noqa: E731
-            "w": normal(rng, (k, n), k ** -0.5)}
+        w_bytes = k * n * 2
         sets = [(normal(rng, (m, k)), 1 + normal(rng, (k,), 0.1) if role == "norm" else normal(rng, (m, n_out)),
-                 weight()) for _ in range(rotations(args, w_bytes))]
+                 normal(rng, (k, n), k ** -0.5)) for _ in range(rotations(args, w_bytes))]
         dep_arg = 0 if role == "norm" else 1  # the timing loop's dependency: x, or the residual
         default = _default_config(m, k, n_out, sets[0][0].dtype, silu_mul=activation is not None)
         configs = [default] + [dataclasses.replace(default, **dict(zip(grid, values)))
                                for values in itertools.product(*grid.values())]
 
-        def fn(x, second, p, config):  # with a norm, second is unused (its scale would be folded into w)
+        def fn(x, second, w, config):  # with a norm, second is unused (its scale would be folded into w)
             kw = {"norm_eps": EPS} if role == "norm" else {"residual": second}
-            return rmsnorm_matmul(x, p["w"], w_scale=p.get("scale"), activation=activation, config=config, **kw)
+            return rmsnorm_matmul(x, w, activation=activation, config=config, **kw)
 
         timings = []
         for config in dict.fromkeys(configs):
@@ -88,7 +82,7 @@ def main():
         kernel_us = {label: [t * 1e6 for t in kernel_time_per_call(
             functools.partial(fn, config=config), sets, "rmsnorm_matmul", work_seconds=w_bytes / args.hbm_bw,
             dep_arg=dep_arg)] for label, config in (("default", default), ("best", best))}
-        row = {"projection": name, "m": m, "k": k, "n": n, "fp8": args.fp8, "default": dataclasses.asdict(default),
+        row = {"projection": name, "m": m, "k": k, "n": n, "default": dataclasses.asdict(default),
                "default_us": t_default * 1e6, "default_hbm_pct": 100 * w_bytes / t_default / args.hbm_bw,
                "best": dataclasses.asdict(best), "best_us": best_t * 1e6,
                "best_hbm_pct": 100 * w_bytes / best_t / args.hbm_bw,

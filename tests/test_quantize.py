@@ -11,7 +11,7 @@ from conftest import random_prompts
 from convert import open_source, params_from_source
 from nanojax.kv_cache import Batch, KVCache
 from nanojax.model import forward, lm_logits
-from nanojax.ops import FP8_XLA_MIN_ROWS, PALLAS_FP8_PROJECTION_MAX_ROWS, Ops
+from nanojax.ops import Ops
 from nanojax.quantize import CLIP_RATIOS, FP8_MAX, PROJECTIONS, dequantize, quantize_params, quantize_weight
 from pallas_kernels.rmsnorm_matmul import rmsnorm_matmul_reference
 
@@ -42,10 +42,10 @@ def max_scaled_error(wf, amax):
 def test_round_trip_error_per_channel(k, n, dtype):
     w = spread_weights(k + n, k, n, dtype)
     p = quantize_weight(w)
-    assert p["w"].dtype == jnp.float8_e4m3fn and p["w"].shape == (k, n)
+    assert p["w_t"].dtype == jnp.float8_e4m3fn and p["w_t"].shape == (n, k)
     assert p["scale"].dtype == jnp.float32 and p["scale"].shape == (n,)
     wf = np.asarray(w.astype(jnp.float32), np.float64)
-    scale, q = np.asarray(p["scale"], np.float64), np.asarray(p["w"].astype(jnp.float32), np.float64)
+    scale, q = np.asarray(p["scale"], np.float64), np.asarray(p["w_t"].astype(jnp.float32), np.float64).T
     amax = np.abs(wf).max(axis=0)
     assert np.all(np.isfinite(q)) and np.all(np.abs(q) <= FP8_MAX)
     nonzero = amax > 0
@@ -95,7 +95,7 @@ def test_rounds_to_nearest():
     w = jnp.asarray([[448.0], [17.0], [19.0], [-17.0], [0.3]], jnp.float32)
     p = quantize_weight(w)
     assert float(p["scale"][0]) == 1.0
-    np.testing.assert_array_equal(np.asarray(p["w"].astype(jnp.float32))[:, 0],
+    np.testing.assert_array_equal(np.asarray(p["w_t"].astype(jnp.float32))[0],
                                   [448.0, 16.0, 20.0, -16.0, np.float32(jnp.asarray(0.3).astype(jnp.float8_e4m3fn))])
 
 
@@ -106,8 +106,8 @@ def load_tiny(hf_model_dir, name):
 
 @pytest.mark.parametrize("name", ["llama", "llama3"])
 def test_params_layout(hf_model_dir, name):
-    """Projections and the LM head become {w fp8, scale f32, b?}; embeddings and norms stay; tied embeddings keep
-    embed and gain an FP8 lm_head quantized from embed.T."""
+    """Projections and the LM head become {w_t fp8 [N, K], scale f32, b?}; embeddings and norms stay; tied
+    embeddings keep embed and gain an FP8 lm_head quantized from embed.T."""
     config, params = load_tiny(hf_model_dir, name)
     fp8 = quantize_params(params, config)
     for lp, qp in zip(params["layers"], fp8["layers"]):
@@ -115,35 +115,35 @@ def test_params_layout(hf_model_dir, name):
         for key in set(lp) - set(PROJECTIONS):
             assert qp[key] is lp[key]
         for proj in PROJECTIONS:
-            assert set(qp[proj]) == set(lp[proj]) | {"scale"}
+            assert set(qp[proj]) == set(lp[proj]) - {"w"} | {"w_t", "scale"}
             k, n = lp[proj]["w"].shape
-            assert qp[proj]["w"].dtype == jnp.float8_e4m3fn and qp[proj]["w"].shape == (k, n)
+            assert qp[proj]["w_t"].dtype == jnp.float8_e4m3fn and qp[proj]["w_t"].shape == (n, k)
             assert qp[proj]["scale"].dtype == jnp.float32 and qp[proj]["scale"].shape == (n,)
             if "b" in lp[proj]:
                 assert qp[proj]["b"] is lp[proj]["b"]
     assert fp8["embed"] is params["embed"] and fp8["final_norm"] is params["final_norm"]
     head = params["embed"].T if config.tie_word_embeddings else params["lm_head"]
     assert config.tie_word_embeddings == (name == "llama3")
-    np.testing.assert_array_equal(fp8["lm_head"]["w"].astype(jnp.float32), quantize_weight(head)["w"].astype(
+    np.testing.assert_array_equal(fp8["lm_head"]["w_t"].astype(jnp.float32), quantize_weight(head)["w_t"].astype(
         jnp.float32))
     assert fp8["lm_head"]["scale"].shape == (config.vocab_size,)
     with pytest.raises(ValueError, match="quantized already"):
         quantize_params(fp8, config)
     keep_head = quantize_params(params, config, lm_head=False)
-    assert keep_head.get("lm_head") is params.get("lm_head") and keep_head["layers"][0]["qkv"]["w"].dtype == (
+    assert keep_head.get("lm_head") is params.get("lm_head") and keep_head["layers"][0]["qkv"]["w_t"].dtype == (
         jnp.float8_e4m3fn)
 
 
 def dequantized_layers(layers):
-    """Every FP8 projection's {w, scale, b?} replaced by its f32 weight {w, b?}."""
+    """Every FP8 projection's {w_t, scale, b?} replaced by its f32 weight {w, b?}."""
     def weight(p):
-        return {key: v for key, v in p.items() if key != "scale"} | {"w": dequantize(p)}
+        return {key: v for key, v in p.items() if key not in ("w_t", "scale")} | {"w": dequantize(p)}
 
     return tuple(lp | {name: weight(lp[name]) for name in PROJECTIONS} for lp in layers)
 
 
 def dequantized(params, config):
-    """(params, config) of what the FP8 model stands for: every projection's {w, scale} and the LM head replaced by
+    """(params, config) of what the FP8 model stands for: every projection's {w_t, scale} and the LM head replaced by
     their f32 weights, the head untied from the embedding (which keeps its own, unquantized rows)."""
     untied = dataclasses.replace(config, tie_word_embeddings=False)
     return params | {"layers": dequantized_layers(params["layers"]), "lm_head": dequantize(params["lm_head"])}, untied
@@ -192,20 +192,21 @@ def test_fp8_kernels_match_reference(hf_model_dir, name):
 
 
 def test_fp8_projection_rows():
-    """An FP8 projection takes the kernel up to PALLAS_FP8_PROJECTION_MAX_ROWS (none: XLA measured faster), with or
-    without a norm; fewer rows than FP8_XLA_MIN_ROWS are padded for XLA's dot, which changes no value."""
+    """An FP8 projection goes to XLA's dot at any row count (no Pallas kernel reads FP8), with or without a norm;
+    fewer rows than FP8_XLA_MIN_ROWS are padded for XLA's dot, which changes no value."""
     rng = np.random.default_rng(0)
     w, x, residual = (jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in ((32, 48), (3, 32), (3, 48)))
     ops, p = Ops(pallas=True, interpret=True), quantize_weight(w)
     for rows in (1, 2, 3):
         for kw in ({}, {"norm_eps": 1e-6}, {"residual": residual[:rows]}):
             jaxpr = str(jax.make_jaxpr(lambda x: ops.project(x, p, **kw))(x[:rows]))
-            assert ("pallas_call" in jaxpr) == (rows <= PALLAS_FP8_PROJECTION_MAX_ROWS), (rows, kw)
+            assert "pallas_call" not in jaxpr, (rows, kw)
             out = ops.project(x[:rows], p, **kw)
-            ref = rmsnorm_matmul_reference(x[:rows], p["w"], w_scale=p["scale"], **kw)
+            ref = rmsnorm_matmul_reference(x[:rows], p["w_t"], w_scale=p["scale"], **kw)
             assert out.shape == ref.shape
             np.testing.assert_allclose(out, ref, rtol=1e-6, atol=1e-6)
-    assert PALLAS_FP8_PROJECTION_MAX_ROWS < FP8_XLA_MIN_ROWS  # the padding is for XLA's rows only
+            np.testing.assert_allclose(out, rmsnorm_matmul_reference(x[:rows], dequantize(p), **kw), rtol=1e-5,
+                                       atol=1e-5)
 
 
 def test_llm_quantizes_at_load_and_rejects_unknown_formats(hf_model_dir):
@@ -217,7 +218,7 @@ def test_llm_quantizes_at_load_and_rejects_unknown_formats(hf_model_dir):
     folder, _ = hf_model_dir("qwen3")
     llm = LLM(str(folder), dtype="float32", page_size=4, max_model_len=64, quantization="fp8")
     layer = llm.runner.params["layers"][0]
-    assert layer["qkv"]["w"].dtype == jnp.float8_e4m3fn and layer["qkv"]["scale"].dtype == jnp.float32
+    assert layer["qkv"]["w_t"].dtype == jnp.float8_e4m3fn and layer["qkv"]["scale"].dtype == jnp.float32
     assert "lm_head" not in llm.runner.params or not isinstance(llm.runner.params["lm_head"], dict)
     loaded = load_model(str(folder), "float32")
     quantized = llm.runner.params
@@ -245,14 +246,18 @@ def test_fp8_checkpoint_round_trip_and_refusals(hf_model_dir, tmp_path):
     dst = tmp_path / "fp8"
     assert convert_cli([str(folder), str(dst), "--dtype", "float32", "--quantize", "fp8"]) == 0
     config, params, manifest = load_checkpoint(dst)
-    assert manifest["quantization"] == "fp8"
+    assert manifest["quantization"] == "fp8" and manifest["fp8_format"] == 2
     direct = quantize_params(params_from_source(open_source(str(folder)), "float32")[1], config, lm_head=False)
     for got, want in zip(params["layers"], direct["layers"]):
         for name in PROJECTIONS:
-            assert got[name]["w"].dtype == jnp.float8_e4m3fn
-            np.testing.assert_array_equal(np.asarray(got[name]["w"], np.float32),
-                                          np.asarray(want[name]["w"], np.float32))
+            assert got[name]["w_t"].dtype == jnp.float8_e4m3fn
+            np.testing.assert_array_equal(np.asarray(got[name]["w_t"], np.float32),
+                                          np.asarray(want[name]["w_t"], np.float32))
             np.testing.assert_array_equal(got[name]["scale"], np.asarray(want[name]["scale"]))
+    del manifest["fp8_format"]  # written before the [N, K] layout: refused, not misread
+    (dst / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="FP8 weights in layout 1"):
+        load_checkpoint(dst)
     manifest["quantization"] = "int3"
     (dst / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match="'int3' weights"):

@@ -217,5 +217,5 @@ def test_fp8_weights_per_shard(tp_model):
     expected = [o.token_ids for o in LLM(folder, **kw).generate(prompts, GREEDY, use_tqdm=False)]
     for size in (2, 4):
         llm = LLM(folder, tensor_parallel_size=size, **kw)
-        assert str(llm.runner.params["layers"][0]["qkv"]["w"].dtype) == "float8_e4m3fn"
+        assert str(llm.runner.params["layers"][0]["qkv"]["w_t"].dtype) == "float8_e4m3fn"
         assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected, size
