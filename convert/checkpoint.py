@@ -129,9 +129,10 @@ def load_checkpoint(path) -> tuple[ModelConfig, dict, dict]:
     if manifest.get("quantization") not in QUANTIZATIONS:
         raise CheckpointError(f"{path} holds {manifest['quantization']!r} weights, which this nanojax does not read "
                               f"(it reads {list(QUANTIZATIONS)})")
-    if manifest.get("quantization") == "fp8" and manifest.get("fp8_format", 1) != FP8_FORMAT:
+    fp8_format = manifest.get("fp8_format", 1)  # 1: written before the format was recorded
+    if manifest.get("quantization") == "fp8" and fp8_format != FP8_FORMAT:
         raise CheckpointError(
-            f"{path} holds FP8 weights in layout {manifest.get('fp8_format', 1)} (written by another nanojax version), "
+            f"{path} holds FP8 weights in layout {fp8_format} (written by another nanojax version), "
             f"this nanojax reads layout {FP8_FORMAT}; convert its source again: python -m convert "
             f"{manifest.get('source', 'SRC')} {path} --quantize fp8 --overwrite")
     config = ModelConfig.from_hf_config(json.loads((path / "config.json").read_text()))

@@ -4,6 +4,7 @@ import dataclasses
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from nanojax.config import ModelConfig
+from nanojax.quantize import is_quantized
 
 
 @dataclasses.dataclass
@@ -73,7 +74,7 @@ def _start_tokenizer(found) -> tuple:
 def _cast(params, dtype):
     """Casts float params to dtype; FP8 projections ({w_t: float8, scale: float32}, nanojax.quantize) stay as they
     are."""
-    if isinstance(params, dict) and "w_t" in params:
+    if isinstance(params, dict) and is_quantized(params):
         return {k: v if k in ("w_t", "scale") else _cast(v, dtype) for k, v in params.items()}
     if isinstance(params, (dict, tuple, list)):
         items = params.items() if isinstance(params, dict) else enumerate(params)

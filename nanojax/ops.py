@@ -16,6 +16,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from nanojax.quantize import is_quantized
 from pallas_kernels.cascade_attention import cascade_decode_attention, cascade_decode_attention_reference
 from pallas_kernels.paged_attention import paged_attention_reference, paged_decode_attention, paged_prefill_attention
 from pallas_kernels.qkv_rope_cache import qkv_rope_cache, qkv_rope_cache_reference
@@ -53,7 +54,7 @@ class Ops:
         FP8_XLA_MIN_ROWS."""
         kw = {"norm_eps": norm_eps, "residual": residual, "activation": activation}
         rows = x.shape[0]
-        if "w_t" in p:
+        if is_quantized(p):
             kw["w_scale"] = p["scale"]
             if rows < FP8_XLA_MIN_ROWS:
                 pad = lambda a: jnp.pad(a, ((0, FP8_XLA_MIN_ROWS - rows), (0, 0)))  # noqa: E731
