@@ -32,11 +32,15 @@ PALLAS_PROJECTION_MAX_ROWS = 1
 # With a norm (QKV, gate/up) the fused kernel replaces XLA's two kernels (the norm, then the GEMM) by one, and stays
 # ahead up to batched decode sizes (docs/perf_notes.md, "Fused projections: which rows take the kernel").
 PALLAS_NORMED_PROJECTION_MAX_ROWS = 64
-# FP8 weights (nanojax/quantize.py) go to XLA's dot, which fuses the upcast of the E4M3 weight into its operand load
-# (one kernel reading the FP8 bytes); their [N, K] layout reads at 84-85% of the copy ceiling there for Qwen3-8B's
-# gate/up at 2-8 rows (docs/perf_notes.md, "FP8 weights"). XLA runs a one-row dot as a reduction fusion, which read
-# FP8 slower than its GEMM on two rows (Qwen3-8B batch 1: 5.67 vs 4.48 ms per step, padded to 8 rows 4.58), so fewer
-# rows are padded to this many.
+# FP8 weights (nanojax/quantize.py) take the fused kernel for one row and a weight of up to this many elements (every
+# projection of Qwen3-0.6B; Llama-3.2-1B's QKV and o): there a step is latency-bound and the kernel's fused norm,
+# activation and residual save XLA's extra kernels (H100, batch 1: Qwen3-0.6B 1.072 against 1.149 ms per step,
+# Llama-3.2-1B 1.002 against 1.068). Larger weights read faster through XLA's dot, which fuses the E4M3 upcast into
+# its operand load (H200, Qwen3-8B batch 1: 3.059 against 3.451 ms with the kernel), and so do more rows
+# (docs/perf_notes.md, "FP8 weights").
+PALLAS_FP8_MAX_WEIGHT = 8 << 20
+# XLA runs a one-row dot as a reduction fusion, which read FP8 slower than its GEMM on two rows (Qwen3-8B batch 1:
+# 5.67 vs 4.48 ms per step, padded to 8 rows 4.58), so fewer rows are padded to this many.
 FP8_XLA_MIN_ROWS = 2
 
 
@@ -49,13 +53,15 @@ class Ops:
 
     def project(self, x, p, *, norm_eps=None, residual=None, activation=None):
         """x: [N, K]; p: {w [K, N'], b [N']?} (an RMSNorm's scale folded into w), or FP8 {w_t float8_e4m3fn [N', K],
-        scale [N'], b?} (nanojax/quantize.py) -> [N, N_out]; see rmsnorm_matmul_reference. An FP8 projection is
-        dequantized in front of XLA's dot, (x @ w_t.astype(x.dtype)^T) * scale in f32, its rows padded to
-        FP8_XLA_MIN_ROWS."""
+        scale [N'], b?} (nanojax/quantize.py) -> [N, N_out]; see rmsnorm_matmul_reference. An FP8 projection
+        takes the kernel for one row of a weight up to PALLAS_FP8_MAX_WEIGHT elements, else XLA's dot on the
+        dequantized weight, (x @ w_t.astype(x.dtype)^T) * scale in f32, its rows padded to FP8_XLA_MIN_ROWS."""
         kw = {"norm_eps": norm_eps, "residual": residual, "activation": activation}
         rows = x.shape[0]
         if is_quantized(p):
             kw["w_scale"] = p["scale"]
+            if self.pallas and rows == 1 and p["w_t"].size <= PALLAS_FP8_MAX_WEIGHT:
+                return rmsnorm_matmul(x, p["w_t"], p.get("b"), interpret=self.interpret, **kw)
             if rows < FP8_XLA_MIN_ROWS:
                 pad = lambda a: jnp.pad(a, ((0, FP8_XLA_MIN_ROWS - rows), (0, 0)))  # noqa: E731
                 kw["residual"] = None if residual is None else pad(residual)

@@ -12,9 +12,12 @@ w and scales its f32 accumulator by rstd at the end. A norm applied to each x ti
 for rstd, then a scale gather per tile) cost 1 us at M = 1 and 11 us at M = 64, up to twice the matmul itself
 (docs/perf_notes.md, "The RMSNorm statistic in the fused projections").
 
-FP8 weights (nanojax/quantize.py: float8_e4m3fn [N, K], one row per output channel, with f32 scales [N]) are read by
-XLA's dot in rmsnorm_matmul_reference, which upcasts them in its operand load; in this layout it read them faster than
-an FP8 path of this kernel did (docs/perf_notes.md, "FP8 weights"), so the kernel takes x.dtype weights only.
+FP8 weights (nanojax/quantize.py: float8_e4m3fn [N, K], one row per output channel, with f32 scales [N]) are read
+as [block_n, block_k] tiles that are the dot's left operand ("swap AB": x's few rows are the narrow side of the
+tensor-core tile), upcast in registers to f16 with x: E4M3 -> f16 is one hardware conversion, where bf16 takes more
+and read the same weights 20% slower (docs/perf_notes.md, "FP8 weights"). f16 holds a bf16 x exactly for
+6.1e-5 <= |x| <= 65504 (larger activations would overflow it; rmsnorm_matmul_reference upcasts the weight to
+x.dtype instead), and f32 x keeps f32. The channel scales multiply the f32 accumulator before the epilogue.
 """
 import dataclasses
 import functools
@@ -124,6 +127,13 @@ DECODE_CONFIG = RmsNormMatmulConfig(block_m=16, block_n=64, block_k=128, num_war
 BATCHED_DECODE_CONFIG = RmsNormMatmulConfig(block_m=64, block_n=32, block_k=128, num_warps=4, num_stages=4)
 # Prefill: compute-bound tiles.
 PREFILL_CONFIG = RmsNormMatmulConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+# FP8 weights [N, K] at decode sizes (M <= 16; more rows take XLA's dot, nanojax.ops): 32 rows of 256 contiguous
+# bytes per tile, 64 x 128 for gate/up (two tiles per step already), with split K up to FP8_SPLIT_PROGRAMS programs
+# per SM and two K blocks per split; within 3% of the best of a 24-tiling sweep on every Qwen3-0.6B and Qwen3-8B
+# projection at M = 1 (scripts/tune_projections.py --fp8; docs/perf_notes.md, "FP8 weights").
+FP8_DECODE_CONFIG = RmsNormMatmulConfig(block_m=16, block_n=32, block_k=256, num_warps=4, num_stages=3)
+FP8_GATE_UP_DECODE_CONFIG = RmsNormMatmulConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
+FP8_SPLIT_PROGRAMS = 4
 
 # Shared memory of one pipeline stage that compiled and ran with 4 stages on the H100 (48 KiB did, 64 KiB did not).
 STAGE_BYTES = 56 << 10
@@ -141,13 +151,15 @@ def _stage_bytes(block_m, block_n, block_k, *, itemsize, w_tiles):
     return block_k * (block_m + w_tiles * block_n) * itemsize
 
 
-def _default_config(m, k, n_out, dtype, *, silu_mul=False):
-    """The preset for m rows, adapted to the problem:
+def _default_config(m, k, n_out, dtype, *, silu_mul=False, fp8=False):
+    """The preset for m rows (the FP8 presets for FP8 weights), adapted to the problem:
     - block_k halves until a pipeline stage fits STAGE_BYTES (f32, or the two w tiles of silu_mul at M = 64);
     - M <= 64 (memory-bound on w): k_splits doubles, up to 8, while the grid stays within num_sms() programs and
       every split keeps at least one K block (an empty split would be a program that stores zeros): at M <= 16 QKV
       and gate/up of Qwen3-0.6B get 2 splits, o_proj and down_proj (N = 1024) 8.
     """
+    if fp8:
+        return _fp8_config(m, k, n_out, silu_mul)
     preset = DECODE_CONFIG if m <= 16 else BATCHED_DECODE_CONFIG if m <= 64 else PREFILL_CONFIG
     block_m, block_k = _block_m(preset, m), preset.block_k
     itemsize, w_tiles = jnp.dtype(dtype).itemsize, 2 if silu_mul else 1
@@ -162,6 +174,23 @@ def _default_config(m, k, n_out, dtype, *, silu_mul=False):
                and (2 * k_splits - 1) * pl.cdiv(k_blocks, 2 * k_splits) < k_blocks):
             k_splits *= 2
     return dataclasses.replace(preset, block_k=block_k, k_splits=k_splits)
+
+
+def _fp8_config(m, k, n_out, silu_mul):
+    """FP8 weights: the decode preset up to 16 rows, with k_splits doubling (up to 8) while the grid stays within
+    FP8_SPLIT_PROGRAMS programs per SM and every split gets two K blocks or more; PREFILL_CONFIG above (a stage of f32
+    x and FP8 w tiles fits STAGE_BYTES)."""
+    if m > 16:
+        return PREFILL_CONFIG
+    preset = FP8_GATE_UP_DECODE_CONFIG if silu_mul else FP8_DECODE_CONFIG
+    tiles, k_blocks = pl.cdiv(n_out, preset.block_n), pl.cdiv(k, preset.block_k)
+    k_splits = 1
+    while k_splits < 8 and 2 * k_splits * tiles <= FP8_SPLIT_PROGRAMS * num_sms():
+        per_split = pl.cdiv(k_blocks, 2 * k_splits)
+        if per_split < 2 or (2 * k_splits - 1) * per_split >= k_blocks:
+            break
+        k_splits *= 2
+    return dataclasses.replace(preset, k_splits=k_splits)
 
 
 def _row_stat_rows(config, m, k, itemsize):
@@ -179,9 +208,10 @@ def _k_slice(kb, block_k, k):
     return cols, cols < k
 
 
-def _rmsnorm_matmul_kernel(x_ref, w_ref, bias_ref, res_ref, o_ref, *sum_sq_refs, norm_eps, stat_rows,
+def _rmsnorm_matmul_kernel(x_ref, w_ref, w_scale_ref, bias_ref, res_ref, o_ref, *sum_sq_refs, norm_eps, stat_rows,
                            silu_mul, block_m, block_n, block_k, n_out, k_blocks_per_split, partial):
-    # x_ref: [M, K]; w_ref: [K, N]; bias_ref: [N] or None; res_ref: [M, N_out] or None;
+    # x_ref: [M, K]; w_ref: [K, N], or FP8 [N, K] with w_scale_ref [N] f32 (None for x.dtype weights);
+    # bias_ref: [N] or None; res_ref: [M, N_out] or None;
     # o_ref: [M, N_out] with N_out = N, or N / 2 for silu_mul; if partial (split K): [k_splits, M, N] f32, where this
     #     program stores its split's accumulators and leaves bias, activation and residual to _epilogue in XLA;
     # sum_sq_refs: (sum_sq_ref [k_splits, M] f32,) with split K and the "gram" statistic: each split's x^2 sums.
@@ -202,18 +232,30 @@ def _rmsnorm_matmul_kernel(x_ref, w_ref, bias_ref, res_ref, o_ref, *sum_sq_refs,
         stat_x_rows = pl.program_id(0) * block_m + jnp.arange(stat_rows)
         stat_tiles = [x_tile(stat_x_rows, *_k_slice(kb, block_k, k)) for kb in range(pl.cdiv(k, block_k))]
 
+    fp8 = w_scale_ref is not None
+    dot_dtype = _fp8_dot_dtype(x_ref.dtype) if fp8 else x_ref.dtype
+
     def body(i, carry):
         accs, gram_acc = carry
         cols_k, k_ok = _k_slice(first_kb + i, block_k, k)
-        x = x_tile(rows, cols_k, k_ok)
-        ws = [load(w_ref.at[cols_k[:, None], cols[None, :]], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-              for cols in col_groups]
-        accs = tuple(acc + dot(x, w) for acc, w in zip(accs, ws))
+        x = x_tile(rows, cols_k, k_ok).astype(dot_dtype)
+        if fp8:  # [block_n, block_k] tiles of w [N, K] @ x^T: accumulators [block_n, block_m]
+            ws = [load(w_ref.at[cols[:, None], cols_k[None, :]], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                  for cols in col_groups]
+            accs = tuple(acc + dot(w.astype(dot_dtype), x, trans_b=True) for acc, w in zip(accs, ws))
+        else:
+            ws = [load(w_ref.at[cols_k[:, None], cols[None, :]], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                  for cols in col_groups]
+            accs = tuple(acc + dot(x, w) for acc, w in zip(accs, ws))
         return accs, gram_acc + dot(x, x, trans_b=True) if gram else None
 
-    zeros = jnp.zeros((block_m, block_n), jnp.float32)
-    init = (tuple(zeros for _ in col_groups), jnp.zeros((block_m, block_m), jnp.float32) if gram else None)
+    acc_shape = (block_n, block_m) if fp8 else (block_m, block_n)
+    init = (tuple(jnp.zeros(acc_shape, jnp.float32) for _ in col_groups),
+            jnp.zeros((block_m, block_m), jnp.float32) if gram else None)
     accs, gram_acc = lax.fori_loop(0, num_kb, body, init)
+    if fp8:  # back to [block_m, block_n], times the channel scales
+        accs = tuple(acc.T * load(w_scale_ref.at[cols], mask=n_ok, other=0.0)[None, :]
+                     for acc, cols in zip(accs, col_groups))
     if gram:  # the diagonal of x @ x^T
         sum_sq = jnp.where(rows[:, None] == rows[None, :], gram_acc, 0.0).sum(axis=1)
     elif norm:
@@ -232,6 +274,12 @@ def _rmsnorm_matmul_kernel(x_ref, w_ref, bias_ref, res_ref, o_ref, *sum_sq_refs,
     store(o_ref.at[rows[:, None], cols_n[None, :]], _epilogue(accs, biases, residual, o_ref.dtype), mask=tile_mask)
 
 
+def _fp8_dot_dtype(x_dtype):
+    """The dtype FP8 weight tiles and x meet in the dot: f16 for 16-bit x (E4M3 -> f16 is one conversion), f32 for
+    f32 x."""
+    return jnp.float32 if x_dtype == jnp.float32 else jnp.float16
+
+
 def _epilogue(accs, biases, residual, dtype):
     """f32 accumulators (gate and up for silu_mul) [+ bias] [-> silu(gate) * up] [+ residual], rounded once to dtype.
     Shared by the kernel and the split-K path, which runs it in XLA on the summed partials."""
@@ -247,15 +295,18 @@ def _epilogue(accs, biases, residual, dtype):
     return out.astype(dtype)
 
 
-def _check_inputs(x, w, bias, residual, norm_eps, activation):
+def _check_inputs(x, w, w_scale, bias, residual, norm_eps, activation):
     """-> N_out, the output width; ValueError for anything the kernel does not handle."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if w_scale is None and w.dtype == jnp.float8_e4m3fn:
+        raise ValueError("FP8 weights [N, K] need w_scale, their per-channel scales [N]")
+    layout = "[K, N]" if w_scale is None else "FP8 [N, K]"
     if x.ndim != 2 or w.ndim != 2:
-        raise ValueError(f"expected x [M, K] and w [K, N], got {x.shape} and {w.shape}")
-    (m, k), n = x.shape, w.shape[1]
-    if w.shape[0] != k:
-        raise ValueError(f"K differs: x {x.shape}, w {w.shape}")
+        raise ValueError(f"expected x [M, K] and w {layout}, got {x.shape} and {w.shape}")
+    (m, k), (n, w_k) = x.shape, w.shape[::-1] if w_scale is None else w.shape
+    if w_k != k:
+        raise ValueError(f"K differs: x {x.shape}, w {layout} {w.shape}")
     if activation == "silu_mul" and n % 2:
         raise ValueError(f"silu_mul needs w = [K, 2 * I] (gate | up columns), got an odd N = {n}")
     n_out = n // 2 if activation == "silu_mul" else n
@@ -263,9 +314,14 @@ def _check_inputs(x, w, bias, residual, norm_eps, activation):
         raise ValueError(f"bias must be [N] = [{n}] (w's columns), got {bias.shape}")
     if residual is not None and residual.shape != (m, n_out):
         raise ValueError(f"residual must be [M, N_out] = [{m}, {n_out}] (the output's shape), got {residual.shape}")
-    if x.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32) or w.dtype != x.dtype:
-        raise ValueError(f"x must be bf16, f16 or f32 and w x's dtype (FP8 weights go to rmsnorm_matmul_reference), "
-                         f"got {x.dtype} and {w.dtype}")
+    if x.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
+        raise ValueError(f"x's dtype must be bf16, f16 or f32, got {x.dtype}")
+    if w_scale is None and w.dtype != x.dtype:
+        raise ValueError(f"w must be x's dtype {x.dtype} (or float8_e4m3fn [N, K] with w_scale), got {w.dtype}")
+    if w_scale is not None and (w.dtype != jnp.float8_e4m3fn or w_scale.shape != (n,)
+                                or w_scale.dtype != jnp.float32):
+        raise ValueError(f"w_scale needs w float8_e4m3fn [N, K] and w_scale float32 [N] = [{n}], got w {w.dtype} "
+                         f"and w_scale {w_scale.dtype} {w_scale.shape}")
     if residual is not None and residual.dtype != x.dtype:
         raise ValueError(f"residual dtype {residual.dtype} must be x's dtype {x.dtype}")
     if bias is not None and not jnp.issubdtype(bias.dtype, jnp.floating):
@@ -276,21 +332,23 @@ def _check_inputs(x, w, bias, residual, norm_eps, activation):
 
 
 @functools.partial(jax.jit, static_argnames=("norm_eps", "activation", "config", "interpret"))
-def rmsnorm_matmul(x, w, bias=None, *, norm_eps=None, residual=None, activation=None, config=None, interpret=False):
+def rmsnorm_matmul(x, w, bias=None, *, w_scale=None, norm_eps=None, residual=None, activation=None, config=None,
+                   interpret=False):
     """[RMSNorm](x) @ w [+ bias] [-> silu(gate) * up] [+ residual] in one kernel: rmsnorm_matmul_reference's
     semantics (see there), up to one rounding of x.dtype (the reference rounds the normalized x and the projection
     before the activation / residual add; the kernel rounds once at the end).
 
-    x: [M, K]; w: [K, N] in x.dtype, with the norm's scale folded into its rows when norm_eps is given; bias: [N] or
-    None; norm_eps: the RMSNorm's epsilon, or None for no norm; residual: [M, N_out] (x.dtype) or None; activation:
-    None, or "silu_mul" with w = [K, 2I] holding the gate columns then the up columns (N_out = I) -> [M, N_out] in
-    x.dtype. config None picks DECODE_CONFIG for
-    M <= 16, BATCHED_DECODE_CONFIG for M <= 64 and PREFILL_CONFIG above, adapted to the shape (see _default_config);
-    a given config is used as is.
+    x: [M, K]; w: [K, N] in x.dtype, with the norm's scale folded into its rows when norm_eps is given, or
+    float8_e4m3fn [N, K] (a row per output channel, nanojax/quantize.py) with w_scale [N] float32 its channel scales;
+    bias: [N] or None; norm_eps: the RMSNorm's epsilon, or None for no norm; residual: [M, N_out] (x.dtype) or None;
+    activation: None, or "silu_mul" with w's N holding the gate columns then the up columns (N_out = N / 2) ->
+    [M, N_out] in x.dtype. config None picks DECODE_CONFIG for M <= 16, BATCHED_DECODE_CONFIG for M <= 64 and
+    PREFILL_CONFIG above, adapted to the shape (see _default_config; FP8 weights: _fp8_config); a given config is used
+    as is.
     """
-    n_out = _check_inputs(x, w, bias, residual, norm_eps, activation)
-    (m, k), silu_mul = x.shape, activation == "silu_mul"
-    config = config or _default_config(m, k, n_out, x.dtype, silu_mul=silu_mul)
+    n_out = _check_inputs(x, w, w_scale, bias, residual, norm_eps, activation)
+    (m, k), silu_mul, fp8 = x.shape, activation == "silu_mul", w_scale is not None
+    config = config or _default_config(m, k, n_out, x.dtype, silu_mul=silu_mul, fp8=fp8)
     block_m = _block_m(config, m)
     k_blocks = pl.cdiv(k, config.block_k)
     k_splits = min(config.k_splits, k_blocks)
@@ -300,7 +358,7 @@ def rmsnorm_matmul(x, w, bias=None, *, norm_eps=None, residual=None, activation=
     kernel = functools.partial(_rmsnorm_matmul_kernel, norm_eps=norm_eps, stat_rows=stat_rows, silu_mul=silu_mul,
                                block_m=block_m, block_n=config.block_n, block_k=config.block_k, n_out=n_out,
                                k_blocks_per_split=pl.cdiv(k_blocks, k_splits), partial=partial)
-    out_shape = [jax.ShapeDtypeStruct((k_splits, m, w.shape[1]) if partial else (m, n_out),
+    out_shape = [jax.ShapeDtypeStruct((k_splits, m, 2 * n_out if silu_mul else n_out) if partial else (m, n_out),
                                       jnp.float32 if partial else x.dtype)]
     if gram_partials:
         out_shape.append(jax.ShapeDtypeStruct((k_splits, m), jnp.float32))
@@ -311,7 +369,7 @@ def rmsnorm_matmul(x, w, bias=None, *, norm_eps=None, residual=None, activation=
         compiler_params=triton_params(config.num_warps, config.num_stages),
         interpret=interpret,
         name="rmsnorm_matmul",
-    )(x, w, bias, residual)
+    )(x, w, w_scale, bias, residual)
     if not partial:
         return outs[0]
     # Split K: XLA sums the partials and runs the epilogue, one fusion after the kernel.

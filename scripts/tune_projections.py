@@ -4,8 +4,10 @@
 
 Each projection of a layer is timed in its fused form (RMSNorm + QKV, o_proj + residual, RMSNorm + gate/up +
 SiLU-and-mul, down + residual) with bench_kernels' harness (back-to-back calls in one jit, inputs rotated past L2),
-for every config of the grid and for the default that `_default_config` picks. %HBM counts the weight bytes.
-`--block-n`, `--block-k`, `--k-splits`, `--num-stages` replace the grid's values.
+for every config of the grid and for the default that `_default_config` picks, beside XLA's path for the same step
+(`nanojax.ops.Ops().project`: the reference, which the engine runs where the kernel does not). %HBM counts the weight
+bytes. `--fp8`: the weights in FP8 (nanojax.quantize: E4M3 [N, K] and a scale per output channel); the grid then
+also tries tiles 128 columns wide. `--block-n`, `--block-k`, `--k-splits`, `--num-stages` replace the grid's values.
 """
 import argparse
 import dataclasses
@@ -21,6 +23,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from bench_kernels import EPS, kernel_time_per_call, normal, rotations, time_per_call  # noqa: E402
 
+from nanojax.ops import Ops  # noqa: E402
+from nanojax.quantize import quantize_weight  # noqa: E402
 from pallas_kernels.rmsnorm_matmul import _default_config, rmsnorm_matmul  # noqa: E402
 
 GRID = {"block_n": (16, 32, 64), "block_k": (128, 256), "k_splits": (1, 2, 4, 8)}
@@ -43,11 +47,12 @@ def main():
     ap.add_argument("--m", type=int, nargs="+", default=[1])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--hbm-bw", type=float, default=2.83e12)
+    ap.add_argument("--fp8", action="store_true", help="FP8 weights with per-channel scales")
     ap.add_argument("--out")
     for knob in GRID_KNOBS:
         ap.add_argument(f"--{knob.replace('_', '-')}", type=int, nargs="+", help=f"the grid's {knob} values")
     args = ap.parse_args()
-    grid = dict(GRID)
+    grid = dict(GRID, block_n=(32, 64, 128)) if args.fp8 else dict(GRID)
     grid.update({knob: tuple(v) for knob in GRID_KNOBS if (v := getattr(args, knob)) is not None})
     args.max_rotations = 16
     cfg = json.loads((Path(__file__).parent / "configs" / f"{args.model}.json").read_text())
@@ -55,17 +60,26 @@ def main():
     results = []
     for (name, (k, n, activation, role)), m in itertools.product(projections(cfg).items(), args.m):
         n_out = n // 2 if activation else n
-        w_bytes = k * n * 2
+        w_bytes = k * n + 4 * n if args.fp8 else k * n * 2
+        weight = lambda: quantize_weight(normal(rng, (k, n), k ** -0.5)) if args.fp8 else {  # noqa: E731
+            "w": normal(rng, (k, n), k ** -0.5)}
         sets = [(normal(rng, (m, k)), 1 + normal(rng, (k,), 0.1) if role == "norm" else normal(rng, (m, n_out)),
-                 normal(rng, (k, n), k ** -0.5)) for _ in range(rotations(args, w_bytes))]
+                 weight()) for _ in range(rotations(args, w_bytes))]
         dep_arg = 0 if role == "norm" else 1  # the timing loop's dependency: x, or the residual
-        default = _default_config(m, k, n_out, sets[0][0].dtype, silu_mul=activation is not None)
+        default = _default_config(m, k, n_out, sets[0][0].dtype, silu_mul=activation is not None, fp8=args.fp8)
         configs = [default] + [dataclasses.replace(default, **dict(zip(grid, values)))
                                for values in itertools.product(*grid.values())]
 
-        def fn(x, second, w, config):  # with a norm, second is unused (its scale would be folded into w)
-            kw = {"norm_eps": EPS} if role == "norm" else {"residual": second}
-            return rmsnorm_matmul(x, w, activation=activation, config=config, **kw)
+        def step_kw(second):  # with a norm, second is unused (its scale would be folded into w)
+            return {"norm_eps": EPS} if role == "norm" else {"residual": second}
+
+        def fn(x, second, p, config):
+            w = p["w"] if "w" in p else p["w_t"]
+            return rmsnorm_matmul(x, w, w_scale=p.get("scale"), activation=activation, config=config,
+                                  **step_kw(second))
+
+        t_xla = time_per_call(lambda x, second, p: Ops().project(x, p, activation=activation, **step_kw(second)),
+                              sets, work_seconds=w_bytes / args.hbm_bw, repeats=args.repeats, dep_arg=dep_arg)
 
         timings = []
         for config in dict.fromkeys(configs):
@@ -82,7 +96,8 @@ def main():
         kernel_us = {label: [t * 1e6 for t in kernel_time_per_call(
             functools.partial(fn, config=config), sets, "rmsnorm_matmul", work_seconds=w_bytes / args.hbm_bw,
             dep_arg=dep_arg)] for label, config in (("default", default), ("best", best))}
-        row = {"projection": name, "m": m, "k": k, "n": n, "default": dataclasses.asdict(default),
+        row = {"projection": name, "m": m, "k": k, "n": n, "fp8": args.fp8, "xla_us": t_xla * 1e6,
+               "default": dataclasses.asdict(default),
                "default_us": t_default * 1e6, "default_hbm_pct": 100 * w_bytes / t_default / args.hbm_bw,
                "best": dataclasses.asdict(best), "best_us": best_t * 1e6,
                "best_hbm_pct": 100 * w_bytes / best_t / args.hbm_bw,
@@ -92,14 +107,15 @@ def main():
         print(json.dumps(row), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
-    print(f"\n{'projection':<20} {'M':>4} {'default us':>10} {'%HBM':>5} {'best us':>8} {'%HBM':>5}  "
+    print(f"\n{'projection':<20} {'M':>4} {'XLA us':>7} {'default us':>10} {'%HBM':>5} {'best us':>8} {'%HBM':>5}  "
           f"{'kernel / all kernels us (default, best)':<40} best config")
     for r in results:
         b, k = r["best"], r["kernel_us"]
         kernel = f"{k['default'][0]:.2f}/{k['default'][1]:.2f}, {k['best'][0]:.2f}/{k['best'][1]:.2f}"
-        print(f"{r['projection']:<20} {r['m']:>4} {r['default_us']:>10.2f} {r['default_hbm_pct']:>5.0f} "
-              f"{r['best_us']:>8.2f} {r['best_hbm_pct']:>5.0f}  {kernel:<40} bn={b['block_n']} bk={b['block_k']} "
-              f"splits={b['k_splits']} stages={b['num_stages']} warps={b['num_warps']}")
+        print(f"{r['projection']:<20} {r['m']:>4} {r['xla_us']:>7.2f} {r['default_us']:>10.2f} "
+              f"{r['default_hbm_pct']:>5.0f} {r['best_us']:>8.2f} {r['best_hbm_pct']:>5.0f}  {kernel:<40} "
+              f"bn={b['block_n']} bk={b['block_k']} splits={b['k_splits']} stages={b['num_stages']} "
+              f"warps={b['num_warps']}")
 
 
 if __name__ == "__main__":

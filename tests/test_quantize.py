@@ -1,6 +1,7 @@
 """FP8 weight-only quantization (nanojax/quantize.py): the per-channel round trip, the params layout, and the model
 with FP8 params, through the jnp references and through the Pallas kernels (interpret mode)."""
 import dataclasses
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -191,20 +192,26 @@ def test_fp8_kernels_match_reference(hf_model_dir, name):
                                rtol=1e-4, atol=1e-4)
 
 
-def test_fp8_projection_rows():
-    """An FP8 projection goes to XLA's dot at any row count (no Pallas kernel reads FP8), with or without a norm;
-    fewer rows than FP8_XLA_MIN_ROWS are padded for XLA's dot, which changes no value."""
+def test_fp8_projection_rows(monkeypatch):
+    """An FP8 projection takes the fused kernel for one row of a weight up to PALLAS_FP8_MAX_WEIGHT elements and XLA's
+    dot otherwise (more rows, a larger weight, or no kernels), with or without a norm; fewer rows than
+    FP8_XLA_MIN_ROWS are padded for XLA's dot, which changes no value."""
+    import nanojax.ops as ops_module
+
     rng = np.random.default_rng(0)
     w, x, residual = (jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in ((32, 48), (3, 32), (3, 48)))
-    ops, p = Ops(pallas=True, interpret=True), quantize_weight(w)
-    for rows in (1, 2, 3):
+    p = quantize_weight(w)
+    for max_weight, pallas, rows in itertools.product((32 * 48, 32 * 48 - 1), (True, False), (1, 2, 3)):
+        monkeypatch.setattr(ops_module, "PALLAS_FP8_MAX_WEIGHT", max_weight)
+        ops = Ops(pallas=pallas, interpret=pallas)
+        kernel = pallas and rows == 1 and max_weight == w.size
         for kw in ({}, {"norm_eps": 1e-6}, {"residual": residual[:rows]}):
             jaxpr = str(jax.make_jaxpr(lambda x: ops.project(x, p, **kw))(x[:rows]))
-            assert "pallas_call" not in jaxpr, (rows, kw)
+            assert ("pallas_call" in jaxpr) == kernel, (rows, kw, max_weight, pallas)
             out = ops.project(x[:rows], p, **kw)
             ref = rmsnorm_matmul_reference(x[:rows], p["w_t"], w_scale=p["scale"], **kw)
             assert out.shape == ref.shape
-            np.testing.assert_allclose(out, ref, rtol=1e-6, atol=1e-6)
+            np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
             np.testing.assert_allclose(out, rmsnorm_matmul_reference(x[:rows], dequantize(p), **kw), rtol=1e-5,
                                        atol=1e-5)
 

@@ -1,6 +1,6 @@
 """rmsnorm_matmul against rmsnorm_matmul_reference, for every variant (norm or not, bias, SiLU-and-mul, residual) and
-both ways of taking the norm's statistic ("rows", "gram"), with and without split K; and the reference's FP8 path
-(E4M3 [N, K] with per-channel scales, nanojax/quantize.py), which XLA runs.
+both ways of taking the norm's statistic ("rows", "gram"), with and without split K, on x.dtype weights and on FP8
+weights (E4M3 [N, K] with per-channel scales, nanojax/quantize.py).
 
 CPU tests run the kernel in interpret mode (which fills the output with NaN first, so an unwritten element shows up);
 the `gpu` variants run the Triton kernel at Qwen3-0.6B / Llama-3.2-1B projection sizes.
@@ -19,6 +19,7 @@ from pallas_kernels._compat import can_lower_for_cuda
 from pallas_kernels.rms_norm import rms_norm
 from pallas_kernels.rmsnorm_matmul import (
     DECODE_CONFIG,
+    FP8_SPLIT_PROGRAMS,
     PREFILL_CONFIG,
     ROW_STAT_BYTES,
     STAGE_BYTES,
@@ -30,7 +31,7 @@ from pallas_kernels.rmsnorm_matmul import (
     rmsnorm_matmul,
     rmsnorm_matmul_reference,
 )
-from nanojax.quantize import quantize_weight
+from nanojax.quantize import dequantize, quantize_weight
 
 # The kernel and the reference compute one function in two rounding orders: the reference rounds the normalized x to
 # x.dtype before its dot, as HF's RMSNorm does, and each step's result after it; the kernel scales the f32 dot of raw x
@@ -94,10 +95,15 @@ def exact(x, w, bias, residual, activation, norm):
     return p if residual is None else p + residual
 
 
-def check(x, w, bias, residual=None, activation=None, norm=True, config=None, interpret=True):
+def check(x, w, bias, residual=None, activation=None, norm=True, config=None, interpret=True, fp8=False):
+    """fp8: w [K, N] is quantized first (fp8_weights); the truth is then the product with the dequantized weight."""
     kw = {"norm_eps": EPS if norm else None, "residual": residual, "activation": activation}
+    if fp8:
+        w, kw["w_scale"] = fp8_weights(w, x.shape[0])
     out = rmsnorm_matmul(x, w, bias, config=config, interpret=interpret, **kw)
     ref = rmsnorm_matmul_reference(x, w, bias, **kw)
+    if fp8:
+        w = dequantize({"w_t": w, "scale": kw["w_scale"]})
     n_out = w.shape[1] // 2 if activation == "silu_mul" else w.shape[1]
     assert out.shape == ref.shape == (x.shape[0], n_out) and out.dtype == ref.dtype == x.dtype
     out, ref = (np.asarray(a.astype(jnp.float32), np.float64) for a in (out, ref))
@@ -197,8 +203,6 @@ def test_fused_default_configs(variant, dtype):
 def test_fp8_reference_is_dequantize_then_dot(norm, residual, activation, m):
     """The reference on FP8 weights (w_t [N, K], one row per output channel: XLA's dot reads them so) is the f32 dot
     with the dequantized [K, N] weight, up to f32 rounding, in every variant."""
-    from nanojax.quantize import dequantize
-
     x, w, b, r = make_fused_inputs(9 + m, m, 96, 40, jnp.float32, bias=True, residual=residual, activation=activation)
     w_t, scale = fp8_weights(w, 9)
     assert w_t.shape == w.shape[::-1]
@@ -206,6 +210,36 @@ def test_fp8_reference_is_dequantize_then_dot(norm, residual, activation, m):
     out = rmsnorm_matmul_reference(x, w_t, b, w_scale=scale, **kw)
     ref = rmsnorm_matmul_reference(x, dequantize({"w_t": w_t, "scale": scale}), b, **kw)
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+# FP8 weights through the kernel: every variant in f32 and bf16 (x in f16 for the dot), M of one to three blocks,
+# ragged K and N, both statistics, split K.
+FP8_CASES = [
+    pytest.param(norm, residual, activation, dtype, m, stat, k_splits,
+                 id=f"{'norm' if norm else 'nonorm'}-{'res' if residual else 'nores'}-{activation}-"
+                    f"{jnp.dtype(dtype).name}-m{m}-{stat}-s{k_splits}")
+    for v, (norm, residual, activation) in enumerate(VARIANTS)
+    for j, dtype in enumerate([jnp.float32, jnp.bfloat16])
+    for m, stat, k_splits in [([1, 5, 33][(v + j) % 3], STATS[(v + j) % 2], [1, 2][v % 2])]
+]
+
+
+@pytest.mark.parametrize("norm,residual,activation,dtype,m,stat,k_splits", FP8_CASES)
+def test_fp8_kernel(norm, residual, activation, dtype, m, stat, k_splits):
+    inputs = make_fused_inputs(m + 40, m, 200, 40, dtype, bias=True, residual=residual, activation=activation)
+    config = dataclasses.replace(SMALL, k_splits=k_splits, norm_stat=stat)
+    check(*inputs, activation=activation, norm=norm, config=config, fp8=True)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_fp8_default_configs(dtype):
+    """The FP8 decode presets (gate/up's and the others', with their split K) at one and 16 rows, PREFILL_CONFIG
+    above."""
+    for seed, (m, k, n_out, activation) in enumerate([(1, 600, 100, None), (1, 1024, 72, "silu_mul"),
+                                                      (16, 640, 48, None), (40, 200, 48, "silu_mul")]):
+        inputs = make_fused_inputs(seed, m, k, n_out, dtype, bias=False, residual=activation is None,
+                                   activation=activation)
+        check(*inputs, activation=activation, norm=activation is not None, fp8=True)
 
 
 @pytest.mark.parametrize("m,k,dtype,rows", [
@@ -229,22 +263,27 @@ SHARED_MEMORY_BYTES = 227 << 10
 
 @pytest.mark.parametrize("sms", [132, 108])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_default_config_properties(sms, dtype, monkeypatch):
+@pytest.mark.parametrize("fp8", [False, True])
+def test_default_config_properties(sms, dtype, fp8, monkeypatch):
     """For any shape and SM count: every pipeline stage fits STAGE_BYTES and all stages the GPU's shared memory;
-    split K only for decode rows, only while the grid stays within one program per SM, and every split starts inside
-    K; blocks are powers of two (the config checks)."""
+    split K only for decode rows, only while the grid stays within one program per SM (FP8: FP8_SPLIT_PROGRAMS per
+    SM, and two K blocks per split), and every split starts inside K; blocks are powers of two (the config checks)."""
     monkeypatch.setattr(rmsnorm_matmul_module, "num_sms", lambda: sms)
     itemsize = jnp.dtype(dtype).itemsize
     for m, k, n_out, silu_mul in itertools.product((1, 8, 16, 17, 64, 65, 2048), (64, 256, 640, 896, 1024, 1152, 3072),
                                                    (64, 1024, 3072, 4096), (False, True)):
-        config = _default_config(m, k, n_out, dtype, silu_mul=silu_mul)
+        config = _default_config(m, k, n_out, dtype, silu_mul=silu_mul, fp8=fp8)
         block_m, k_blocks = _block_m(config, m), -(-k // config.block_k)
-        stage = _stage_bytes(block_m, config.block_n, config.block_k, itemsize=itemsize, w_tiles=2 if silu_mul else 1)
+        w_tiles = 2 if silu_mul else 1
+        stage = (config.block_k * (block_m * itemsize + w_tiles * config.block_n) if fp8 else
+                 _stage_bytes(block_m, config.block_n, config.block_k, itemsize=itemsize, w_tiles=w_tiles))
         where = f"{m=} {k=} {n_out=} {silu_mul=}: {config}"
         assert stage <= STAGE_BYTES and config.num_stages * stage <= SHARED_MEMORY_BYTES, where
         if config.k_splits > 1:
-            assert m <= 64 and -(-m // block_m) * -(-n_out // config.block_n) * config.k_splits <= sms, where
+            programs = -(-m // block_m) * -(-n_out // config.block_n) * config.k_splits
+            assert m <= 64 and programs <= (FP8_SPLIT_PROGRAMS if fp8 else 1) * sms, where
             assert (config.k_splits - 1) * -(-k_blocks // config.k_splits) < k_blocks, where
+            assert not fp8 or -(-k_blocks // config.k_splits) >= 2, where
 
 
 @pytest.mark.parametrize("shapes,kw,message", [
@@ -267,11 +306,20 @@ def test_rejects_bad_inputs(shapes, kw, message):
         rmsnorm_matmul(x, w, bias, **{"norm_eps": EPS, "residual": residual, "interpret": True, **kw})
 
 
-def test_rejects_fp8_weights():
-    """FP8 weights go to the reference's dequantize-dot (nanojax.ops): the kernel names where."""
+def test_rejects_bad_fp8_weights():
+    """FP8 weights come as [N, K] with float32 scales [N]; without w_scale they are refused like any other dtype."""
     x, w, _ = make_inputs(0, 2, 64, 32, jnp.bfloat16, bias=False)
-    with pytest.raises(ValueError, match="FP8 weights go to rmsnorm_matmul_reference"):
-        rmsnorm_matmul(x, w.astype(jnp.float8_e4m3fn), norm_eps=EPS, interpret=True)
+    w_t, scale = fp8_weights(w, 0)
+    with pytest.raises(ValueError, match="need w_scale"):
+        rmsnorm_matmul(x, w_t, norm_eps=EPS, interpret=True)
+    with pytest.raises(ValueError, match=r"K differs: x \(2, 64\), w FP8 \[N, K\]"):
+        rmsnorm_matmul(x, w_t.T, w_scale=scale, interpret=True)
+    with pytest.raises(ValueError, match="w_scale needs"):
+        rmsnorm_matmul(x, w_t, w_scale=scale[:16], interpret=True)
+    with pytest.raises(ValueError, match="w_scale needs"):
+        rmsnorm_matmul(x, w_t.astype(jnp.bfloat16), w_scale=scale, interpret=True)
+    with pytest.raises(ValueError, match="w_scale needs"):
+        rmsnorm_matmul(x, w_t, w_scale=scale.astype(jnp.bfloat16), interpret=True)
 
 
 def test_rejects_bad_dtypes():
@@ -297,16 +345,19 @@ def test_config_rejects_bad_blocks(field, value):
 @pytest.mark.parametrize("m", [1, 64, 2048])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("norm,residual,activation", VARIANTS)
-def test_lowers_to_triton(m, dtype, norm, residual, activation):
+@pytest.mark.parametrize("fp8", [False, True])
+def test_lowers_to_triton(m, dtype, norm, residual, activation, fp8):
     """The Triton lowering rules (power-of-two tensors, supported primitives), checked on CPU by lowering for cuda."""
     n_out = 576 if activation else 1152
-    shapes = ((m, 896), (896, 1152), (1152,), (m, n_out) if residual else None)
-    args = [None if s is None else jax.ShapeDtypeStruct(s, dtype) for s in shapes]
+    w = jax.ShapeDtypeStruct((1152, 896), jnp.float8_e4m3fn) if fp8 else jax.ShapeDtypeStruct((896, 1152), dtype)
+    w_scale = jax.ShapeDtypeStruct((1152,), jnp.float32) if fp8 else None
+    shapes = ((m, 896), (1152,), (m, n_out) if residual else None)
+    x, b, r = (None if s is None else jax.ShapeDtypeStruct(s, dtype) for s in shapes)
     split = dataclasses.replace(DECODE_CONFIG, k_splits=4)
     for config in (None, split, stat_config(split, "gram"), stat_config(split, "rows")):
-        fn = lambda x, w, b, r: rmsnorm_matmul(x, w, b, norm_eps=EPS if norm else None, residual=r,
-                                               activation=activation, config=config)
-        lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+        fn = lambda x, w, s, b, r: rmsnorm_matmul(x, w, b, w_scale=s, norm_eps=EPS if norm else None, residual=r,
+                                                  activation=activation, config=config)
+        lowered = jax.jit(fn).trace(x, w, w_scale, b, r).lower(lowering_platforms=("cuda",))
         assert "triton" in lowered.as_text()
 
 
@@ -357,3 +408,21 @@ def test_gpu_fused(k, n_out, variant, m, dtype):
     check(*inputs, activation=kw["activation"], norm=kw["norm"], interpret=False)
     if dtype == jnp.bfloat16:  # another tiling too, small enough for any variant's shared memory
         check(*inputs, activation=kw["activation"], norm=kw["norm"], config=GPU_ALT_CONFIG, interpret=False)
+
+
+# FP8 weights at model sizes: Qwen3-0.6B's four projections (which take the kernel at one row, nanojax.ops) and
+# Qwen3-8B's gate/up and down, in their fused forms, at 1, 8 and 64 rows.
+GPU_FP8_SHAPES = [(1024, 4096, "qkv"), (2048, 1024, "o_proj"), (1024, 3072, "gate_up"), (3072, 1024, "down"),
+                  (4096, 12288, "gate_up"), (12288, 4096, "down")]
+GPU_FP8_KW = dict(GPU_FUSED_KW, qkv={"norm": True, "bias": False, "residual": False, "activation": None})
+
+
+@requires_gpu
+@pytest.mark.parametrize("k,n_out,variant", GPU_FP8_SHAPES)
+@pytest.mark.parametrize("m", [1, 8, 64])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_gpu_fp8(k, n_out, variant, m, dtype):
+    kw = GPU_FP8_KW[variant]
+    inputs = make_fused_inputs(m + k, m, k, n_out, dtype, bias=kw["bias"], residual=kw["residual"],
+                               activation=kw["activation"])
+    check(*inputs, activation=kw["activation"], norm=kw["norm"], interpret=False, fp8=True)
