@@ -207,15 +207,19 @@ def test_layout_is_where_place_puts_each_tensor(tp_model):
 
 
 @on_host_devices
-def test_fp8_weights_per_shard(tp_model):
+@pytest.mark.parametrize("kernels", ["reference", "interpret"])
+def test_fp8_weights_per_shard(tp_model, kernels):
     """LLM(quantization="fp8") split over 2 and 4 devices (each with its columns' or rows' FP8 slices and their
-    scales, qkv re-ordered per device with its scales) gives the unsharded FP8 engine's greedy tokens."""
-    folder, model = tp_model("llama")  # 8 q heads, 2 KV heads: replicated at size 4
-    prompts = scenario(model.config.vocab_size)
+    scales, qkv re-ordered per device with its scales) gives the unsharded FP8 engine's greedy tokens; with the
+    kernels (interpreted), one-row projections read each shard's FP8 slice in the fused kernel."""
+    # 8 q heads, 2 KV heads (replicated at size 4); the kernels need qwen3's head_dim of 16, and one sequence decodes
+    # one row, which the FP8 kernel takes
+    folder, model = tp_model("llama" if kernels == "reference" else "qwen3")
+    prompts = scenario(model.config.vocab_size)[slice(None) if kernels == "reference" else slice(2, 3)]
     kw = dict(dtype="float32", page_size=4, max_model_len=64, max_num_seqs=4, decode_steps=4, quantization="fp8",
-              progress=False)
+              kernels=kernels, progress=False)
     expected = [o.token_ids for o in LLM(folder, **kw).generate(prompts, GREEDY, use_tqdm=False)]
-    for size in (2, 4):
+    for size in (2, 4) if kernels == "reference" else (2,):
         llm = LLM(folder, tensor_parallel_size=size, **kw)
         assert str(llm.runner.params["layers"][0]["qkv"]["w_t"].dtype) == "float8_e4m3fn"
         assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected, size
