@@ -127,9 +127,9 @@ DECODE_CONFIG = RmsNormMatmulConfig(block_m=16, block_n=64, block_k=128, num_war
 BATCHED_DECODE_CONFIG = RmsNormMatmulConfig(block_m=64, block_n=32, block_k=128, num_warps=4, num_stages=4)
 # Prefill: compute-bound tiles.
 PREFILL_CONFIG = RmsNormMatmulConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
-# FP8 weights [N, K] at decode sizes (M <= 16; more rows take XLA's dot, nanojax.ops): 32 rows of 256 contiguous
+# FP8 weights [N, K] at decode sizes (M <= 16; nanojax.ops sends one row of a small weight here): 32 rows of 256
 # bytes per tile, 64 x 128 for gate/up (two tiles per step already), with split K up to FP8_SPLIT_PROGRAMS programs
-# per SM and two K blocks per split; within 3% of the best of a 24-tiling sweep on every Qwen3-0.6B and Qwen3-8B
+# per SM and two K blocks per split; within 3% of the best of an 18-tiling sweep on every Qwen3-0.6B and Qwen3-8B
 # projection at M = 1 (scripts/tune_projections.py --fp8; docs/perf_notes.md, "FP8 weights").
 FP8_DECODE_CONFIG = RmsNormMatmulConfig(block_m=16, block_n=32, block_k=256, num_warps=4, num_stages=3)
 FP8_GATE_UP_DECODE_CONFIG = RmsNormMatmulConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
