@@ -4,13 +4,15 @@
 
 Variants (x @ w for x [M, K] bf16, w [K, N] E4M3 with one f32 scale per column, or bf16 as the peer; "T": the
 weight held as [N, K], a row per output channel, the layout nanojax.quantize stores):
-- kern_bf16: the fused projection kernel (pallas_kernels.rmsnorm_matmul) on bf16 weights, its default tiles. (Its
-  FP8 path, which read [K, N] E4M3 tiles at 23-55% of the copy ceiling here, was removed with the [N, K] layout.)
+- kern_bf16 / kern_fp8: the fused projection kernel (pallas_kernels.rmsnorm_matmul) on bf16 weights / on the [N, K]
+  E4M3 weight (swap AB, x in f16: c41ab5d), its default tiles. (An FP8 path on [K, N] E4M3 tiles read them at 23-55%
+  of the copy ceiling here; it went with the [N, K] layout.)
 - xla_bf16 / xla_deq / xla_deqT: XLA's dot on bf16 weights / on `w.astype(bf16)` (XLA fuses the upcast into the
   GEMM's operand load) / the same on [N, K]; _pad2 / _pad8: one row padded to 2 / 8.
 - swapab_{fp8,f16x,bf16} / swapabT_f16x: a Pallas dot with the weight tile as the left operand ([bn, bk] @ x^T: its
   upcast in registers, x's rows the narrow side) on [N, K] E4M3 (x bf16, or f16 so that the upcast is one hardware
   conversion), on [N, K] bf16, or on [K, N] E4M3 contracted over its first axis.
+- nkT_f16x (M > 16): swapab_f16x with x as the left operand, [bm, bk] @ the upcast [bn, bk] tile^T.
 - gemv_fp8 / gemv_bf16: a GEMV without tensor cores (multiply-add on the upcast tile, one reduction at the end).
 - u8dot: the fused kernel's dot with the upcast done by integer bit operations (E4M3 subnormals flushed to zero).
 - xla_deq_materialized: the upcast weight written out, then XLA's bf16 GEMM; xla_w8a8: XLA's FP8 x FP8 dot on rows
@@ -151,7 +153,7 @@ def w8a8(x, w8, scale, *, bm, bk, bn, splits, warps, stages, interpret=False):
     return (out.sum(0) * xs[:, None] * scale).astype(x.dtype)
 
 
-def swapab_kernel(x_ref, w_ref, o_ref, *, bm, bk, bn, kb_per_split, w_kn):
+def swapab_kernel(x_ref, w_ref, o_ref, *, bm, bk, bn, kb_per_split, w_kn, swap=True):
     # x_ref [M, K] (bf16 or f16); w_ref [N, K] (E4M3 or bf16; K contiguous, HF's layout); o_ref [splits, M, N] f32.
     # The weight tile is the dot's left operand, [bn, bk] @ x^T [bk, bm]: its upcast can stay in registers (a
     # tensor-core dot takes its left operand from registers, its right one from shared memory), x's rows the narrow
@@ -166,21 +168,26 @@ def swapab_kernel(x_ref, w_ref, o_ref, *, bm, bk, bn, kb_per_split, w_kn):
             w = load(w_ref.at[ks[:, None], cols[None, :]]).astype(x.dtype)
             return acc + lax.dot_general(w, x, (((0,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         w = load(w_ref.at[cols[:, None], ks[None, :]]).astype(x.dtype)
-        return acc + dot(w, x, trans_b=True)
+        return acc + (dot(w, x, trans_b=True) if swap else dot(x, w, trans_b=True))
 
+    if not swap:  # x [bm, bk] @ the upcast tile^T, accumulators [bm, bn]: for batched rows
+        acc = lax.fori_loop(0, kb_per_split, body, jnp.zeros((bm, bn), jnp.float32))
+        store(o_ref.at[pl.program_id(1), rows[:, None], cols[None, :]], acc, mask=(rows < m)[:, None])
+        return
     acc = lax.fori_loop(0, kb_per_split, body, jnp.zeros((bn, bm), jnp.float32))
     store(o_ref.at[pl.program_id(1), rows[None, :], cols[:, None]], acc, mask=(rows < m)[None, :])
 
 
-@functools.partial(jax.jit, static_argnames=("bm", "bk", "bn", "splits", "warps", "stages", "f16", "w_kn",
+@functools.partial(jax.jit, static_argnames=("bm", "bk", "bn", "splits", "warps", "stages", "f16", "w_kn", "swap",
                                              "interpret"))
-def swapab(x, wt, scale, *, bm, bk, bn, splits, warps, stages, f16=False, w_kn=False, interpret=False):
+def swapab(x, wt, scale, *, bm, bk, bn, splits, warps, stages, f16=False, w_kn=False, swap=True, interpret=False):
     """x: [M, K] bf16 (cast to f16 with f16: E4M3 -> f16 is one hardware conversion); wt: [N, K] E4M3 with scale
-    [N], or bf16 with scale None -> [M, N]; split K summed by XLA."""
+    [N], or bf16 with scale None -> [M, N]; split K summed by XLA. swap=False: x the dot's left operand."""
     m, (n, k) = x.shape[0], wt.shape[::-1] if w_kn else wt.shape
     xin = x.astype(jnp.float16) if f16 else x
     out = pl.pallas_call(
-        functools.partial(swapab_kernel, bm=bm, bk=bk, bn=bn, kb_per_split=k // bk // splits, w_kn=w_kn),
+        functools.partial(swapab_kernel, bm=bm, bk=bk, bn=bn, kb_per_split=k // bk // splits, w_kn=w_kn,
+                          swap=swap),
         grid=(n // bn, splits, pl.cdiv(m, bm)), out_shape=jax.ShapeDtypeStruct((splits, m, n), jnp.float32),
         compiler_params=triton_params(warps, stages), name="swapab", interpret=interpret)(xin, wt)
     out = out.sum(0)
@@ -224,6 +231,7 @@ def variants(m, k, n, interpret) -> dict:
     fp8_bytes, bf16_bytes = k * n + 4 * n, 2 * k * n
     out = {
         "kern_bf16": (lambda x, w8, s, wb, u8, wt: rmsnorm_matmul(x, wb, interpret=interpret), bf16_bytes),
+        "kern_fp8": (lambda x, w8, s, wb, u8, wt: rmsnorm_matmul(x, wt[0], w_scale=s, interpret=interpret), fp8_bytes),
         "xla_bf16": (jax.jit(lambda x, w8, s, wb, u8, wt: x @ wb), bf16_bytes),
         "xla_deq": (xla_deq(0), fp8_bytes),
         "xla_deq_materialized": (xla_deq_materialized, fp8_bytes),
@@ -268,6 +276,16 @@ def variants(m, k, n, interpret) -> dict:
                                                                                       **kw), fp8_bytes)
             out[f"swapab_bf16_{tag}"] = (lambda x, w8, s, wb, u8, wt, kw=kw: swapab(x, wt[1], None, **kw),
                                          bf16_bytes)
+    if m > 16:  # batched rows: x as the left operand, [64, bk] @ the upcast [bn, bk] tile^T
+        for bn, bk, warps, stages in ((64, 128, 4, 4), (128, 128, 4, 4), (128, 128, 8, 3), (128, 64, 4, 4),
+                                      (256, 64, 8, 3), (128, 256, 8, 3)):
+            if n % bn or k % bk:
+                continue
+            for programs in (num_sms(), 2 * num_sms()):
+                splits = split_k(n // bn * -(-m // 64), k // bk, programs)
+                kw = dict(bm=64, bk=bk, bn=bn, splits=splits, warps=warps, stages=stages, interpret=interpret)
+                out[f"nkT_f16x_bn{bn}_bk{bk}_w{warps}_st{stages}_s{splits}"] = (
+                    lambda x, w8, s, wb, u8, wt, kw=kw: swapab(x, wt[0], s, f16=True, swap=False, **kw), fp8_bytes)
     return out
 
 
