@@ -308,10 +308,10 @@ def _check_inputs(x, w, w_scale, bias, residual, norm_eps, activation):
     if w_k != k:
         raise ValueError(f"K differs: x {x.shape}, w {layout} {w.shape}")
     if activation == "silu_mul" and n % 2:
-        raise ValueError(f"silu_mul needs w = [K, 2 * I] (gate | up columns), got an odd N = {n}")
+        raise ValueError(f"silu_mul needs w's N = 2 * I (gate | up), got an odd N = {n}")
     n_out = n // 2 if activation == "silu_mul" else n
     if bias is not None and bias.shape != (n,):
-        raise ValueError(f"bias must be [N] = [{n}] (w's columns), got {bias.shape}")
+        raise ValueError(f"bias must be [N] = [{n}] (w's outputs), got {bias.shape}")
     if residual is not None and residual.shape != (m, n_out):
         raise ValueError(f"residual must be [M, N_out] = [{m}, {n_out}] (the output's shape), got {residual.shape}")
     if x.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
