@@ -15,9 +15,11 @@ for rstd, then a scale gather per tile) cost 1 us at M = 1 and 11 us at M = 64, 
 FP8 weights (nanojax/quantize.py: float8_e4m3fn [N, K], one row per output channel, with f32 scales [N]) are read
 as [block_n, block_k] tiles that are the dot's left operand ("swap AB": x's few rows are the narrow side of the
 tensor-core tile), upcast in registers to f16 with x: E4M3 -> f16 is one hardware conversion, where bf16 takes more
-and read the same weights 20% slower (docs/perf_notes.md, "FP8 weights"). f16 holds a bf16 x exactly for
-6.1e-5 <= |x| <= 65504 (larger activations would overflow it; rmsnorm_matmul_reference upcasts the weight to
-x.dtype instead), and f32 x keeps f32. The channel scales multiply the f32 accumulator before the epilogue.
+and read the same weights 20% slower (docs/perf_notes.md, "FP8 weights"). x enters f16 times FP8_X_SCALE = 2^-4,
+which f16 holds exactly for every bf16 value with 2^-13 <= |x| < 2^20 (1.2e-4 .. 1.05e6; smaller ones round by at
+most 2^-21, far below what bf16's own rounding does to the output). Unscaled, f16's 65504 would be within 2.6x of
+the embedded SmolLM2-135M's largest activation into a projection (25,216, its residual stream). f32 x keeps f32.
+The channel scales (over FP8_X_SCALE) multiply the f32 accumulator before the epilogue.
 """
 import dataclasses
 import functools
@@ -134,6 +136,9 @@ PREFILL_CONFIG = RmsNormMatmulConfig(block_m=128, block_n=128, block_k=64, num_w
 FP8_DECODE_CONFIG = RmsNormMatmulConfig(block_m=16, block_n=32, block_k=256, num_warps=4, num_stages=3)
 FP8_GATE_UP_DECODE_CONFIG = RmsNormMatmulConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
 FP8_SPLIT_PROGRAMS = 4
+# x's factor on its way into f16 for FP8 weights (a power of two: exact), undone in f32 after the loop; see the module
+# docstring.
+FP8_X_SCALE = 2.0 ** -4
 
 # Shared memory of one pipeline stage that compiled and ran with 4 stages on the H100 (48 KiB did, 64 KiB did not).
 STAGE_BYTES = 56 << 10
@@ -234,11 +239,13 @@ def _rmsnorm_matmul_kernel(x_ref, w_ref, w_scale_ref, bias_ref, res_ref, o_ref, 
 
     fp8 = w_scale_ref is not None
     dot_dtype = _fp8_dot_dtype(x_ref.dtype) if fp8 else x_ref.dtype
+    x_scale = FP8_X_SCALE if dot_dtype == jnp.float16 else 1.0  # f16's range for x, undone on the accumulators
 
     def body(i, carry):
         accs, gram_acc = carry
         cols_k, k_ok = _k_slice(first_kb + i, block_k, k)
-        x = x_tile(rows, cols_k, k_ok).astype(dot_dtype)
+        x = x_tile(rows, cols_k, k_ok)
+        x = (x.astype(jnp.float32) * x_scale).astype(dot_dtype) if x_scale != 1.0 else x.astype(dot_dtype)
         if fp8:  # [block_n, block_k] tiles of w [N, K] @ x^T: accumulators [block_n, block_m]
             ws = [load(w_ref.at[cols[:, None], cols_k[None, :]], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
                   for cols in col_groups]
@@ -254,10 +261,10 @@ def _rmsnorm_matmul_kernel(x_ref, w_ref, w_scale_ref, bias_ref, res_ref, o_ref, 
             jnp.zeros((block_m, block_m), jnp.float32) if gram else None)
     accs, gram_acc = lax.fori_loop(0, num_kb, body, init)
     if fp8:  # back to [block_m, block_n], times the channel scales
-        accs = tuple(acc.T * load(w_scale_ref.at[cols], mask=n_ok, other=0.0)[None, :]
+        accs = tuple(acc.T * (load(w_scale_ref.at[cols], mask=n_ok, other=0.0) / x_scale)[None, :]
                      for acc, cols in zip(accs, col_groups))
-    if gram:  # the diagonal of x @ x^T
-        sum_sq = jnp.where(rows[:, None] == rows[None, :], gram_acc, 0.0).sum(axis=1)
+    if gram:  # the diagonal of x @ x^T (of x * x_scale)
+        sum_sq = jnp.where(rows[:, None] == rows[None, :], gram_acc, 0.0).sum(axis=1) / (x_scale * x_scale)
     elif norm:
         sum_sq = sum(jnp.square(t.astype(jnp.float32)).sum(axis=1) for t in stat_tiles)  # [stat_rows]
     if norm and not (gram and partial):

@@ -242,6 +242,18 @@ def test_fp8_default_configs(dtype):
         check(*inputs, activation=activation, norm=activation is not None, fp8=True)
 
 
+@pytest.mark.parametrize("stat", STATS)
+@pytest.mark.parametrize("norm", [True, False])
+def test_fp8_kernel_takes_activations_past_f16s_range(norm, stat):
+    """x enters the FP8 dot as f16 times FP8_X_SCALE: rows with activations of 2e5 (past f16's 65504, as the
+    residual streams of real models come within a few times of it) and rows of tiny values both match the truth."""
+    x, w, b, r = make_fused_inputs(7, 5, 200, 40, jnp.bfloat16, bias=True, residual=not norm, activation=None)
+    scale = np.ones((5, 1), np.float32)
+    scale[1], scale[3] = 2e5 / 3, 1e-3  # row 1 peaks near 2e5 (x is ~N(0, 3)), row 3 holds values near 1e-3
+    x = jnp.asarray(np.asarray(x.astype(jnp.float32)) * scale, jnp.bfloat16)
+    check(x, w, b, r, norm=norm, config=stat_config(SMALL, stat), fp8=True)
+
+
 @pytest.mark.parametrize("m,k,dtype,rows", [
     (1, 1024, jnp.bfloat16, 1), (1, 8192, jnp.float32, 1), (8, 1024, jnp.bfloat16, 16),
     (16, 1024, jnp.bfloat16, 16), (16, 1024, jnp.float32, 0), (8, 2048, jnp.bfloat16, 0), (64, 1024, jnp.bfloat16, 0),
