@@ -319,7 +319,8 @@ def test_rejects_bad_inputs(shapes, kw, message):
 
 
 def test_rejects_bad_fp8_weights():
-    """FP8 weights come as [N, K] with float32 scales [N]; without w_scale they are refused like any other dtype."""
+    """FP8 weights come as [N, K] with float32 scales [N]: without w_scale, transposed, or with scales of another
+    shape or dtype they are refused, the error naming what is wrong."""
     x, w, _ = make_inputs(0, 2, 64, 32, jnp.bfloat16, bias=False)
     w_t, scale = fp8_weights(w, 0)
     with pytest.raises(ValueError, match="need w_scale"):
