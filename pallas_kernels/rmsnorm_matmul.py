@@ -238,8 +238,7 @@ def _rmsnorm_matmul_kernel(x_ref, w_ref, w_scale_ref, bias_ref, res_ref, o_ref, 
         stat_tiles = [x_tile(stat_x_rows, *_k_slice(kb, block_k, k)) for kb in range(pl.cdiv(k, block_k))]
 
     fp8 = w_scale_ref is not None
-    dot_dtype = _fp8_dot_dtype(x_ref.dtype) if fp8 else x_ref.dtype
-    x_scale = FP8_X_SCALE if dot_dtype == jnp.float16 else 1.0  # f16's range for x, undone on the accumulators
+    dot_dtype, x_scale = _fp8_dot(x_ref.dtype) if fp8 else (x_ref.dtype, 1.0)
 
     def body(i, carry):
         accs, gram_acc = carry
@@ -281,10 +280,11 @@ def _rmsnorm_matmul_kernel(x_ref, w_ref, w_scale_ref, bias_ref, res_ref, o_ref, 
     store(o_ref.at[rows[:, None], cols_n[None, :]], _epilogue(accs, biases, residual, o_ref.dtype), mask=tile_mask)
 
 
-def _fp8_dot_dtype(x_dtype):
-    """The dtype FP8 weight tiles and x meet in the dot: f16 for 16-bit x (E4M3 -> f16 is one conversion), f32 for
-    f32 x."""
-    return jnp.float32 if x_dtype == jnp.float32 else jnp.float16
+def _fp8_dot(x_dtype):
+    """-> (the dtype FP8 weight tiles and x meet in the dot, x's factor on its way there): f16 and FP8_X_SCALE for
+    16-bit x (E4M3 -> f16 is one conversion; the factor keeps x in f16's range and is undone on the accumulators),
+    f32 and 1 for f32 x."""
+    return (jnp.float32, 1.0) if x_dtype == jnp.float32 else (jnp.float16, FP8_X_SCALE)
 
 
 def _epilogue(accs, biases, residual, dtype):

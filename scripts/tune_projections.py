@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).parents[1]))
 from bench_kernels import EPS, kernel_time_per_call, normal, rotations, time_per_call  # noqa: E402
 
 from nanojax.ops import Ops  # noqa: E402
-from nanojax.quantize import quantize_weight  # noqa: E402
+from nanojax.quantize import is_quantized, quantize_weight  # noqa: E402
 from pallas_kernels.rmsnorm_matmul import _default_config, rmsnorm_matmul  # noqa: E402
 
 GRID = {"block_n": (16, 32, 64), "block_k": (128, 256), "k_splits": (1, 2, 4, 8)}
@@ -74,7 +74,7 @@ def main():
             return {"norm_eps": EPS} if role == "norm" else {"residual": second}
 
         def fn(x, second, p, config):
-            w = p["w"] if "w" in p else p["w_t"]
+            w = p["w_t"] if is_quantized(p) else p["w"]
             return rmsnorm_matmul(x, w, w_scale=p.get("scale"), activation=activation, config=config,
                                   **step_kw(second))
 
