@@ -158,14 +158,16 @@ def store(directory: Path | None, key: str, compiled: jax.stages.Compiled) -> bo
     return True
 
 
-def compile_and_store(directory: Path | None, key: str, lowered: jax.stages.Lowered) -> jax.stages.Compiled:
+def compile_and_store(directory: Path | None, key: str, lowered: jax.stages.Lowered,
+                      compiler_options: dict | None = None) -> jax.stages.Compiled:
     """Compiles `lowered` and stores it; on the CPU only while JAX's persistent compilation cache is off. An XLA:CPU
     executable that came from that cache, directly or through JAX's in-memory cache of it, serializes incompletely
     (jax 0.10.2: loaded again, it fails at run time with 'Function broadcast_add_fusion not found'), and which
     compile that was cannot be told reliably. XLA:GPU ones round-trip (H100, jax 0.11.2: a fused program answered by
     the persistent cache, serialized and loaded, gave the same values), and are always stored, so that the executable
-    cache fills on the first start of a new build even where the persistent cache holds its programs. Thread-safe."""
-    compiled = lowered.compile()
+    cache fills on the first start of a new build even where the persistent cache holds its programs. Thread-safe.
+    compiler_options: XLA options for this compile (`Lowered.compile`'s)."""
+    compiled = lowered.compile(compiler_options=compiler_options)
     if jax.default_backend() == "gpu" or not _persistent_cache_on():
         store(directory, key, compiled)
     return compiled

@@ -42,6 +42,11 @@ from pallas_kernels.cascade_attention import cascade_members_per_item
 # heads per KV head, so a chunk re-reads its KV no more often packed than unpacked (docs/perf_notes.md, "Prefill").
 PREFILL_ROW = 64
 _STATIC = ("config", "ops", "vocab_limit")
+# XLA options for the prefill programs' compiles on a GPU: each GEMM takes the tiling XLA's cost model ranks first
+# instead of compiling and timing ~25 candidates. Half the empty-cache start's compile work is that tuning of the
+# prefills' GEMMs, whose large row counts the cost model tiles well (docs/perf_notes.md, "Start-up"); the decode
+# programs, where a tiling's few percent repeat every token, keep XLA's tuning.
+PREFILL_COMPILER_OPTIONS = {"xla_gpu_experimental_cost_model_gemm_tiling_default": True}
 
 
 def chained(prev, tokens, sources):
@@ -301,7 +306,8 @@ class ModelRunner:
                 t = time.perf_counter()
                 lowered = self._lower(p)
                 lowering += time.perf_counter() - t
-                futures[pool.submit(executable_cache.compile_and_store, self.executable_dir, keys[p], lowered)] = p
+                futures[pool.submit(executable_cache.compile_and_store, self.executable_dir, keys[p], lowered,
+                                    self._compiler_options(p))] = p
             for f in concurrent.futures.as_completed(futures):
                 self._compiled[futures[f]] = f.result()
                 self.compiles += 1
@@ -352,9 +358,15 @@ class ModelRunner:
         return packed_step.trace(*args[:4], jax.ShapeDtypeStruct((nbytes,), jnp.uint8), step=fn, layout=layout,
                                  static=tuple(sorted(kw.items()))).lower()
 
+    @staticmethod
+    def _compiler_options(p) -> dict:
+        """XLA options for compiling program p: PREFILL_COMPILER_OPTIONS for prefill programs on a GPU."""
+        prefill = isinstance(p, Program) and not p.num_steps
+        return dict(PREFILL_COMPILER_OPTIONS) if prefill and jax.default_backend() == "gpu" else {}
+
     def _program(self, p):
         if p not in self._compiled:  # lazily, when compile_all was not called (CPU tests): no executable cache
-            self._compiled[p] = self._lower(p).compile()
+            self._compiled[p] = self._lower(p).compile(compiler_options=self._compiler_options(p))
             self.compiles += 1
         return self._compiled[p]
 

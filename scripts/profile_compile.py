@@ -9,7 +9,8 @@ A random-weight model saved as an HF folder, `LLM(folder, warmup=False)`, then e
 program); `pool` lowers all, then compiles them on --threads threads; `compile_all` runs the engine's own
 `compile_all` (lowering one by one, compiling on a thread per core). JAX's persistent compilation cache is off in the
 first two and empty in the third (give a fresh NANOJAX_CACHE). `--timings` then times decode at batch 1 and 64 (256
-tokens over 32-token prompts, a 1-token run subtracted) and prefill (256 prompts of 100 tokens; one of 4,000).
+tokens over 32-token prompts, a 1-token run subtracted), prefill (256 prompts of 100 tokens; one of 4,000) and
+nano-vllm's workload (bench_throughput's, in the 8,192 pages given here: prefills mixed with decodes).
 """
 import argparse
 import concurrent.futures
@@ -30,7 +31,7 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def serial(runner) -> dict:
+def serial(runner, compiler_options: dict) -> dict:
     rows = []
     for p in runner.programs():
         fn, args, kw = runner._call(p)
@@ -39,7 +40,7 @@ def serial(runner) -> dict:
         t1 = time.perf_counter()
         lowered = traced.lower()
         t2, c0 = time.perf_counter(), cpu_seconds()
-        lowered.compile()
+        lowered.compile(compiler_options=compiler_options)
         rows.append({"program": str(p), "trace_s": t1 - t0, "lower_s": t2 - t1, "compile_s": time.perf_counter() - t2,
                      "compile_cpu_s": cpu_seconds() - c0})
         print(json.dumps(rows[-1]), flush=True)
@@ -47,17 +48,19 @@ def serial(runner) -> dict:
                                  for k in ("trace_s", "lower_s", "compile_s", "compile_cpu_s")}}
 
 
-def pool(runner, threads: int) -> dict:
+def pool(runner, threads: int, compiler_options: dict) -> dict:
     t0 = time.perf_counter()
     lowered = [runner._lower(p) for p in runner.programs()]
     t1, c0 = time.perf_counter(), cpu_seconds()
     with concurrent.futures.ThreadPoolExecutor(threads) as executor:
-        list(executor.map(lambda x: x.compile(), lowered))
+        list(executor.map(lambda x: x.compile(compiler_options=compiler_options), lowered))
     return {"programs": len(lowered), "lower_s": t1 - t0, "compile_s": time.perf_counter() - t1,
             "compile_cpu_s": cpu_seconds() - c0, "threads": threads}
 
 
 def timings(llm) -> dict:
+    from bench_throughput import nano_vllm_workload
+
     from nanojax import SamplingParams
 
     vocab = min(10000, llm.config.vocab_size)
@@ -74,8 +77,13 @@ def timings(llm) -> dict:
 
     step = {b: (seconds([p[:32] for p in prompts[:b]], 257) - seconds([p[:32] for p in prompts[:b]], 1)) / 256
             for b in (1, 64)}
+    workload, max_tokens = nano_vllm_workload(256, 1024, 1024)  # prefills mixed with decodes
+    start = time.perf_counter()
+    llm.generate(workload, [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens],
+                 use_tqdm=False)
     return {"decode_b1_ms": 1e3 * step[1], "decode_b64_ms": 1e3 * step[64], "prefill_256x100_ms": 1e3 * seconds(
-        prompts, 1), "prefill_1x4000_ms": 1e3 * seconds([sum(prompts, [])[:4000]], 1)}
+        prompts, 1), "prefill_1x4000_ms": 1e3 * seconds([sum(prompts, [])[:4000]], 1),
+        "nano_vllm_tok_s": sum(max_tokens) / (time.perf_counter() - start)}
 
 
 def main():
@@ -84,6 +92,8 @@ def main():
     ap.add_argument("--mode", default="serial", choices=["serial", "pool", "compile_all"])
     ap.add_argument("--threads", type=int, default=16)
     ap.add_argument("--timings", action="store_true")
+    ap.add_argument("--compiler-options", type=json.loads, default={},
+                    help='serial and pool: XLA options for every compile, as JSON ({"xla_gpu_autotune_level": 1})')
     ap.add_argument("--out", default="profile_compile.json")
     args = ap.parse_args()
     import jax
@@ -100,10 +110,12 @@ def main():
         result = {**llm.runner.compile_seconds, "cpu_s": cpu_seconds() - c0, "programs": llm.runner.compiles}
     else:
         jax.config.update("jax_enable_compilation_cache", False)
-        result = serial(llm.runner) if args.mode == "serial" else pool(llm.runner, args.threads)
+        result = (serial(llm.runner, args.compiler_options) if args.mode == "serial"
+                  else pool(llm.runner, args.threads, args.compiler_options))
     if args.timings:
         result.update(timings(llm))
     result.update(model=args.model, mode=args.mode, xla_flags=os.environ.get("XLA_FLAGS", ""),
+                  compiler_options=args.compiler_options,
                   device=str(jax.devices()[0]))
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(json.dumps({k: v for k, v in result.items() if k != "programs"}))

@@ -256,3 +256,37 @@ def test_a_runner_program_loads_bit_identical_and_donates(hf_model_dir, tmp_path
         results.append(jax.device_get(compiled(*args)))
         assert args[1].k[0].is_deleted() and args[2].counts.is_deleted()  # cache and tables donated
     _assert_same(*results)
+
+
+def test_prefill_programs_compile_with_the_cost_models_tiling_on_a_gpu(hf_model_dir, monkeypatch):
+    """compile_all hands each program's XLA options to its compile: the prefill programs (and only they) take
+    PREFILL_COMPILER_OPTIONS on a GPU, nothing on the CPU."""
+    from nanojax import LLM
+    from nanojax import runner as runner_module
+    from nanojax.runner import PREFILL_COMPILER_OPTIONS, ModelRunner, Program
+
+    assert ModelRunner._compiler_options(Program(4, 0)) == {}  # this machine's CPU
+    monkeypatch.setattr(runner_module.jax, "default_backend", lambda: "gpu")
+    prefill, mixed, decode = Program(4, 0), Program(4, 0, decode_rows=8), Program(4, 8)
+    assert ModelRunner._compiler_options(prefill) == ModelRunner._compiler_options(mixed) == PREFILL_COMPILER_OPTIONS
+    assert ModelRunner._compiler_options(decode) == ModelRunner._compiler_options("set_slot") == {}
+    monkeypatch.undo()
+
+    folder, _ = hf_model_dir("qwen3")
+    runner = LLM(folder, dtype="float32", page_size=4, max_model_len=32, max_num_seqs=2, max_num_batched_tokens=64,
+                 kernels="reference", warmup=False).runner
+    marker = {"xla_test_option": 1}
+    monkeypatch.setattr(ModelRunner, "_compiler_options", staticmethod(
+        lambda p: marker if isinstance(p, Program) and not p.num_steps else {}))
+    given = {}
+
+    def compile_and_store(directory, key, lowered, compiler_options=None):
+        given[key] = compiler_options
+        return lowered.compile()
+
+    monkeypatch.setattr(ec, "compile_and_store", compile_and_store)
+    runner.compile_all(progress=False, threads=2)
+    assert len(given) == len(runner.programs())
+    prefills = sum(isinstance(p, Program) and not p.num_steps for p in runner.programs())
+    assert sum(o is marker for o in given.values()) == prefills and prefills >= 2
+    assert sum(o == {} for o in given.values()) == len(given) - prefills
