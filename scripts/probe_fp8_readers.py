@@ -8,7 +8,8 @@ weight held as [N, K], a row per output channel, the layout nanojax.quantize sto
   E4M3 weight (swap AB, x in f16: c41ab5d), its default tiles. (An FP8 path on [K, N] E4M3 tiles read them at 23-55%
   of the copy ceiling here; it went with the [N, K] layout.)
 - xla_bf16 / xla_deq / xla_deqT: XLA's dot on bf16 weights / on `w.astype(bf16)` (XLA fuses the upcast into the
-  GEMM's operand load) / the same on [N, K]; _pad2 / _pad8: one row padded to 2 / 8.
+  GEMM's operand load) / the same on [N, K]; _pad2 / _pad8: one row padded to 2 / 8. xla_deqT_f16x: x times 2^-4
+  and the weight in f16 (E4M3 -> f16 is one hardware conversion).
 - swapab_{fp8,f16x,bf16} / swapabT_f16x: a Pallas dot with the weight tile as the left operand ([bn, bk] @ x^T: its
   upcast in registers, x's rows the narrow side) on [N, K] E4M3 (x bf16, or f16 so that the upcast is one hardware
   conversion), on [N, K] bf16, or on [K, N] E4M3 contracted over its first axis.
@@ -196,15 +197,16 @@ def swapab(x, wt, scale, *, bm, bk, bn, splits, warps, stages, f16=False, w_kn=F
     return out.astype(x.dtype)
 
 
-def xla_deq(pad: int, transposed: bool = False):
+def xla_deq(pad: int, transposed: bool = False, f16: bool = False):
     """XLA's dot on the upcast weight, x padded with `pad` zero rows (the result sliced back); transposed: the weight
-    held as [N, K]."""
+    held as [N, K]; f16: x (times 2^-4) and the weight meet in f16."""
     def fn(x, w8, s, wb, u8, wt):
         rows = x.shape[0]
         xp = jnp.pad(x, ((0, pad), (0, 0)))
         if transposed:
-            out = lax.dot_general(xp, wt[0].astype(x.dtype), (((1,), (1,)), ((), ())),
-                                  preferred_element_type=jnp.float32) * s
+            dt, xs = (jnp.float16, 2.0 ** -4) if f16 else (x.dtype, 1.0)
+            out = lax.dot_general((xp * xs).astype(dt), wt[0].astype(dt), (((1,), (1,)), ((), ())),
+                                  preferred_element_type=jnp.float32) * (s / xs)
         else:
             out = (xp @ w8.astype(x.dtype)).astype(jnp.float32) * s
         return out.astype(x.dtype)[:rows]
@@ -240,6 +242,8 @@ def variants(m, k, n, interpret) -> dict:
         "xla_deq_pad8": (xla_deq(7), fp8_bytes),
         "xla_deqT": (xla_deq(0, transposed=True), fp8_bytes),
         "xla_deqT_pad2": (xla_deq(1, transposed=True), fp8_bytes),
+        "xla_deqT_f16x": (xla_deq(0, transposed=True, f16=True), fp8_bytes),
+        "xla_deqT_f16x_pad2": (xla_deq(1, transposed=True, f16=True), fp8_bytes),
     }
     for bn, bk, warps in ((128, 64, 4), (256, 32, 4), (256, 64, 8), (512, 32, 8)):
         if n % bn or k % bk:
