@@ -11,7 +11,8 @@ nanojax.sampling):
   the prefill program with max_num_seqs one-token decode rows after the prompt rows.
 Prompt logprobs, wanted by few requests, run in a third program on the prefill's hidden states, dispatched only in
 steps that want them (`prompt_step`). `compile_all` lowers every bucket and compiles them on a thread pool (XLA
-compiles outside the GIL). A dispatch sends its host arrays as one byte buffer (`pack`), which the program unpacks
+compiles outside the GIL); on a GPU, worker processes lower and compile the prefill buckets meanwhile
+(nanojax.compile_workers). A dispatch sends its host arrays as one byte buffer (`pack`), which the program unpacks
 (`packed_step`).
 Every program also returns each row's last sampled token in a fixed-size device array, which the next dispatch
 takes as `prev`: a decode row whose `sources` entry is r >= 0 feeds the previous dispatch's row r instead of a
@@ -29,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from nanojax import executable_cache
+from nanojax import compile_workers, executable_cache
 from nanojax.cascade import CascadePlan, CascadeRules, plan_cascade
 from nanojax.config import ModelConfig
 from nanojax.kv_cache import Batch, KVCache
@@ -47,6 +48,9 @@ _STATIC = ("config", "ops", "vocab_limit")
 # prefills' GEMMs, whose large row counts the cost model tiles well (docs/perf_notes.md, "Start-up"); the decode
 # programs, where a tiling's few percent repeat every token, keep XLA's tuning.
 PREFILL_COMPILER_OPTIONS = {"xla_gpu_experimental_cost_model_gemm_tiling_default": True}
+# Processes that lower and compile the prefill programs while compile_all does the decode ones (nanojax.compile_workers;
+# on a GPU with the executable cache).
+COMPILE_WORKERS = 4
 
 
 def chained(prev, tokens, sources):
@@ -243,19 +247,30 @@ class ModelRunner:
                  tensor_parallel=None, cascade_rules: CascadeRules | None = None, executable_dir=None):
         tp = tensor_parallel
         self.config, self.vocab_limit = config, vocab_limit
+        # What a compile worker needs to build this runner again from the params' shapes (nanojax.compile_workers).
+        self._worker_kwargs = dict(num_pages=num_pages, page_size=page_size, pages_per_seq=pages_per_seq, dtype=dtype,
+                                   ops=ops, vocab_limit=vocab_limit, max_num_seqs=max_num_seqs,
+                                   max_prefill_tokens=max_prefill_tokens, decode_steps=decode_steps,
+                                   cascade_rules=cascade_rules)
+        # Params given as ShapeDtypeStructs (a compile worker): the device state is shapes too, nothing allocated.
+        shapes_only = all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))
+        if shapes_only and tp is not None:
+            raise ValueError("a tensor-parallel runner needs its params")
+        build = jax.eval_shape if shapes_only else lambda make: make()
         self.ops = ops if tp is None else tp.ops(ops)
         self._inputs_sharding = None if tp is None else tp.replicated  # host inputs: on every device of the mesh
-        self.params = jax.device_put(params) if tp is None else tp.place(params)
-        self.cache = (KVCache.create(config, num_pages, page_size, dtype) if tp is None
+        self.params = params if shapes_only else jax.device_put(params) if tp is None else tp.place(params)
+        self.cache = (build(functools.partial(KVCache.create, config, num_pages, page_size, dtype)) if tp is None
                       else tp.create_cache(num_pages, page_size, dtype))
-        self.tables = jax.device_put(TokenTables.create(max_num_seqs, config.vocab_size), self._inputs_sharding)
+        self.tables = build(lambda: jax.device_put(TokenTables.create(max_num_seqs, config.vocab_size),
+                                                   self._inputs_sharding))
         self.pages_per_seq = pages_per_seq
         self.decode_rows = pow2_buckets(1, max_num_seqs)
         self.prefill_rows = pow2_buckets(1, -(-max_prefill_tokens // PREFILL_ROW))
         self.decode_steps = decode_steps
         # The last tokens a dispatch returns (`last_tokens`): a prefill's R rows and mixed_rows decode rows at most.
-        self.last = jax.device_put(np.zeros(self.prefill_rows[-1] + self.mixed_rows, np.int32),
-                                   self._inputs_sharding)
+        self.last = build(lambda: jax.device_put(np.zeros(self.prefill_rows[-1] + self.mixed_rows, np.int32),
+                                                 self._inputs_sharding))
         self.page_size, self.cascade_rules = page_size, cascade_rules
         self.cascade_members = cascade_members_per_item(config.num_heads, config.num_kv_heads)
         local_kv_heads = config.num_kv_heads if tp is None else tp.local_config.num_kv_heads
@@ -285,24 +300,56 @@ class ModelRunner:
         per prefill bucket (padding rows cost their share of the projections, nothing in attention)."""
         return self.decode_rows[-1]
 
-    def compile_all(self, progress: bool = True, threads: int | None = None) -> None:
+    def compile_all(self, progress: bool = True, threads: int | None = None, workers: int | None = None) -> None:
         """Compiles every program now. Those the executable cache holds (`executable_dir`, nanojax.executable_cache)
         are loaded without tracing; the others are traced and lowered one by one, compiled on a thread pool (XLA
-        compiles outside the GIL) and stored. Seconds spent lowering and in all go to `compile_seconds`."""
+        compiles outside the GIL) and stored. workers: processes that take the prefill programs meanwhile
+        (nanojax.compile_workers; they need the executable cache and an unsharded runner); None: COMPILE_WORKERS
+        where they can run on a GPU, else none. Seconds spent lowering here and in all go to `compile_seconds`."""
+        alone = self._inputs_sharding is None  # not tensor-parallel: a worker builds this runner from shapes
+        if workers is None:
+            workers = COMPILE_WORKERS if jax.default_backend() == "gpu" and self.executable_dir and alone else 0
+        if workers and not self.executable_dir:
+            raise ValueError("compile workers store programs in the executable cache: executable_dir is None")
+        if workers and not alone:
+            raise ValueError("compile workers build unsharded runners: not for a tensor-parallel one")
+        start = time.perf_counter()
         todo = [p for p in self.programs() if p not in self._compiled]
-        threads = threads or min(len(todo), os.cpu_count() or 1) or 1
-        start, lowering = time.perf_counter(), 0.0
         keys = {p: executable_cache.program_key(*self._key_parts(p)) for p in todo}
-        with tqdm(total=len(todo), desc=f"compiling {len(todo)} programs", disable=not progress) as bar, \
-                concurrent.futures.ThreadPoolExecutor(threads) as pool:
-            found = dict(zip(todo, pool.map(lambda p: executable_cache.load(self.executable_dir, keys[p]), todo)))
+        with tqdm(total=len(todo), desc=f"compiling {len(todo)} programs", disable=not progress) as bar:
+            self.loaded += self._load(todo, keys, bar)
+            todo = [p for p in todo if p not in self._compiled]
+            given = [p for p in todo if self._is_prefill(p)] if workers else []
+            running = [compile_workers.start(compile_workers.make_job(
+                self.config, self.params, {**self._worker_kwargs, "executable_dir": self.executable_dir},
+                [(p, keys[p]) for p in given[i::workers]]))
+                for i in range(min(workers, len(given)))]
+            lowering = self.compile_programs([p for p in todo if p not in given], keys, threads, bar)
+            for worker in running:
+                compile_workers.wait(worker)
+            self.compiles += self._load(given, keys, bar)  # compiled by the workers
+            # What a worker did not store (it failed, or could not start) is compiled here.
+            lowering += self.compile_programs([p for p in given if p not in self._compiled], keys, threads, bar)
+        self.compile_seconds = {"lowering": lowering, "total": time.perf_counter() - start}
+
+    def _load(self, programs, keys: dict, bar) -> int:
+        """Loads what the executable cache holds of `programs`; returns how many it held."""
+        with concurrent.futures.ThreadPoolExecutor(min(len(programs), os.cpu_count() or 1) or 1) as pool:
+            found = list(pool.map(lambda p: executable_cache.load(self.executable_dir, keys[p]), programs))
+        for p, compiled in zip(programs, found):
+            if compiled is not None:
+                self._compiled[p] = compiled
+                bar.update(1)
+        return sum(compiled is not None for compiled in found)
+
+    def compile_programs(self, programs, keys: dict, threads: int | None = None, bar=None) -> float:
+        """Traces and lowers `programs` one by one and compiles them on a pool of `threads` (default: a thread per
+        core), storing each under keys[p] in the executable cache. Returns the seconds spent lowering."""
+        lowering = 0.0
+        threads = threads or min(len(programs), os.cpu_count() or 1) or 1
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
             futures = {}
-            for p in todo:
-                if found[p] is not None:
-                    self._compiled[p] = found[p]
-                    self.loaded += 1
-                    bar.update(1)
-                    continue
+            for p in programs:
                 t = time.perf_counter()
                 lowered = self._lower(p)
                 lowering += time.perf_counter() - t
@@ -311,8 +358,9 @@ class ModelRunner:
             for f in concurrent.futures.as_completed(futures):
                 self._compiled[futures[f]] = f.result()
                 self.compiles += 1
-                bar.update(1)
-        self.compile_seconds = {"lowering": lowering, "total": time.perf_counter() - start}
+                if bar is not None:
+                    bar.update(1)
+        return lowering
 
     def _call(self, p) -> tuple:
         """(jitted step, its arguments, its static keywords) of program p; arguments as arrays or shapes."""
@@ -359,10 +407,13 @@ class ModelRunner:
                                  static=tuple(sorted(kw.items()))).lower()
 
     @staticmethod
+    def _is_prefill(p) -> bool:
+        return isinstance(p, Program) and not p.num_steps
+
+    @staticmethod
     def _compiler_options(p) -> dict:
         """XLA options for compiling program p: PREFILL_COMPILER_OPTIONS for prefill programs on a GPU."""
-        prefill = isinstance(p, Program) and not p.num_steps
-        return dict(PREFILL_COMPILER_OPTIONS) if prefill and jax.default_backend() == "gpu" else {}
+        return dict(PREFILL_COMPILER_OPTIONS) if ModelRunner._is_prefill(p) and jax.default_backend() == "gpu" else {}
 
     def _program(self, p):
         if p not in self._compiled:  # lazily, when compile_all was not called (CPU tests): no executable cache

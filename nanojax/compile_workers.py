@@ -1,0 +1,98 @@
+"""Programs traced, lowered and compiled in processes beside the engine's, on an empty executable cache.
+
+Tracing and lowering are Python under the GIL: one process lowers one program at a time (~20 s for the GPU defaults'
+33 programs alone, ~40 s beside their compiles), and threads do not help (docs/perf_notes.md, "Start-up"). So
+`ModelRunner.compile_all` hands the prefill programs to a few worker processes (`python -m nanojax.compile_workers`)
+while it lowers and compiles the decode programs itself. A worker rebuilds the runner from shapes alone (no weights,
+no KV pool: the params' ShapeDtypeStructs), lowers the programs it is given, compiles them on a thread pool and
+stores each in the executable cache under the key the engine computed (nanojax.executable_cache); the engine then
+loads them. The prefill programs go because XLA autotunes none of their GEMMs (runner.PREFILL_COMPILER_OPTIONS): a
+worker runs nothing on the GPU that could disturb the engine's own autotuning of the decode programs. A program a
+worker did not store (it failed, or could not start) is compiled by the engine: a worker costs time, never
+correctness.
+"""
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Job:
+    """What one worker compiles: the runner's constructor arguments with params as ShapeDtypeStructs, and the
+    programs with the keys to store them under."""
+    config: object
+    params: object  # the params' pytree of jax.ShapeDtypeStruct
+    runner_kwargs: dict
+    programs: tuple  # ((program, executable-cache key), ...)
+    jax_config: dict  # the engine's values of JAX_CONFIG, applied in the worker
+
+
+# What a worker takes over from the engine's jax.config: what tracing depends on, and the persistent cache.
+JAX_CONFIG = ("jax_enable_x64", "jax_default_matmul_precision", "jax_enable_compilation_cache",
+              "jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+
+
+@dataclass
+class Running:
+    process: subprocess.Popen
+    log: object  # the worker's stderr, a temporary file read if it fails
+    job: Job
+
+
+def start(job: Job) -> Running:
+    """Starts a worker on `job`. Its imports find nanojax where this process found it; it allocates device memory
+    only as it needs it (the engine holds most of the device)."""
+    root = str(Path(__file__).resolve().parents[1])  # nanojax/, pallas_kernels/ and convert/ live here
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+           "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    log = tempfile.TemporaryFile()
+    process = subprocess.Popen([sys.executable, "-m", "nanojax.compile_workers"], stdin=subprocess.PIPE,
+                               stdout=subprocess.DEVNULL, stderr=log, env=env)
+    try:
+        process.stdin.write(pickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL))
+        process.stdin.close()
+    except OSError:  # it died at once: wait() reports it
+        pass
+    return Running(process, log, job)
+
+
+def wait(running: Running) -> bool:
+    """Waits for the worker; False (and its stderr's tail in the log) if it failed."""
+    code = running.process.wait()
+    if code != 0:
+        running.log.seek(0)
+        tail = running.log.read()[-2000:].decode(errors="replace")
+        _log.warning("a compile worker exited with %s; its %d programs compile here instead:\n%s", code,
+                     len(running.job.programs), tail)
+    running.log.close()
+    return code == 0
+
+
+def make_job(config, params, runner_kwargs: dict, programs) -> Job:
+    """A worker's job: params as the same pytree of jax.ShapeDtypeStruct (what a worker traces with)."""
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    return Job(config, shapes, runner_kwargs, tuple(programs), {k: getattr(jax.config, k) for k in JAX_CONFIG})
+
+
+def run(job: Job) -> None:
+    """A worker's work: the runner from shapes, each program lowered, compiled and stored under its key."""
+    from nanojax.runner import ModelRunner
+
+    for name, value in job.jax_config.items():
+        jax.config.update(name, value)
+    runner = ModelRunner(job.config, job.params, **job.runner_kwargs)
+    programs = [p for p, _ in job.programs]
+    runner.compile_programs(programs, dict(job.programs), threads=min(len(programs), os.cpu_count() or 1))
+
+
+if __name__ == "__main__":
+    run(pickle.loads(sys.stdin.buffer.read()))
