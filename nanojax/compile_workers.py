@@ -77,6 +77,13 @@ def wait(running: Running) -> bool:
     return code == 0
 
 
+def stop(running: Running) -> None:
+    """Ends the worker (the engine's compile failed or was interrupted)."""
+    running.process.kill()
+    running.process.wait()
+    running.log.close()
+
+
 def make_job(config, params, runner_kwargs: dict, programs) -> Job:
     """A worker's job: params as the same pytree of jax.ShapeDtypeStruct (what a worker traces with)."""
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)

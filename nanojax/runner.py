@@ -324,7 +324,12 @@ class ModelRunner:
                 self.config, self.params, {**self._worker_kwargs, "executable_dir": self.executable_dir},
                 [(p, keys[p]) for p in given[i::workers]]))
                 for i in range(min(workers, len(given)))]
-            lowering = self.compile_programs([p for p in todo if p not in given], keys, threads, bar)
+            try:
+                lowering = self.compile_programs([p for p in todo if p not in given], keys, threads, bar)
+            except BaseException:  # an error here, or Ctrl-C: the workers stop too
+                for worker in running:
+                    compile_workers.stop(worker)
+                raise
             for worker in running:
                 compile_workers.wait(worker)
             self.compiles += self._load(given, keys, bar)  # compiled by the workers

@@ -65,3 +65,21 @@ def test_workers_need_the_executable_cache(hf_model_dir):
     folder, _ = hf_model_dir("qwen3")
     with pytest.raises(ValueError, match="executable_dir is None"):
         LLM(folder, **SMALL).runner.compile_all(progress=False, workers=2)
+
+
+def test_an_error_in_the_engines_compile_stops_the_workers(hf_model_dir, tmp_path, monkeypatch):
+    folder, _ = hf_model_dir("qwen3")
+    runner = LLM(folder, **SMALL).runner
+    runner.executable_dir = tmp_path
+    started = []
+    start = compile_workers.start
+    monkeypatch.setattr(compile_workers, "start", lambda job: started.append(start(job)) or started[-1])
+
+    def fail(p):
+        raise RuntimeError("lowering failed")
+
+    monkeypatch.setattr(runner, "_lower", fail)
+    with pytest.raises(RuntimeError, match="lowering failed"):
+        runner.compile_all(progress=False, workers=2)
+    assert len(started) == 2 and all(w.process.returncode is not None for w in started)
+    assert not any(tmp_path.rglob("*.jaxexe"))  # killed before they stored anything
