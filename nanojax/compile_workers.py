@@ -43,6 +43,7 @@ JAX_CONFIG = ("jax_enable_x64", "jax_default_matmul_precision", "jax_enable_comp
 
 @dataclass
 class Running:
+    """A started worker."""
     process: subprocess.Popen
     log: object  # the worker's stderr, a temporary file read if it fails
     job: Job
@@ -65,16 +66,15 @@ def start(job: Job) -> Running:
     return Running(process, log, job)
 
 
-def wait(running: Running) -> bool:
-    """Waits for the worker; False (and its stderr's tail in the log) if it failed."""
+def wait(running: Running) -> None:
+    """Waits for the worker; if it failed, logs a warning with its stderr's tail."""
     code = running.process.wait()
     if code != 0:
         running.log.seek(0)
         tail = running.log.read()[-2000:].decode(errors="replace")
-        _log.warning("a compile worker exited with %s; its %d programs compile here instead:\n%s", code,
-                     len(running.job.programs), tail)
+        _log.warning("a compile worker exited with %s; what it did not store of its %d programs compiles here:\n%s",
+                     code, len(running.job.programs), tail)
     running.log.close()
-    return code == 0
 
 
 def stop(running: Running) -> None:
