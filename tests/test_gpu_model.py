@@ -125,3 +125,27 @@ def test_fp8_gives_the_dequantized_models_greedy_tokens(name):
     for batch in (prompts[:1], prompts):
         assert ([o.token_ids for o in llm.generate(batch, greedy, use_tqdm=False)]
                 == [o.token_ids for o in reference.generate(batch, greedy, use_tqdm=False)])
+
+
+@requires_gpu
+def test_programs_from_compile_workers_give_hf_greedy_tokens(tmp_path, monkeypatch, caplog):
+    """LLM(warmup=True) on the GPU with an empty executable cache: the prefill programs come from compile workers
+    (nanojax.compile_workers), none of which fails, and the engine gives HF's greedy tokens, float32."""
+    import logging
+
+    import torch
+
+    monkeypatch.setenv("NANOJAX_CACHE", str(tmp_path))  # an empty executable cache
+    hf = random_hf_model("qwen3-0.6b", "float32")
+    prompts = np.random.default_rng(4).integers(0, 10000, (3, 37)).tolist()
+    with torch.no_grad():
+        expected = [hf.generate(torch.tensor([p], device=hf.device), max_new_tokens=10, min_new_tokens=10,
+                                do_sample=False)[0, len(p):].tolist() for p in prompts]
+    loaded = loaded_model(hf, "float32")
+    del hf
+    with caplog.at_level(logging.WARNING, logger="nanojax.compile_workers"):
+        llm = LLM(loaded, dtype="float32", kernels="pallas", max_model_len=128, max_num_seqs=4, decode_steps=4,
+                  max_num_batched_tokens=128, warmup=True, progress=False)
+    assert not caplog.records and llm.runner.compiles == len(llm.runner.programs())
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    assert [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == expected
