@@ -7,7 +7,8 @@
 A random-weight model saved as an HF folder, `LLM(folder, warmup=False)`, then every program of
 `runner.programs()`: `serial` traces, lowers and compiles each in turn (seconds and the process's CPU seconds per
 program); `pool` lowers all, then compiles them on --threads threads; `compile_all` runs the engine's own
-`compile_all` (lowering one by one, compiling on a thread per core). JAX's persistent compilation cache is off in the
+`compile_all` (lowering one by one, compiling on a thread per core, the prefill programs in compile workers; CPU
+seconds are this process's only). JAX's persistent compilation cache is off in the
 first two and empty in the third (give a fresh NANOJAX_CACHE). `--timings` then times decode at batch 1 and 64 (256
 tokens over 32-token prompts, a 1-token run subtracted), prefill (256 prompts of 100 tokens; one of 4,000) and
 nano-vllm's workload (bench_throughput's, in the 8,192 pages given here: prefills mixed with decodes).
