@@ -36,8 +36,9 @@ class Job:
     jax_config: dict  # the engine's values of JAX_CONFIG, applied in the worker
 
 
-# What a worker takes over from the engine's jax.config: what tracing depends on, and the persistent cache.
-JAX_CONFIG = ("jax_enable_x64", "jax_default_matmul_precision", "jax_enable_compilation_cache",
+# What a worker takes over from the engine's jax.config: its platform, what tracing depends on, and the persistent
+# cache.
+JAX_CONFIG = ("jax_platforms", "jax_enable_x64", "jax_default_matmul_precision", "jax_enable_compilation_cache",
               "jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
 
 
