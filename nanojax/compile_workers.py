@@ -97,9 +97,8 @@ def run(job: Job) -> None:
 
     for name, value in job.jax_config.items():
         jax.config.update(name, value)
-    runner = ModelRunner(job.config, job.params, **job.runner_kwargs)
-    programs = [p for p, _ in job.programs]
-    runner.compile_programs(programs, dict(job.programs), threads=min(len(programs), os.cpu_count() or 1))
+    keys = dict(job.programs)
+    ModelRunner(job.config, job.params, **job.runner_kwargs).compile_programs(list(keys), keys)
 
 
 if __name__ == "__main__":
