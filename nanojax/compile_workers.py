@@ -2,13 +2,13 @@
 
 Tracing and lowering are Python under the GIL: one process lowers one program at a time (~20 s for the GPU defaults'
 33 programs alone, ~40 s beside their compiles), and threads do not help (docs/perf_notes.md, "Start-up"). So
-`ModelRunner.compile_all` hands the prefill programs to a few worker processes (`python -m nanojax.compile_workers`)
-while it lowers and compiles the decode programs itself. A worker rebuilds the runner from shapes alone (no weights,
-no KV pool: the params' ShapeDtypeStructs), lowers the programs it is given, compiles them on a thread pool and
-stores each in the executable cache under the key the engine computed (nanojax.executable_cache); the engine then
-loads them. The prefill programs go because XLA autotunes none of their GEMMs (runner.PREFILL_COMPILER_OPTIONS): a
-worker runs nothing on the GPU that could disturb the engine's own autotuning of the decode programs. A program a
-worker did not store (it failed, or could not start) is compiled by the engine: a worker costs time, never
+`ModelRunner.compile_all` deals the programs into shares, one for itself and one for each of a few worker processes
+(`python -m nanojax.compile_workers`). A worker rebuilds the runner from shapes alone (no weights, no KV pool: the
+params' ShapeDtypeStructs), lowers the programs it is given, compiles them on a thread pool and stores each in the
+executable cache under the key the engine computed (nanojax.executable_cache); the engine then loads them. XLA tunes
+the decode programs' GEMMs by timing candidates on the GPU, in whichever process compiles them: the tilings it picks
+beside the other processes' compiles measured as fast as the engine's own (docs/perf_notes.md, "Start-up"). A
+program a worker did not store (it failed, or could not start) is compiled by the engine: a worker costs time, never
 correctness.
 """
 import logging
@@ -23,6 +23,9 @@ from pathlib import Path
 import jax
 
 _log = logging.getLogger(__name__)
+# Workers beside the engine's own share on a GPU: 4 measured faster than 8 on an H200's 16 cores (docs/perf_notes.md,
+# "Start-up").
+WORKERS = 4
 
 
 @dataclass(frozen=True)
@@ -47,24 +50,38 @@ class Running:
     """A started worker."""
     process: subprocess.Popen
     log: object  # the worker's stderr, a temporary file read if it fails
-    job: Job
+    job: Job | None = None  # None until `send`
 
 
-def start(job: Job) -> Running:
-    """Starts a worker on `job`. Its imports find nanojax where this process found it; it allocates device memory
-    only as it needs it (the engine holds most of the device)."""
+def spawn() -> Running:
+    """Starts a worker that imports JAX and nanojax and starts its backend (on this process's platforms), then waits
+    for its job (`send`), or for its stdin to close, when it exits. Its imports find nanojax where this process found
+    it; it allocates device memory only as it needs it (the engine holds most of the device)."""
     root = str(Path(__file__).resolve().parents[1])  # nanojax/, pallas_kernels/ and convert/ live here
     env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
            "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    if jax.config.jax_platforms:
+        env["JAX_PLATFORMS"] = jax.config.jax_platforms
     log = tempfile.TemporaryFile()
     process = subprocess.Popen([sys.executable, "-m", "nanojax.compile_workers"], stdin=subprocess.PIPE,
                                stdout=subprocess.DEVNULL, stderr=log, env=env)
+    return Running(process, log)
+
+
+def send(worker: Running, job: Job) -> Running:
+    """Hands a spawned worker its job."""
+    worker.job = job
     try:
-        process.stdin.write(pickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL))
-        process.stdin.close()
+        worker.process.stdin.write(pickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL))
+        worker.process.stdin.close()
     except OSError:  # it died at once: wait() reports it
         pass
-    return Running(process, log, job)
+    return worker
+
+
+def start(job: Job) -> Running:
+    """A worker started on `job`."""
+    return send(spawn(), job)
 
 
 def wait(running: Running) -> None:
@@ -79,10 +96,16 @@ def wait(running: Running) -> None:
 
 
 def stop(running: Running) -> None:
-    """Ends the worker (the engine's compile failed or was interrupted)."""
+    """Ends the worker (the engine's compile failed or was interrupted, or it has no job for it)."""
     running.process.kill()
     running.process.wait()
     running.log.close()
+
+
+def stop_all(workers: list[Running]) -> None:
+    """Stops and removes every worker left in `workers`."""
+    while workers:
+        stop(workers.pop())
 
 
 def make_job(config, params, runner_kwargs: dict, programs) -> Job:
@@ -102,4 +125,9 @@ def run(job: Job) -> None:
 
 
 if __name__ == "__main__":
-    run(pickle.loads(sys.stdin.buffer.read()))
+    import nanojax.runner  # noqa: F401 -- imported, and the backend started, before the job comes (`spawn`)
+
+    jax.devices()
+    job = sys.stdin.buffer.read()
+    if job:  # else the engine had nothing for it
+        run(pickle.loads(job))

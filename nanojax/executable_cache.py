@@ -109,6 +109,11 @@ def path_of(directory: Path, key: str) -> Path:
     return Path(directory) / environment() / f"{key}{SUFFIX}"
 
 
+def holds_none(directory: Path) -> bool:
+    """Whether `directory` holds no executable of this environment (a new cache, or a new build of nanojax or JAX)."""
+    return not any((Path(directory) / environment()).glob(f"*{SUFFIX}"))
+
+
 def load(directory: Path | None, key: str) -> jax.stages.Compiled | None:
     """The stored executable of `key`, loaded onto the devices it was compiled for, or None (no directory, no file,
     or a file that cannot be loaded)."""

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from nanojax import executable_cache
+from nanojax import compile_workers, executable_cache
 from nanojax.cascade import CascadeRules
 from nanojax.detokenizer import Detokenizer
 from nanojax.distributed import DistributedRunner, min_over_processes
@@ -102,7 +102,8 @@ class LLM(RequestFront):
     (the Pallas kernels on a GPU where the model's shapes allow them).
     warmup: compile every program before returning, behind one progress bar (None: on a GPU; on a CPU programs
     compile on first use). On a GPU compiled programs are kept on disk as executables (nanojax.executable_cache),
-    which the next start loads without tracing, and in the persistent compilation cache (`nanojax.cache`).
+    which the next start loads without tracing, and in the persistent compilation cache (`nanojax.cache`); what is
+    not there yet is compiled by this process and compile workers beside it (nanojax.compile_workers).
     quantization: None, or "fp8": every projection's weights in FP8 (E4M3) with per-output-channel scales, quantized
     at load (nanojax.quantize); embeddings, norms and the LM head stay in `dtype`. A `LoadedModel` whose weights are
     device arrays keeps its bf16 copy in use while the KV pool is sized (the caller holds it); to give that memory to
@@ -137,6 +138,16 @@ class LLM(RequestFront):
             raise ValueError(f"cascade must be True, False or a nanojax.cascade.CascadeRules, got {cascade!r}")
         several = jax.process_count() > 1  # a jax.distributed job: one model over every process's devices
         sharded = tensor_parallel_size is not None or several
+        warmup = warmup if warmup is not None else on_gpu
+        # Off for several processes: each holds other devices' executables, under keys not yet made per process.
+        # Off on the CPU: an XLA:CPU executable is not reliably loaded by another process (nanojax.cache).
+        executable_dir = executable_cache.default_directory() if on_gpu and not several else None
+        # A build's first start (none of its executables stored yet): compile workers start now, importing JAX and
+        # nanojax while the weights load, and take shares of the programs in warmup (nanojax.compile_workers).
+        spawned = [compile_workers.spawn() for _ in range(compile_workers.WORKERS)] if (
+            warmup and executable_dir and not sharded and executable_cache.holds_none(executable_dir)) else []
+        if spawned:  # they end with this LLM, if __init__ fails before warmup takes them
+            weakref.finalize(self, compile_workers.stop_all, spawned)
         # One device: a converted checkpoint's parts go to it while the next ones convert (the first large copies
         # to a GPU are slow, docs/perf_notes.md "Start-up"). Sharded weights are placed by TensorParallel; weights
         # quantized at load go as FP8 only (below).
@@ -177,9 +188,7 @@ class LLM(RequestFront):
             dtype=params["embed"].dtype, ops=get_ops(kernels, self.config), vocab_limit=loaded.vocab_limit(),
             max_num_seqs=max_num_seqs, max_prefill_tokens=budget, decode_steps=self.decode_steps,
             tensor_parallel=tp, cascade_rules=CascadeRules() if cascade is True else cascade or None,
-            # Off for several processes: each holds other devices' executables, under keys not yet made per process.
-            # Off on the CPU: an XLA:CPU executable is not reliably loaded by another process (nanojax.cache).
-            executable_dir=executable_cache.default_directory() if on_gpu and not several else None)
+            executable_dir=executable_dir)
         self.eos_ids = frozenset(self.config.eos_token_ids)
         self._rng = np.random.default_rng(seed)
         self._free_slots = list(range(max_num_seqs))
@@ -193,8 +202,8 @@ class LLM(RequestFront):
         # the events of aborts and failures): the engine process sends them to the server's process from there.
         self.events_out: Callable[[], None] = lambda: None
         built_at = time.perf_counter()
-        if warmup if warmup is not None else on_gpu:
-            self.warmup(progress)
+        if warmup:
+            self.runner.compile_all(progress, workers=spawned or None)
         compiled_at = time.perf_counter()
         self.tokenizer = loaded.resolved().tokenizer  # its load overlapped the steps above
         # Where start-up went (scripts/bench_startup.py prints it): reading / converting the weights, placing them

@@ -11,7 +11,7 @@ nanojax.sampling):
   the prefill program with max_num_seqs one-token decode rows after the prompt rows.
 Prompt logprobs, wanted by few requests, run in a third program on the prefill's hidden states, dispatched only in
 steps that want them (`prompt_step`). `compile_all` lowers every bucket and compiles them on a thread pool (XLA
-compiles outside the GIL); on a GPU, worker processes lower and compile the prefill buckets meanwhile
+compiles outside the GIL); on a GPU, worker processes lower and compile shares of the buckets meanwhile
 (nanojax.compile_workers). A dispatch sends its host arrays as one byte buffer (`pack`), which the program unpacks
 (`packed_step`).
 Every program also returns each row's last sampled token in a fixed-size device array, which the next dispatch
@@ -48,9 +48,6 @@ _STATIC = ("config", "ops", "vocab_limit")
 # prefills' GEMMs, whose large row counts the cost model tiles well (docs/perf_notes.md, "Start-up"); the decode
 # programs, where a tiling's few percent repeat every token, keep XLA's tuning.
 PREFILL_COMPILER_OPTIONS = {"xla_gpu_experimental_cost_model_gemm_tiling_default": True}
-# Processes that lower and compile the prefill programs while compile_all does the decode ones (nanojax.compile_workers;
-# on a GPU with the executable cache).
-COMPILE_WORKERS = 4
 
 
 def chained(prev, tokens, sources):
@@ -300,15 +297,24 @@ class ModelRunner:
         per prefill bucket (padding rows cost their share of the projections, nothing in attention)."""
         return self.decode_rows[-1]
 
-    def compile_all(self, progress: bool = True, threads: int | None = None, workers: int | None = None) -> None:
+    def compile_all(self, progress: bool = True, threads: int | None = None,
+                    workers: "int | list[compile_workers.Running] | None" = None) -> None:
         """Compiles every program now. Those the executable cache holds (`executable_dir`, nanojax.executable_cache)
         are loaded without tracing; the others are traced and lowered one by one, compiled on a thread pool (XLA
-        compiles outside the GIL) and stored. workers: processes that take the prefill programs meanwhile
-        (nanojax.compile_workers; they need the executable cache and an unsharded runner); None: COMPILE_WORKERS
-        where they can run on a GPU, else none. Seconds spent lowering here and in all go to `compile_seconds`."""
+        compiles outside the GIL) and stored. workers: processes that each take a share of them meanwhile
+        (nanojax.compile_workers; they need the executable cache and an unsharded runner), or a list of workers
+        already spawned to take them (those left without a share are stopped); None: compile_workers.WORKERS where
+        they can run on a GPU, else none. Seconds spent lowering here and in all go to `compile_seconds`."""
+        spawned = workers if isinstance(workers, list) else []
+        try:
+            self._compile_all(progress, threads, len(spawned) if spawned else workers, spawned)
+        finally:
+            compile_workers.stop_all(spawned)
+
+    def _compile_all(self, progress: bool, threads: int | None, workers: int | None, spawned: list) -> None:
         alone = self._inputs_sharding is None  # not tensor-parallel: a worker builds this runner from shapes
         if workers is None:
-            workers = COMPILE_WORKERS if jax.default_backend() == "gpu" and self.executable_dir and alone else 0
+            workers = compile_workers.WORKERS if jax.default_backend() == "gpu" and self.executable_dir and alone else 0
         if workers and not self.executable_dir:
             raise ValueError("compile workers store programs in the executable cache: executable_dir is None")
         if workers and not alone:
@@ -319,13 +325,16 @@ class ModelRunner:
         with tqdm(total=len(todo), desc=f"compiling {len(todo)} programs", disable=not progress) as bar:
             self.loaded += self._load(todo, keys, bar)
             todo = [p for p in todo if p not in self._compiled]
-            given = [p for p in todo if self._is_prefill(p)] if workers else []
-            running = [compile_workers.start(compile_workers.make_job(
-                self.config, self.params, {**self._worker_kwargs, "executable_dir": self.executable_dir},
-                [(p, keys[p]) for p in given[i::workers]]))
-                for i in range(min(workers, len(given)))]
+            shares = self._shares(todo, workers + 1)  # the first is this process's
+            given = [p for share in shares[1:] for p in share]
+            running = []
+            for share in filter(None, shares[1:]):
+                job = compile_workers.make_job(self.config, self.params, {
+                    **self._worker_kwargs, "executable_dir": self.executable_dir}, [(p, keys[p]) for p in share])
+                running.append(compile_workers.send(spawned.pop() if spawned else compile_workers.spawn(), job))
+            compile_workers.stop_all(spawned)  # spawned ahead for programs that were in the cache after all
             try:
-                lowering = self.compile_programs([p for p in todo if p not in given], keys, threads, bar)
+                lowering = self.compile_programs(shares[0], keys, threads, bar)
             except BaseException:  # an error here, or Ctrl-C: the workers stop too
                 for worker in running:
                     compile_workers.stop(worker)
@@ -347,19 +356,42 @@ class ModelRunner:
                 bar.update(1)
         return sum(compiled is not None for compiled in found)
 
+    @staticmethod
+    def _twin(p):
+        """The program whose GEMMs a cascade decode shares (the plain decode of its rows), else None."""
+        return dataclasses.replace(p, cascade=False) if isinstance(p, Program) and p.cascade else None
+
+    @classmethod
+    def _shares(cls, programs, n: int) -> list[list]:
+        """`programs` dealt round-robin into n lists, a cascade decode in its twin's, right after it (its GEMMs then
+        find XLA's tuning of the twin's in the process's autotuning cache instead of being tuned again)."""
+        chains = {}
+        for p in programs:
+            twin = cls._twin(p)
+            chains.setdefault(twin if twin in programs else p, []).append(p)
+        chains = list(chains.values())
+        return [[p for chain in chains[i::n] for p in chain] for i in range(n)]
+
     def compile_programs(self, programs, keys: dict, threads: int | None = None, bar=None) -> float:
         """Traces and lowers `programs` one by one and compiles them on a pool of `threads` (default: a thread per
-        core), storing each under keys[p] in the executable cache. Returns the seconds spent lowering."""
+        core), storing each under keys[p] in the executable cache; a cascade decode's compile waits for its twin's,
+        when both are here (`_shares`). Returns the seconds spent lowering."""
         lowering = 0.0
         threads = threads or min(len(programs), os.cpu_count() or 1) or 1
+
+        def compile_after(twin, p, lowered):
+            if twin is not None:  # submitted earlier to this first-in first-out pool: running or done
+                concurrent.futures.wait([twin])
+            return executable_cache.compile_and_store(self.executable_dir, keys[p], lowered, self._compiler_options(p))
+
         with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-            futures = {}
+            futures, of = {}, {}
             for p in programs:
                 t = time.perf_counter()
                 lowered = self._lower(p)
                 lowering += time.perf_counter() - t
-                futures[pool.submit(executable_cache.compile_and_store, self.executable_dir, keys[p], lowered,
-                                    self._compiler_options(p))] = p
+                of[p] = pool.submit(compile_after, of.get(self._twin(p)), p, lowered)
+                futures[of[p]] = p
             for f in concurrent.futures.as_completed(futures):
                 self._compiled[futures[f]] = f.result()
                 self.compiles += 1

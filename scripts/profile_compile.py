@@ -7,8 +7,8 @@
 A random-weight model saved as an HF folder, `LLM(folder, warmup=False)`, then every program of
 `runner.programs()`: `serial` traces, lowers and compiles each in turn (seconds and the process's CPU seconds per
 program); `pool` lowers all, then compiles them on --threads threads; `compile_all` runs the engine's own
-`compile_all` (lowering one by one, compiling on a thread per core, the prefill programs in compile workers; CPU
-seconds are this process's only). JAX's persistent compilation cache is off in the
+`compile_all` (lowering one by one, compiling on a thread per core, shares of the programs in --workers compile
+workers; CPU seconds this process's and its workers'). JAX's persistent compilation cache is off in the
 first two and empty in the third (give a fresh NANOJAX_CACHE). `--timings` then times decode at batch 1 and 64 (256
 tokens over 32-token prompts, a 1-token run subtracted), prefill (256 prompts of 100 tokens; one of 4,000) and
 nano-vllm's workload (bench_throughput's, in the 8,192 pages given here: prefills mixed with decodes).
@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1]))
 
 
-def cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
+def cpu_seconds(who=resource.RUSAGE_SELF) -> float:
+    usage = resource.getrusage(who)
     return usage.ru_utime + usage.ru_stime
 
 
@@ -93,6 +93,7 @@ def main():
     ap.add_argument("--mode", default="serial", choices=["serial", "pool", "compile_all"])
     ap.add_argument("--threads", type=int, default=16)
     ap.add_argument("--timings", action="store_true")
+    ap.add_argument("--workers", type=int, default=None, help="compile_all: compile workers (default: the engine's)")
     ap.add_argument("--compiler-options", type=json.loads, default={},
                     help='serial and pool: XLA options for every compile, as JSON ({"xla_gpu_autotune_level": 1})')
     ap.add_argument("--out", default="profile_compile.json")
@@ -106,9 +107,10 @@ def main():
         random_hf_model(args.model, "bfloat16").save_pretrained(tmp)
         llm = LLM(tmp, warmup=False, progress=False, num_pages=8192)
     if args.mode == "compile_all":
-        c0 = cpu_seconds()
-        llm.runner.compile_all(progress=False)
-        result = {**llm.runner.compile_seconds, "cpu_s": cpu_seconds() - c0, "programs": llm.runner.compiles}
+        c0, w0 = cpu_seconds(), cpu_seconds(resource.RUSAGE_CHILDREN)
+        llm.runner.compile_all(progress=False, workers=args.workers)
+        result = {**llm.runner.compile_seconds, "cpu_s": cpu_seconds() - c0,
+                  "workers_cpu_s": cpu_seconds(resource.RUSAGE_CHILDREN) - w0, "programs": llm.runner.compiles}
     else:
         jax.config.update("jax_enable_compilation_cache", False)
         result = (serial(llm.runner, args.compiler_options) if args.mode == "serial"

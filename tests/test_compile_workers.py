@@ -1,6 +1,8 @@
-"""Compile workers (nanojax.compile_workers): processes that lower and compile the prefill programs beside the
-engine's own compiles, store them in the executable cache, and leave the tokens as they were."""
+"""Compile workers (nanojax.compile_workers): processes that lower and compile shares of the programs beside the
+engine's own share, store them in the executable cache, and leave the tokens as they were."""
 import logging
+import threading
+import time
 
 import jax
 import pytest
@@ -34,18 +36,46 @@ def _compile_with_workers(folder, directory, monkeypatch):
     return llm, lowered_here
 
 
-def test_workers_compile_the_prefill_programs_with_the_same_tokens(hf_model_dir, tmp_path, monkeypatch):
+def test_workers_compile_their_shares_with_the_same_tokens(hf_model_dir, tmp_path, monkeypatch):
     folder, _ = hf_model_dir("qwen3")
     llm, lowered_here = _compile_with_workers(folder, tmp_path, monkeypatch)
     runner = llm.runner
-    prefills = [p for p in runner.programs() if isinstance(p, Program) and not p.num_steps]
-    assert len(prefills) == 2 and not set(prefills) & set(lowered_here)  # each went to a worker of its own
-    assert set(lowered_here) == set(runner.programs()) - set(prefills)
+    shares = runner._shares(runner.programs(), 3)
+    assert lowered_here == shares[0] and all(shares[1:])  # the engine lowered its own share only
     assert runner.compiles == len(runner.programs()) and runner.loaded == 0
     prompts = random_prompts(97, [3, 21, 9], seed=4)
     expected = [o.token_ids for o in LLM(folder, **SMALL).generate(prompts, GREEDY, use_tqdm=False)]
     assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
     assert runner.compiles == len(runner.programs())  # nothing compiled on the way
+
+
+def test_a_cascade_decode_is_dealt_and_compiled_after_its_twin(hf_model_dir, tmp_path, monkeypatch):
+    """Its GEMMs are its twin's: compiled after it, in the same process, they find XLA's tuning of them."""
+    folder, _ = hf_model_dir("qwen3")
+    runner = LLM(folder, **{**SMALL, "max_num_seqs": 16}).runner
+    programs = runner.programs()
+    cascades = [p for p in programs if isinstance(p, Program) and p.cascade]
+    assert len(cascades) == 2
+    for n in (1, 2, 3, 5):
+        shares = runner._shares(programs, n)
+        assert sorted(map(str, sum(shares, []))) == sorted(map(str, programs))
+        for p in cascades:
+            share = next(s for s in shares if p in s)
+            assert share[share.index(p) - 1] == runner._twin(p)
+    spans, lock = {}, threading.Lock()
+
+    def compile_and_store(directory, key, lowered, options):
+        start = time.perf_counter()
+        time.sleep(0.05)
+        with lock:
+            spans[lowered] = (start, time.perf_counter())
+
+    monkeypatch.setattr(runner, "_lower", lambda p: p)  # the "lowered" program is the program itself
+    monkeypatch.setattr("nanojax.executable_cache.compile_and_store", compile_and_store)
+    runner.compile_programs(programs, dict.fromkeys(programs, "key"), threads=8)
+    assert len(spans) == len(programs)
+    for p in cascades:
+        assert spans[p][0] >= spans[runner._twin(p)][1]
 
 
 def test_a_failed_worker_leaves_its_programs_to_the_engine(hf_model_dir, tmp_path, monkeypatch, caplog):
@@ -72,8 +102,8 @@ def test_an_error_in_the_engines_compile_stops_the_workers(hf_model_dir, tmp_pat
     runner = LLM(folder, **SMALL).runner
     runner.executable_dir = tmp_path
     started = []
-    start = compile_workers.start
-    monkeypatch.setattr(compile_workers, "start", lambda job: started.append(start(job)) or started[-1])
+    spawn = compile_workers.spawn
+    monkeypatch.setattr(compile_workers, "spawn", lambda: started.append(spawn()) or started[-1])
 
     def fail(p):
         raise RuntimeError("lowering failed")
@@ -83,3 +113,28 @@ def test_an_error_in_the_engines_compile_stops_the_workers(hf_model_dir, tmp_pat
         runner.compile_all(progress=False, workers=2)
     assert len(started) == 2 and all(w.process.returncode is not None for w in started)
     assert not any(tmp_path.rglob("*.jaxexe"))  # killed before they stored anything
+
+
+def test_workers_spawned_ahead_take_the_shares_or_are_stopped(hf_model_dir, tmp_path, monkeypatch):
+    """LLM spawns workers before it loads the weights on a build's first start; compile_all hands them their shares,
+    and stops those it has none for (here all: the second runner finds every program in the cache)."""
+    folder, _ = hf_model_dir("qwen3")
+    first = LLM(folder, **SMALL).runner
+    first.executable_dir = tmp_path
+    ahead = [compile_workers.spawn() for _ in range(2)]
+    first.compile_all(progress=False, workers=ahead)
+    assert not ahead and first.compiles == len(first.programs()) and first.loaded == 0
+    second = LLM(folder, **SMALL).runner
+    second.executable_dir = tmp_path
+    ahead = [compile_workers.spawn() for _ in range(2)]
+    processes = [w.process for w in ahead]
+    second.compile_all(progress=False, workers=ahead)
+    assert not ahead and all(p.returncode is not None for p in processes)
+    assert second.loaded == len(second.programs()) and second.compiles == 0
+
+
+def test_a_worker_without_a_job_exits():
+    worker = compile_workers.spawn()
+    worker.process.stdin.close()
+    assert worker.process.wait(timeout=120) == 0
+    worker.log.close()

@@ -129,13 +129,18 @@ def test_fp8_gives_the_dequantized_models_greedy_tokens(name):
 
 @requires_gpu
 def test_programs_from_compile_workers_give_hf_greedy_tokens(tmp_path, monkeypatch, caplog):
-    """LLM(warmup=True) on the GPU with an empty executable cache: the prefill programs come from compile workers
-    (nanojax.compile_workers), none of which fails, and the engine gives HF's greedy tokens, float32."""
+    """LLM(warmup=True) on the GPU with an empty executable cache: compile workers (nanojax.compile_workers) spawned
+    before the weights load compile shares of the programs, none fails, and the engine gives HF's greedy tokens,
+    float32."""
     import logging
 
     import torch
 
+    from nanojax import compile_workers
+
     monkeypatch.setenv("NANOJAX_CACHE", str(tmp_path))  # an empty executable cache
+    spawned, spawn = [], compile_workers.spawn
+    monkeypatch.setattr(compile_workers, "spawn", lambda: spawned.append(spawn()) or spawned[-1])
     hf = random_hf_model("qwen3-0.6b", "float32")
     prompts = np.random.default_rng(4).integers(0, 10000, (3, 37)).tolist()
     with torch.no_grad():
@@ -147,5 +152,6 @@ def test_programs_from_compile_workers_give_hf_greedy_tokens(tmp_path, monkeypat
         llm = LLM(loaded, dtype="float32", kernels="pallas", max_model_len=128, max_num_seqs=4, decode_steps=4,
                   max_num_batched_tokens=128, warmup=True, progress=False)
     assert not caplog.records and llm.runner.compiles == len(llm.runner.programs())
+    assert len(spawned) == compile_workers.WORKERS and all(w.process.returncode == 0 for w in spawned)
     greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     assert [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == expected
