@@ -7,7 +7,8 @@ same weights, else values drawn on the device(s), so that models no single GPU h
 timing (unless --skip-parity), nanojax's greedy tokens are checked against HF transformers on the same weights in
 float32. Each point times the compiled multi-step decode
 (`decode_steps` tokens per dispatch, the engine's steady state) with a full KV context of random values; the
-step's bytes are all weights (LM head included) plus the KV read, against the 2.83 TB/s measured copy ceiling.
+step's bytes are all weights (LM head included) plus the KV read, against the copy ceiling measured at the start
+(`copy_ceiling`: 4.2 TB/s on an H200; ../shared/DEVICE.md's 2.83 TB/s on the H100 was a bf16 op's).
 Peers in the same run: `--kernels reference` (the XLA path) and HF transformers (scripts/hf_peers.py: generate
 eager, and a static cache under torch.compile). The JSON is rewritten after every point, so a run stopped by a
 time limit keeps what it measured; give HF room with XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 (JAX takes 75% otherwise).
@@ -35,8 +36,26 @@ from nanojax.quantize import quantize_params  # noqa: E402
 from nanojax.runner import ModelRunner, greedy_sampling  # noqa: E402
 from nanojax.sharding import TensorParallel  # noqa: E402
 
-HBM_BYTES_PER_S = 2.83e12
 PAGE = 16
+
+
+def copy_ceiling() -> float:
+    """Bytes read + written per second of an elementwise op over 1 GiB of uint32 on this device, after a second of
+    it to raise the clocks: the ceiling the steps' bandwidth use is read against. 32-bit elements: XLA's bf16
+    elementwise ops stop short of it (on an H200, 3.3 TB/s against 4.2 for uint32 and for torch's device copy)."""
+    x = jnp.zeros((256 << 20,), jnp.uint32)
+    add = jax.jit(lambda a: a + 1)
+    warm = time.perf_counter() + 1.0
+    while time.perf_counter() < warm:
+        add(x).block_until_ready()
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(20):
+            y = add(x)
+        y.block_until_ready()
+        times.append((time.perf_counter() - start) / 20)
+    return 2 * x.nbytes / sorted(times)[2]
 
 
 def check_parity(name: str, kernels: str, num_tokens: int = 8, tensor_parallel_size: int | None = None) -> bool:
@@ -199,7 +218,8 @@ def parse_args():
 def main():
     args = parse_args()
     results = {"device": str(jax.devices()[0]), "model": args.model, "steps_per_dispatch": args.steps,
-               "parity": {}, "points": [], "ttft_ms": {}, "peers": []}
+               "parity": {}, "points": [], "ttft_ms": {}, "peers": [], "copy_bytes_per_s": copy_ceiling()}
+    print(f"copy ceiling: {results['copy_bytes_per_s'] / 1e12:.2f} TB/s", flush=True)
     save = lambda: Path(args.out).write_text(json.dumps(results, indent=2))  # noqa: E731 -- after every point
     if not args.skip_parity:
         for kern in args.kernels:
@@ -241,7 +261,7 @@ def run_variant(args, name, kern, c, params, tp, wbytes, kv_token_bytes, results
     """The TTFT, decode and shared-prefix points of one variant (kernels x weights x tensor-parallel size)."""
     def record(point, step_bytes):
         point.update(kernels=name, tok_s=point["batch"] / point["ms_per_step"] * 1e3,
-                     bw_pct=100 * step_bytes / (point["ms_per_step"] / 1e3) / HBM_BYTES_PER_S)
+                     bw_pct=100 * step_bytes / (point["ms_per_step"] / 1e3) / results["copy_bytes_per_s"])
         results["points"].append(point)
         save()
         print(json.dumps(point), flush=True)
