@@ -23,8 +23,8 @@ from pathlib import Path
 import jax
 
 _log = logging.getLogger(__name__)
-# Workers beside the engine's own share on a GPU: 4 measured faster than 8 on an H200's 16 cores (docs/perf_notes.md,
-# "Start-up").
+# Workers beside the engine's own share on a GPU: on an H200's 16 cores 8 were no faster than 4 and spent more CPU
+# (docs/perf_notes.md, "Start-up").
 WORKERS = 4
 
 

@@ -12,19 +12,19 @@ class LoadedModel:
     config: ModelConfig
     params: dict  # numpy arrays (device arrays where load_model placed them), see nanojax.model
     tokenizer: "object | Future | None"  # an HF tokenizer (or a Future of it, while it loads); None: weights only
-    tokenizer_len: int | None = None  # len(tokenizer): set with a Future, whose tokenizer is not there yet
+    tokenizer_len: Future | None = None  # the Future of len(tokenizer), beside the tokenizer's Future
 
     def resolved(self) -> "LoadedModel":
         """With the tokenizer loaded (waits for its Future)."""
         if isinstance(self.tokenizer, Future):
-            return dataclasses.replace(self, tokenizer=self.tokenizer.result())
+            return dataclasses.replace(self, tokenizer=self.tokenizer.result(), tokenizer_len=None)
         return self
 
     def vocab_limit(self) -> int:
         """Token ids the model may sample: those the tokenizer knows, at most the embedding's rows."""
         if self.tokenizer is None:
             return self.config.vocab_size
-        size = self.tokenizer_len if isinstance(self.tokenizer, Future) else len(self.tokenizer)
+        size = self.tokenizer_len.result() if isinstance(self.tokenizer, Future) else len(self.tokenizer)
         return min(size, self.config.vocab_size)
 
 
@@ -36,7 +36,6 @@ def load_model(model: "str | LoadedModel | None", dtype: str, place=None) -> Loa
     # convert/ builds on nanojax.config, so it is imported here rather than at module level.
     from convert import is_checkpoint, load_checkpoint, open_source, params_from_source
     from convert.checkpoint import DTYPES
-    from convert.sources import hf_tokenizer
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
@@ -47,26 +46,31 @@ def load_model(model: "str | LoadedModel | None", dtype: str, place=None) -> Loa
 
         model = str(default_checkpoint())
     if is_checkpoint(model):
-        tokenizer = _start_tokenizer(hf_tokenizer(model))
+        tokenizer = _start_tokenizer(model)
         config, params, _ = load_checkpoint(model)
         return LoadedModel(config, _cast(params, DTYPES[dtype]), *tokenizer)
     source = open_source(model)
     if source.format == "gguf":
         config, params = params_from_source(source, dtype, place=place)
         return LoadedModel(config, params, _gguf_tokenizer(source.description))
-    tokenizer = _start_tokenizer(hf_tokenizer(source.description))
+    tokenizer = _start_tokenizer(source.description)
     config, params = params_from_source(source, dtype, place=place)
     return LoadedModel(config, params, *tokenizer)
 
 
-def _start_tokenizer(found) -> tuple:
-    """-> (tokenizer Future, its length), or (None, None): hf_tokenizer's build runs on a thread of its own, since
-    it imports transformers (with torch, on some versions) while the weights are read, placed and compiled."""
-    if found is None:
+def _start_tokenizer(folder) -> tuple:
+    """-> (the tokenizer's Future, its length's Future), or (None, None) for a folder without tokenizer files.
+    hf_tokenizer runs on a thread of its own while the weights are read and placed: the first load of a tokenizer
+    asks transformers' AutoTokenizer which class it is (the answer is kept), and building it imports transformers
+    (with torch, on some versions)."""
+    from convert.sources import has_tokenizer_files, hf_tokenizer
+
+    if not has_tokenizer_files(folder):
         return None, None
-    size, build = found
     pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
-    tokenizer = pool.submit(build)
+    found = pool.submit(hf_tokenizer, folder)  # (length, build); one thread: the tasks run in this order
+    size = pool.submit(lambda: found.result()[0])
+    tokenizer = pool.submit(lambda: found.result()[1]())
     pool.shutdown(wait=False)
     return tokenizer, size
 

@@ -81,3 +81,34 @@ def test_placed_parts_equal_the_host_params(hf_model_dir):
     assert len(placed_parts) == len(host["layers"]) + 1  # the layers, then the rest
     assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(placed))
     jax.tree.map(np.testing.assert_array_equal, host, placed)
+
+
+def test_the_first_tokenizer_pick_does_not_hold_up_the_weights(hf_model_dir, tmp_path, monkeypatch):
+    """At an empty cache AutoTokenizer picks the tokenizer's class on the tokenizer's thread: load_model converts the
+    weights meanwhile, and the length is there once the pick is."""
+    import threading
+
+    import transformers
+
+    from nanojax.loader import load_model
+
+    monkeypatch.setenv("NANOJAX_CACHE", str(tmp_path / "cache"))
+    src, _ = hf_model_dir("qwen3")
+    folder = tmp_path / "model"
+    shutil.copytree(src, folder)
+    tokenizer_dir = Path(default_model.default_checkpoint())
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, folder / name)
+    picking, go_on = threading.Event(), threading.Event()
+    pick = transformers.AutoTokenizer.from_pretrained
+
+    def held_pick(*args, **kwargs):
+        picking.set()
+        assert go_on.wait(60)
+        return pick(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", held_pick)
+    loaded = load_model(str(folder), "float32")  # returns with the pick still held
+    assert picking.wait(60) and not loaded.tokenizer.done() and loaded.params["layers"]
+    go_on.set()
+    assert loaded.vocab_limit() == min(len(loaded.resolved().tokenizer), 97)
