@@ -79,11 +79,6 @@ def send(worker: Running, job: Job) -> Running:
     return worker
 
 
-def start(job: Job) -> Running:
-    """A worker started on `job`."""
-    return send(spawn(), job)
-
-
 def wait(running: Running) -> None:
     """Waits for the worker; if it failed, logs a warning with its stderr's tail."""
     code = running.process.wait()
