@@ -336,8 +336,7 @@ class ModelRunner:
             try:
                 lowering = self.compile_programs(shares[0], keys, threads, bar)
             except BaseException:  # an error here, or Ctrl-C: the workers stop too
-                for worker in running:
-                    compile_workers.stop(worker)
+                compile_workers.stop_all(running)
                 raise
             for worker in running:
                 compile_workers.wait(worker)
@@ -385,13 +384,13 @@ class ModelRunner:
             return executable_cache.compile_and_store(self.executable_dir, keys[p], lowered, self._compiler_options(p))
 
         with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-            futures, of = {}, {}
+            of = {}
             for p in programs:
                 t = time.perf_counter()
                 lowered = self._lower(p)
                 lowering += time.perf_counter() - t
                 of[p] = pool.submit(compile_after, of.get(self._twin(p)), p, lowered)
-                futures[of[p]] = p
+            futures = {f: p for p, f in of.items()}
             for f in concurrent.futures.as_completed(futures):
                 self._compiled[futures[f]] = f.result()
                 self.compiles += 1
