@@ -172,6 +172,32 @@ def _in_order(fn: Callable[[int], dict], n: int, threads: int) -> Iterator[dict]
             yield running.popleft().result()
 
 
+def param_shapes(config: ModelConfig, dtype) -> dict:
+    """The shape of every param param_parts yields for `config`, as a params pytree of (shape, dtype) tuples, known
+    before a tensor is read (a compile can start from it while the weights convert); tests check it against the
+    conversion of every architecture."""
+    c, d = config, np.dtype(dtype)
+    h, q, kv, i, layer_norm = c.hidden_size, c.q_size, c.kv_size, c.intermediate_size, c.norm == "layer"
+
+    def projection(n_in, n_out, bias):
+        return {"w": ((n_in, n_out), d), **({"b": ((n_out,), d)} if bias else {})}
+
+    norm = {"scale": ((h,), d), **({"bias": ((h,), d)} if layer_norm else {})}
+    up = 2 * i if c.mlp == "swiglu" else i
+    layer = {"qkv": projection(h, q + 2 * kv, c.qkv_bias), "o": projection(q, h, c.o_bias),
+             "up": projection(h, up, c.mlp_bias), "down": projection(i, h, c.mlp_bias)}
+    if layer_norm:  # an RMSNorm's scale is folded into the projection after it
+        layer.update(attn_norm=norm, mlp_norm=norm)
+    if c.qk_norm:
+        layer.update(q_norm=((c.head_dim,), d), k_norm=((c.head_dim,), d))
+    top = {"embed": ((c.vocab_size, h), d), "final_norm": norm}
+    if c.rope_theta is None:  # learned positions
+        top["pos_embed"] = ((c.max_position_embeddings, h), d)
+    if not c.tie_word_embeddings:
+        top["lm_head"] = ((h, c.vocab_size), d)
+    return {**top, "layers": (layer,) * c.num_layers}
+
+
 def params_from_parts(parts: Iterator[tuple[str, dict]], num_layers: int) -> dict:
     """The params pytree of nanojax.model from param_parts' (name, part) pairs."""
     by_name = dict(parts)

@@ -18,6 +18,7 @@ import weakref
 from typing import Callable, Iterable, Iterator, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
@@ -148,47 +149,61 @@ class LLM(RequestFront):
             warmup and executable_dir and not sharded and executable_cache.holds_none(executable_dir)) else []
         if spawned:  # they end with this LLM, if __init__ fails before warmup takes them
             weakref.finalize(self, compile_workers.stop_all, spawned)
+        self.decode_steps = _positive("decode_steps", decode_steps, 32 if on_gpu else 8)
+        max_num_seqs = _positive("max_num_seqs", max_num_seqs, 256 if on_gpu else 64)
+        budget = _positive("max_num_batched_tokens", max_num_batched_tokens, 8192 if on_gpu else 2048)
+        in_use = _bytes_in_use()  # before the weights: the KV pool gets what they leave of memory_fraction
+
+        def runner_kwargs(known: LoadedModel, param_bytes: int, kv_heads: int) -> dict:
+            """The runner's arguments but params and tensor_parallel: what is known before the weights are read, and
+            their bytes on one device (the same before and after they are placed: the same executables' keys)."""
+            pages_per_seq = -(-_model_len(max_model_len, known.config) // page_size)
+            pages = num_pages or min_over_processes(self._pages_that_fit(
+                known.config, page_size, memory_fraction, max_num_seqs * pages_per_seq, kv_heads, in_use + param_bytes))
+            return dict(num_pages=pages, page_size=page_size, pages_per_seq=pages_per_seq, dtype=jnp.dtype(self.dtype),
+                        ops=get_ops(kernels, known.config), vocab_limit=known.vocab_limit(), max_num_seqs=max_num_seqs,
+                        max_prefill_tokens=budget, decode_steps=self.decode_steps,
+                        cascade_rules=CascadeRules() if cascade is True else cascade or None,
+                        executable_dir=executable_dir)
+
+        kwargs, hand_out, handed_out_at = {}, None, []
+        if spawned and not quantization:
+            def hand_out(known: LoadedModel) -> None:
+                """The workers get their programs as soon as the config is read, while the weights convert: the
+                programs need the params' shapes, which follow from the config, not the weights."""
+                shapes = _placed_shapes(known.config, jnp.dtype(self.dtype))
+                kwargs.update(runner_kwargs(known, _bytes(shapes), known.config.num_kv_heads))
+                ModelRunner(known.config, shapes, **kwargs).hand_out(spawned)
+                handed_out_at.append(time.perf_counter())
+
         # One device: a converted checkpoint's parts go to it while the next ones convert (the first large copies
         # to a GPU are slow, docs/perf_notes.md "Start-up"). Sharded weights are placed by TensorParallel; weights
         # quantized at load go as FP8 only (below).
-        loaded = load_model(model, self.dtype, place=None if sharded or quantization else jax.device_put)
+        loaded = load_model(model, self.dtype, place=None if sharded or quantization else jax.device_put,
+                            on_config=hand_out)
         loaded_at = time.perf_counter()
         self.config, params = loaded.config, loaded.params
         if quantization == "fp8" and not is_quantized(params["layers"][0]["qkv"]):
             # The LM head stays in dtype: in FP8 it changed SmolLM2's answers (docs/benchmarks.md, "FP8 weights").
             params = quantize_params(params, self.config, lm_head=False)
-        if max_model_len and max_model_len > self.config.max_position_embeddings:
-            raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
-                             f"{self.config.max_position_embeddings}")
-        max_model_len = min(max_model_len or 4096, self.config.max_position_embeddings)
-        self.decode_steps = _positive("decode_steps", decode_steps, 32 if on_gpu else 8)
-        max_num_seqs = _positive("max_num_seqs", max_num_seqs, 256 if on_gpu else 64)
-        budget = _positive("max_num_batched_tokens", max_num_batched_tokens, 8192 if on_gpu else 2048)
-        pages_per_seq = -(-max_model_len // page_size)
         tp = None
         if sharded:
             from nanojax.sharding import TensorParallel
 
             size = jax.device_count() if tensor_parallel_size is None else tensor_parallel_size
             tp = TensorParallel.create(self.config, size)
-            params = tp.place(params, progress)  # before sizing the KV pool: the weights' share is in use
-        else:  # likewise: a checkpoint's weights arrive as numpy arrays, and the pool must not count their share free
+            params = tp.place(params, progress)
+        else:  # a checkpoint's weights arrive as numpy arrays
             params = jax.device_put(params)
-        if num_pages is None:
-            kv_heads = self.config.num_kv_heads if tp is None else tp.local_config.num_kv_heads
-            num_pages = min_over_processes(
-                self._pages_that_fit(page_size, memory_fraction, max_num_seqs * pages_per_seq, kv_heads))
-        self.page_manager = PageManager(num_pages, page_size)
-        self.limits = EngineLimits(max_model_len, page_size, num_pages, max_num_seqs)
+        kwargs = kwargs or runner_kwargs(loaded, _bytes(params), self.config.num_kv_heads if tp is None else
+                                         tp.local_config.num_kv_heads)
+        model_len = _model_len(max_model_len, self.config)
+        self.page_manager = PageManager(kwargs["num_pages"], page_size)
+        self.limits = EngineLimits(model_len, page_size, kwargs["num_pages"], max_num_seqs)
         self.scheduler = Scheduler(SchedulerConfig(
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=model_len,
             chunk_size=chunk_size or budget, page_size=page_size, prefill_row=PREFILL_ROW), self.page_manager)
-        self.runner = (DistributedRunner if several else ModelRunner)(
-            self.config, params, num_pages=num_pages, page_size=page_size, pages_per_seq=pages_per_seq,
-            dtype=params["embed"].dtype, ops=get_ops(kernels, self.config), vocab_limit=loaded.vocab_limit(),
-            max_num_seqs=max_num_seqs, max_prefill_tokens=budget, decode_steps=self.decode_steps,
-            tensor_parallel=tp, cascade_rules=CascadeRules() if cascade is True else cascade or None,
-            executable_dir=executable_dir)
+        self.runner = (DistributedRunner if several else ModelRunner)(self.config, params, tensor_parallel=tp, **kwargs)
         self.eos_ids = frozenset(self.config.eos_token_ids)
         self._rng = np.random.default_rng(seed)
         self._free_slots = list(range(max_num_seqs))
@@ -207,18 +222,19 @@ class LLM(RequestFront):
         compiled_at = time.perf_counter()
         self.tokenizer = loaded.resolved().tokenizer  # its load overlapped the steps above
         # Where start-up went (scripts/bench_startup.py prints it): reading / converting the weights, placing them
-        # and the KV pool on the device, compiling or loading the programs, then waiting for the tokenizer.
+        # and the KV pool on the device, compiling or loading the programs, then waiting for the tokenizer; and
+        # when compile workers were handed their programs, on a first start.
         self.startup_seconds = {"load": loaded_at - start, "build": built_at - loaded_at,
-                                "compile": compiled_at - built_at, "tokenizer_wait": time.perf_counter() - compiled_at}
+                                "compile": compiled_at - built_at, "tokenizer_wait": time.perf_counter() - compiled_at,
+                                **({"handed_out": handed_out_at[0] - start} if handed_out_at else {})}
 
-    def _pages_that_fit(self, page_size: int, fraction: float, wanted: int, kv_heads: int) -> int:
-        """kv_heads: the KV heads one device holds."""
-        c = self.config
-        itemsize = np.dtype(self.dtype).itemsize if self.dtype != "bfloat16" else 2
-        page_bytes = 2 * c.num_layers * kv_heads * page_size * c.head_dim * itemsize
+    def _pages_that_fit(self, c, page_size: int, fraction: float, wanted: int, kv_heads: int, in_use: int) -> int:
+        """c: the model's config; kv_heads: the KV heads one device holds; in_use: the bytes one device holds besides
+        the pool."""
+        page_bytes = 2 * c.num_layers * kv_heads * page_size * c.head_dim * jnp.dtype(self.dtype).itemsize
         stats = jax.local_devices()[0].memory_stats() or {}
         if "bytes_limit" in stats:
-            budget = stats["bytes_limit"] * fraction - stats.get("bytes_in_use", 0)
+            budget = stats["bytes_limit"] * fraction - in_use
         else:  # CPU: no allocator limit to read, keep the pool modest
             budget = 2 << 30
         return int(max(1, min(wanted, budget // page_bytes)))
@@ -731,6 +747,40 @@ def _next_item(ref: "weakref.ref[LLM]", inbox: queue.SimpleQueue) -> tuple | Non
         except queue.Empty:
             pass
     return None
+
+
+def _bytes_in_use() -> int:
+    """The bytes this process holds on its first local device (0 where the device does not say: the CPU)."""
+    return (jax.local_devices()[0].memory_stats() or {}).get("bytes_in_use", 0)
+
+
+def _placed_shapes(config, dtype) -> dict:
+    """The params' jax.ShapeDtypeStructs as jax.device_put places them, from the config alone."""
+    from convert.keys import param_shapes  # convert/ builds on nanojax.config: imported when needed
+
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(*s, sharding=device), param_shapes(config, dtype),
+                        is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], np.dtype))
+
+
+def _bytes(params) -> int:
+    """The bytes params (arrays or jax.ShapeDtypeStructs) take on the first local device."""
+    device = jax.local_devices()[0]
+
+    def on_device(x):
+        if isinstance(x, jax.Array):
+            return sum(shard.data.nbytes for shard in x.addressable_shards if shard.device == device)
+        return int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
+
+    return sum(on_device(x) for x in jax.tree.leaves(params))
+
+
+def _model_len(max_model_len: int | None, config) -> int:
+    """max_model_len checked against the model's positions; None: 4096, or the model's positions if fewer."""
+    if max_model_len and max_model_len > config.max_position_embeddings:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
+                         f"{config.max_position_embeddings}")
+    return min(max_model_len or 4096, config.max_position_embeddings)
 
 
 def _positive(name: str, value: int | None, default: int) -> int:

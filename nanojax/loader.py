@@ -2,6 +2,7 @@
 convert/ reads (HF folder, hub-cache id, GGUF), converted in memory."""
 import dataclasses
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
 
 from nanojax.config import ModelConfig
 from nanojax.quantize import is_quantized
@@ -10,7 +11,7 @@ from nanojax.quantize import is_quantized
 @dataclasses.dataclass
 class LoadedModel:
     config: ModelConfig
-    params: dict  # numpy arrays (device arrays where load_model placed them), see nanojax.model
+    params: dict | None  # numpy arrays (device arrays where load_model placed them), see nanojax.model; None: unread
     tokenizer: "object | Future | None"  # an HF tokenizer (or a Future of it, while it loads); None: weights only
     tokenizer_len: Future | None = None  # the Future of len(tokenizer), beside the tokenizer's Future
 
@@ -28,11 +29,13 @@ class LoadedModel:
         return min(size, self.config.vocab_size)
 
 
-def load_model(model: "str | LoadedModel | None", dtype: str, place=None) -> LoadedModel:
+def load_model(model: "str | LoadedModel | None", dtype: str, place=None,
+               on_config: "Callable[[LoadedModel], None] | None" = None) -> LoadedModel:
     """Resolve `model` and cast its params to `dtype`. The tokenizer of an HF folder or a checkpoint loads on a
     thread while the weights are read, and may still be loading when this returns (see LoadedModel.resolved).
     place: applied to each part of a converted source's params (a layer, the rest) while the next ones convert
-    (params_from_source); other params come as they are."""
+    (params_from_source); other params come as they are. on_config: called, for an HF folder or model id only, with
+    the LoadedModel as it is known before the weights are read (params None), before they are."""
     # convert/ builds on nanojax.config, so it is imported here rather than at module level.
     from convert import is_checkpoint, load_checkpoint, open_source, params_from_source
     from convert.checkpoint import DTYPES
@@ -54,6 +57,8 @@ def load_model(model: "str | LoadedModel | None", dtype: str, place=None) -> Loa
         config, params = params_from_source(source, dtype, place=place)
         return LoadedModel(config, params, _gguf_tokenizer(source.description))
     tokenizer = _start_tokenizer(source.description)
+    if on_config is not None:
+        on_config(LoadedModel(ModelConfig.from_hf_config(source.hf_config), None, *tokenizer))
     config, params = params_from_source(source, dtype, place=place)
     return LoadedModel(config, params, *tokenizer)
 

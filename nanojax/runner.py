@@ -185,6 +185,12 @@ def _set_slot(tables: TokenTables, slot, counts, flags, bias) -> TokenTables:
                        tables.bias.at[slot].set(bias))
 
 
+def _shapes_of(make, sharding):
+    """The ShapeDtypeStructs of make()'s arrays, with `sharding`: what a runner given its params' shapes holds."""
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding, weak_type=s.weak_type),
+                        jax.eval_shape(make))
+
+
 def bucket(n: int, buckets: tuple[int, ...]) -> int:
     for b in buckets:
         if n <= b:
@@ -249,11 +255,13 @@ class ModelRunner:
                                    ops=ops, vocab_limit=vocab_limit, max_num_seqs=max_num_seqs,
                                    max_prefill_tokens=max_prefill_tokens, decode_steps=decode_steps,
                                    cascade_rules=cascade_rules)
-        # Params given as ShapeDtypeStructs (a compile worker): the device state is shapes too, nothing allocated.
+        # Params given as ShapeDtypeStructs (a compile worker; or keys wanted before the weights are placed, the params'
+        # sharding then given): the device state is shapes too, nothing allocated, placed as the params are.
         shapes_only = all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))
         if shapes_only and tp is not None:
             raise ValueError("a tensor-parallel runner needs its params")
-        build = jax.eval_shape if shapes_only else lambda make: make()
+        build = functools.partial(_shapes_of, sharding=jax.tree.leaves(params)[0].sharding) if shapes_only else (
+            lambda make: make())
         self.ops = ops if tp is None else tp.ops(ops)
         self._inputs_sharding = None if tp is None else tp.replicated  # host inputs: on every device of the mesh
         self.params = params if shapes_only else jax.device_put(params) if tp is None else tp.place(params)
@@ -303,36 +311,44 @@ class ModelRunner:
         are loaded without tracing; the others are traced and lowered one by one, compiled on a thread pool (XLA
         compiles outside the GIL) and stored. workers: processes that each take a share of them meanwhile
         (nanojax.compile_workers; they need the executable cache and an unsharded runner), or a list of workers
-        already spawned to take them (those left without a share are stopped); None: compile_workers.WORKERS where
-        they can run on a GPU, else none. Seconds spent lowering here and in all go to `compile_seconds`."""
+        already spawned: those handed programs (`hand_out`) are waited for, the others take shares of the rest, or
+        are stopped; None: compile_workers.WORKERS where they can run on a GPU, else none. Seconds spent lowering
+        here and in all go to `compile_seconds`."""
         spawned = workers if isinstance(workers, list) else []
+        idle = [w for w in spawned if w.job is None]
         try:
-            self._compile_all(progress, threads, len(spawned) if spawned else workers, spawned)
+            self._compile_all(progress, threads, len(idle) if spawned else workers, spawned)
         finally:
             compile_workers.stop_all(spawned)
+
+    def hand_out(self, workers: list) -> None:
+        """Deals every program over the workers (`_shares`) and sends each its share: a runner built from the params'
+        shapes does it while this process reads and places the weights; the runner built on them then waits for
+        the workers and loads the programs in `compile_all(workers=workers)`."""
+        programs = self.programs()
+        keys = {p: executable_cache.program_key(*self._key_parts(p)) for p in programs}
+        for worker, share in zip(workers, self._shares(programs, len(workers))):
+            if share:
+                compile_workers.send(worker, self._job(share, keys))
 
     def _compile_all(self, progress: bool, threads: int | None, workers: int | None, spawned: list) -> None:
         alone = self._inputs_sharding is None  # not tensor-parallel: a worker builds this runner from shapes
         if workers is None:
             workers = compile_workers.WORKERS if jax.default_backend() == "gpu" and self.executable_dir and alone else 0
-        if workers and not self.executable_dir:
+        if (workers or spawned) and not self.executable_dir:
             raise ValueError("compile workers store programs in the executable cache: executable_dir is None")
-        if workers and not alone:
+        if (workers or spawned) and not alone:
             raise ValueError("compile workers build unsharded runners: not for a tensor-parallel one")
         start = time.perf_counter()
         todo = [p for p in self.programs() if p not in self._compiled]
         keys = {p: executable_cache.program_key(*self._key_parts(p)) for p in todo}
+        busy = [w for w in spawned if w.job is not None]
+        # What busy workers compile under this runner's own keys (a key that differs: theirs is of no use here).
+        in_flight = {p for w in busy for p, key in w.job.programs if keys.get(p) == key}
         with tqdm(total=len(todo), desc=f"compiling {len(todo)} programs", disable=not progress) as bar:
-            self.loaded += self._load(todo, keys, bar)
-            todo = [p for p in todo if p not in self._compiled]
-            shares = self._shares(todo, workers + 1)  # the first is this process's
-            given = [p for share in shares[1:] for p in share]
-            running = []
-            for share in filter(None, shares[1:]):
-                job = compile_workers.make_job(self.config, self.params, {
-                    **self._worker_kwargs, "executable_dir": self.executable_dir}, [(p, keys[p]) for p in share])
-                running.append(compile_workers.send(spawned.pop() if spawned else compile_workers.spawn(), job))
-            compile_workers.stop_all(spawned)  # spawned ahead for programs that were in the cache after all
+            self.loaded += self._load([p for p in todo if p not in in_flight], keys, bar)
+            shares = self._shares([p for p in todo if p not in self._compiled and p not in in_flight], workers + 1)
+            running = busy + self._send(shares[1:], keys, [w for w in spawned if w.job is None])
             try:
                 lowering = self.compile_programs(shares[0], keys, threads, bar)
             except BaseException:  # an error here, or Ctrl-C: the workers stop too
@@ -340,10 +356,22 @@ class ModelRunner:
                 raise
             for worker in running:
                 compile_workers.wait(worker)
-            self.compiles += self._load(given, keys, bar)  # compiled by the workers
+            self.compiles += self._load([p for p in todo if p not in self._compiled], keys, bar)  # the workers'
             # What a worker did not store (it failed, or could not start) is compiled here.
-            lowering += self.compile_programs([p for p in given if p not in self._compiled], keys, threads, bar)
+            lowering += self.compile_programs([p for p in todo if p not in self._compiled], keys, threads, bar)
         self.compile_seconds = {"lowering": lowering, "total": time.perf_counter() - start}
+
+    def _send(self, shares, keys: dict, idle: list) -> list:
+        """Each non-empty share sent to a worker of `idle` (spawned when none is left); the others in `idle` are
+        stopped. Returns the workers sent a share."""
+        running = [compile_workers.send(idle.pop() if idle else compile_workers.spawn(), self._job(share, keys))
+                   for share in shares if share]
+        compile_workers.stop_all(idle)  # spawned ahead for programs that were in the cache after all
+        return running
+
+    def _job(self, share, keys: dict) -> "compile_workers.Job":
+        return compile_workers.make_job(self.config, self.params, {
+            **self._worker_kwargs, "executable_dir": self.executable_dir}, [(p, keys[p]) for p in share])
 
     def _load(self, programs, keys: dict, bar) -> int:
         """Loads what the executable cache holds of `programs`; returns how many it held."""

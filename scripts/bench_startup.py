@@ -105,6 +105,8 @@ def run_child(args, folder: Path, cache: Path, workload: bool) -> dict:
     out = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if out.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}")
+    if "compile worker exited" in out.stderr:  # its programs compiled in the engine: a start-up that says why
+        print(out.stderr[-3000:], file=sys.stderr)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

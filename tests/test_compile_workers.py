@@ -138,3 +138,68 @@ def test_a_worker_without_a_job_exits():
     worker.process.stdin.close()
     assert worker.process.wait(timeout=120) == 0
     worker.log.close()
+
+
+def _runner_from_shapes(runner, **changes):
+    """The runner LLM builds from the params' shapes while the weights load, with `runner`'s arguments."""
+    from nanojax.llm import _placed_shapes
+    from nanojax.runner import ModelRunner
+
+    shapes = _placed_shapes(runner.config, runner.params["embed"].dtype)
+    return ModelRunner(runner.config, shapes, **{**runner._worker_kwargs, "executable_dir": runner.executable_dir,
+                                                 **changes})
+
+
+def test_a_runner_from_placed_shapes_has_the_programs_keys(hf_model_dir):
+    """Keys computed before the weights exist (the params' shapes from the config, placed on the device) equal those
+    of the runner built on the converted weights: what lets workers start compiling while the weights convert."""
+    from nanojax import executable_cache
+
+    folder, _ = hf_model_dir("qwen3")
+    runner = LLM(folder, **{**SMALL, "max_num_seqs": 16}).runner
+    early = _runner_from_shapes(runner)
+    for p in runner.programs():
+        assert executable_cache.program_key(*early._key_parts(p)) == executable_cache.program_key(
+            *runner._key_parts(p)), p
+
+
+def test_programs_handed_out_before_the_weights_are_waited_for(hf_model_dir, tmp_path, monkeypatch):
+    """hand_out (a runner from shapes, while the weights load) deals every program over the workers; the runner
+    built on the weights waits for them and loads the programs: the same tokens."""
+    folder, _ = hf_model_dir("qwen3")
+    llm = LLM(folder, **SMALL)
+    runner = llm.runner
+    runner.executable_dir = tmp_path
+    ahead = [compile_workers.spawn() for _ in range(2)]
+    _runner_from_shapes(runner).hand_out(ahead)
+    assert all(w.job for w in ahead)
+    lowered_here, lower = [], runner._lower
+    monkeypatch.setattr(runner, "_lower", lambda p: lowered_here.append(p) or lower(p))
+    runner.compile_all(progress=False, workers=ahead)
+    assert not lowered_here
+    assert runner.compiles == len(runner.programs()) and runner.loaded == 0
+    prompts = random_prompts(97, [3, 21, 9], seed=4)
+    expected = [o.token_ids for o in LLM(folder, **SMALL).generate(prompts, GREEDY, use_tqdm=False)]
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
+
+
+def test_programs_handed_out_under_other_keys_compile_here(hf_model_dir, tmp_path, monkeypatch):
+    """Programs handed out under keys this runner does not compute (here: for a KV pool of another size) are of no
+    use to it: it compiles them itself, and takes from the worker only those whose keys match (the token-table
+    writer's and prompt logprobs', which do not depend on the pool)."""
+    from nanojax import executable_cache
+
+    folder, _ = hf_model_dir("qwen3")
+    runner = LLM(folder, **SMALL).runner
+    runner.executable_dir = tmp_path
+    ahead = [compile_workers.spawn()]
+    other = _runner_from_shapes(runner, num_pages=runner._worker_kwargs["num_pages"] + 1)
+    other.hand_out(ahead)
+    lowered_here, lower = [], runner._lower
+    monkeypatch.setattr(runner, "_lower", lambda p: lowered_here.append(p) or lower(p))
+    runner.compile_all(progress=False, workers=ahead)
+    handed = other.programs()
+    same = [p for p in handed if executable_cache.program_key(*other._key_parts(p)) == executable_cache.program_key(
+        *runner._key_parts(p))]
+    assert same == ["prompt", "set_slot"] and set(lowered_here) == set(runner.programs()) - set(same)
+    assert runner.compiles == len(runner.programs()) and runner.loaded == 0

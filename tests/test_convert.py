@@ -226,3 +226,16 @@ def test_transposed_weights_copy_as_numpy_does(shape, src, dst):
     want = np.array(x, dtype=DTYPES[dst], order="C")
     assert got.flags.c_contiguous and got.dtype == want.dtype
     np.testing.assert_array_equal(got.view(f"u{got.itemsize}"), want.view(f"u{want.itemsize}"))
+
+
+@pytest.mark.parametrize("name", ["llama", "llama3", "qwen2", "qwen3", "ernie4_5", "gpt2"])
+def test_param_shapes_are_the_conversions(hf_model_dir, name):
+    """param_shapes, known from the config alone, is the tree and the shapes the conversion gives."""
+    import jax
+
+    from convert.keys import param_shapes
+
+    folder, _ = hf_model_dir(name)
+    config, params = params_from_source(open_source(folder), "bfloat16")
+    shapes = param_shapes(config, next(iter(jax.tree.leaves(params))).dtype)
+    assert shapes == jax.tree.map(lambda x: (x.shape, x.dtype), params)  # the same nesting, keys and shapes

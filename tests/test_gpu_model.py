@@ -129,29 +129,36 @@ def test_fp8_gives_the_dequantized_models_greedy_tokens(name):
 
 @requires_gpu
 def test_programs_from_compile_workers_give_hf_greedy_tokens(tmp_path, monkeypatch, caplog):
-    """LLM(warmup=True) on the GPU with an empty executable cache: compile workers (nanojax.compile_workers) spawned
-    before the weights load compile shares of the programs, none fails, and the engine gives HF's greedy tokens,
-    float32."""
+    """LLM(hf_folder, warmup=True) on the GPU with an empty executable cache: compile workers (nanojax.compile_workers)
+    spawned before the weights load are handed their programs once the config is read, none fails, the engine uses
+    every program they stored, and it gives HF's greedy tokens, float32."""
     import logging
 
     import torch
 
     from nanojax import compile_workers
+    from nanojax.runner import ModelRunner
 
-    monkeypatch.setenv("NANOJAX_CACHE", str(tmp_path))  # an empty executable cache
+    monkeypatch.setenv("NANOJAX_CACHE", str(tmp_path / "cache"))  # an empty executable cache
     spawned, spawn = [], compile_workers.spawn
     monkeypatch.setattr(compile_workers, "spawn", lambda: spawned.append(spawn()) or spawned[-1])
+    handed_out, hand_out = [], ModelRunner.hand_out
+    monkeypatch.setattr(ModelRunner, "hand_out", lambda self, w: handed_out.append(self.params) or hand_out(self, w))
+    lowered_here, lower = [], ModelRunner._lower
+    monkeypatch.setattr(ModelRunner, "_lower", lambda self, p: lowered_here.append(p) or lower(self, p))
     hf = random_hf_model("qwen3-0.6b", "float32")
     prompts = np.random.default_rng(4).integers(0, 10000, (3, 37)).tolist()
     with torch.no_grad():
         expected = [hf.generate(torch.tensor([p], device=hf.device), max_new_tokens=10, min_new_tokens=10,
                                 do_sample=False)[0, len(p):].tolist() for p in prompts]
-    loaded = loaded_model(hf, "float32")
+    hf.save_pretrained(tmp_path / "model")
     del hf
     with caplog.at_level(logging.WARNING, logger="nanojax.compile_workers"):
-        llm = LLM(loaded, dtype="float32", kernels="pallas", max_model_len=128, max_num_seqs=4, decode_steps=4,
-                  max_num_batched_tokens=128, warmup=True, progress=False)
-    assert not caplog.records and llm.runner.compiles == len(llm.runner.programs())
+        llm = LLM(str(tmp_path / "model"), dtype="float32", kernels="pallas", max_model_len=128, max_num_seqs=4,
+                  decode_steps=4, max_num_batched_tokens=128, warmup=True, progress=False)
+    assert not caplog.records and llm.runner.compiles == len(llm.runner.programs()) and llm.runner.loaded == 0
+    assert len(handed_out) == 1  # from the params' shapes, before the weights were read
+    assert not lowered_here  # every program was the workers'
     assert len(spawned) == compile_workers.WORKERS and all(w.process.returncode == 0 for w in spawned)
     greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     assert [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == expected

@@ -112,3 +112,19 @@ def test_the_first_tokenizer_pick_does_not_hold_up_the_weights(hf_model_dir, tmp
     assert picking.wait(60) and not loaded.tokenizer.done() and loaded.params["layers"]
     go_on.set()
     assert loaded.vocab_limit() == min(len(loaded.resolved().tokenizer), 97)
+
+
+def test_on_config_comes_before_the_weights(hf_model_dir, monkeypatch):
+    """on_config gets the config and the tokenizer's length as they are before any weight is read (LLM hands compile
+    workers their programs from them while the weights convert)."""
+    import convert.checkpoint
+
+    from nanojax.loader import load_model
+
+    src, _ = hf_model_dir("qwen3")
+    events, parts = [], convert.checkpoint._parts
+    monkeypatch.setattr(convert.checkpoint, "_parts", lambda *a, **k: events.append("weights") or parts(*a, **k))
+    known = []
+    loaded = load_model(str(src), "float32", on_config=lambda k: events.append("config") or known.append(k))
+    assert events == ["config", "weights"] and known[0].params is None
+    assert known[0].config == loaded.config and known[0].vocab_limit() == loaded.vocab_limit()
