@@ -152,27 +152,16 @@ class LLM(RequestFront):
         self.decode_steps = _positive("decode_steps", decode_steps, 32 if on_gpu else 8)
         max_num_seqs = _positive("max_num_seqs", max_num_seqs, 256 if on_gpu else 64)
         budget = _positive("max_num_batched_tokens", max_num_batched_tokens, 8192 if on_gpu else 2048)
-        in_use = _bytes_in_use()  # before the weights: the KV pool gets what they leave of memory_fraction
-
-        def runner_kwargs(known: LoadedModel, param_bytes: int, kv_heads: int) -> dict:
-            """The runner's arguments but params and tensor_parallel: what is known before the weights are read, and
-            their bytes on one device (the same before and after they are placed: the same executables' keys)."""
-            pages_per_seq = -(-_model_len(max_model_len, known.config) // page_size)
-            pages = num_pages or min_over_processes(self._pages_that_fit(
-                known.config, page_size, memory_fraction, max_num_seqs * pages_per_seq, kv_heads, in_use + param_bytes))
-            return dict(num_pages=pages, page_size=page_size, pages_per_seq=pages_per_seq, dtype=jnp.dtype(self.dtype),
-                        ops=get_ops(kernels, known.config), vocab_limit=known.vocab_limit(), max_num_seqs=max_num_seqs,
-                        max_prefill_tokens=budget, decode_steps=self.decode_steps,
-                        cascade_rules=CascadeRules() if cascade is True else cascade or None,
-                        executable_dir=executable_dir)
-
+        sizes = _RunnerSizes(self.dtype, max_model_len, page_size, num_pages, memory_fraction, max_num_seqs, budget,
+                             self.decode_steps, kernels, CascadeRules() if cascade is True else cascade or None,
+                             executable_dir, in_use=_bytes_in_use())
         kwargs, hand_out, handed_out_at = {}, None, []
         if spawned and not quantization:
             def hand_out(known: LoadedModel) -> None:
                 """The workers get their programs as soon as the config is read, while the weights convert: the
                 programs need the params' shapes, which follow from the config, not the weights."""
                 shapes = _placed_shapes(known.config, jnp.dtype(self.dtype))
-                kwargs.update(runner_kwargs(known, _bytes(shapes), known.config.num_kv_heads))
+                kwargs.update(sizes.runner_kwargs(known, _bytes(shapes), known.config.num_kv_heads))
                 ModelRunner(known.config, shapes, **kwargs).hand_out(spawned)
                 handed_out_at.append(time.perf_counter())
 
@@ -195,8 +184,8 @@ class LLM(RequestFront):
             params = tp.place(params, progress)
         else:  # a checkpoint's weights arrive as numpy arrays
             params = jax.device_put(params)
-        kwargs = kwargs or runner_kwargs(loaded, _bytes(params), self.config.num_kv_heads if tp is None else
-                                         tp.local_config.num_kv_heads)
+        kwargs = kwargs or sizes.runner_kwargs(loaded, _bytes(params), self.config.num_kv_heads if tp is None else
+                                               tp.local_config.num_kv_heads)
         model_len = _model_len(max_model_len, self.config)
         self.page_manager = PageManager(kwargs["num_pages"], page_size)
         self.limits = EngineLimits(model_len, page_size, kwargs["num_pages"], max_num_seqs)
@@ -227,17 +216,6 @@ class LLM(RequestFront):
         self.startup_seconds = {"load": loaded_at - start, "build": built_at - loaded_at,
                                 "compile": compiled_at - built_at, "tokenizer_wait": time.perf_counter() - compiled_at,
                                 **({"handed_out": handed_out_at[0] - start} if handed_out_at else {})}
-
-    def _pages_that_fit(self, c, page_size: int, fraction: float, wanted: int, kv_heads: int, in_use: int) -> int:
-        """c: the model's config; kv_heads: the KV heads one device holds; in_use: the bytes one device holds besides
-        the pool."""
-        page_bytes = 2 * c.num_layers * kv_heads * page_size * c.head_dim * jnp.dtype(self.dtype).itemsize
-        stats = jax.local_devices()[0].memory_stats() or {}
-        if "bytes_limit" in stats:
-            budget = stats["bytes_limit"] * fraction - in_use
-        else:  # CPU: no allocator limit to read, keep the pool modest
-            budget = 2 << 30
-        return int(max(1, min(wanted, budget // page_bytes)))
 
     def stats(self) -> EngineStats:
         """The engine's load now (read from any thread: a snapshot for metrics, not a consistent one)."""
@@ -747,6 +725,47 @@ def _next_item(ref: "weakref.ref[LLM]", inbox: queue.SimpleQueue) -> tuple | Non
         except queue.Empty:
             pass
     return None
+
+
+@dataclasses.dataclass(frozen=True)
+class _RunnerSizes:
+    """LLM's size knobs, checked; `runner_kwargs` makes the runner's arguments of them."""
+    dtype: str
+    max_model_len: int | None
+    page_size: int
+    num_pages: int | None
+    memory_fraction: float
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    decode_steps: int
+    kernels: str
+    cascade_rules: CascadeRules | None
+    executable_dir: object
+    in_use: int  # the bytes the device held when LLM started, before the weights
+
+    def runner_kwargs(self, known: LoadedModel, param_bytes: int, kv_heads: int) -> dict:
+        """The runner's arguments but params and tensor_parallel, from what is known before the weights are read and
+        their bytes on one device (param_bytes: the same before and after they are placed, so that every start
+        sizes the same KV pool and finds the executables stored under the same keys); kv_heads: one device's."""
+        pages_per_seq = -(-_model_len(self.max_model_len, known.config) // self.page_size)
+        num_pages = self.num_pages if self.num_pages is not None else min_over_processes(self.pages_that_fit(
+            known.config, self.max_num_seqs * pages_per_seq, kv_heads, self.in_use + param_bytes))
+        return dict(num_pages=num_pages, page_size=self.page_size, pages_per_seq=pages_per_seq,
+                    dtype=jnp.dtype(self.dtype), ops=get_ops(self.kernels, known.config),
+                    vocab_limit=known.vocab_limit(), max_num_seqs=self.max_num_seqs,
+                    max_prefill_tokens=self.max_num_batched_tokens, decode_steps=self.decode_steps,
+                    cascade_rules=self.cascade_rules, executable_dir=self.executable_dir)
+
+    def pages_that_fit(self, config, wanted: int, kv_heads: int, in_use: int) -> int:
+        """KV pages in memory_fraction of the first device, less in_use bytes; at most `wanted`."""
+        itemsize = jnp.dtype(self.dtype).itemsize
+        page_bytes = 2 * config.num_layers * kv_heads * self.page_size * config.head_dim * itemsize
+        stats = jax.local_devices()[0].memory_stats() or {}
+        if "bytes_limit" in stats:
+            budget = stats["bytes_limit"] * self.memory_fraction - in_use
+        else:  # CPU: no allocator limit to read, keep the pool modest
+            budget = 2 << 30
+        return int(max(1, min(wanted, budget // page_bytes)))
 
 
 def _bytes_in_use() -> int:

@@ -201,16 +201,16 @@ def test_the_kv_pool_is_sized_from_what_the_weights_leave(qwen3, monkeypatch):
     """The pool gets memory_fraction of the device less what it held before the weights and the weights' own bytes,
     which the config gives before they are read: a first start sizes it while they convert (compile workers start
     from it) and every start computes the same size, so a later start finds the executables stored."""
-    from nanojax.llm import _bytes, _placed_shapes
+    from nanojax.llm import _bytes, _placed_shapes, _RunnerSizes
 
     seen = []
-    size_pool = LLM._pages_that_fit
+    size_pool = _RunnerSizes.pages_that_fit
 
     def spy(self, *args):
         seen.append(args[-1])
         return size_pool(self, *args)
 
-    monkeypatch.setattr(LLM, "_pages_that_fit", spy)
+    monkeypatch.setattr(_RunnerSizes, "pages_that_fit", spy)
     llm = LLM(qwen3[0], warmup=False, progress=False)
     weights = _bytes(llm.runner.params)
     assert seen == [weights] and weights == _bytes(_placed_shapes(llm.config, llm.runner.params["embed"].dtype))
