@@ -61,6 +61,7 @@ def _tiny_hf_model():
     return AutoModelForCausalLM.from_config(AutoConfig.for_model(spec.pop("model_type"), **spec))
 
 
+@pytest.mark.long
 def test_tiny_launch_with_the_transformers_peer(tmp_path, monkeypatch):
     (tmp_path / "configs").mkdir()
     (tmp_path / "configs" / "tiny-llama.json").write_text(json.dumps(TINY_LLAMA))

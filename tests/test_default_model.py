@@ -27,6 +27,7 @@ def llm(gguf_path):
     return LLM(None, dtype="float32", max_model_len=256, max_num_seqs=4)
 
 
+@pytest.mark.long
 def test_greedy_tokens_equal_hf_gguf_loading(llm, gguf_path):
     from transformers import AutoModelForCausalLM
 

@@ -33,6 +33,7 @@ TP_TINY = {
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
 
+@pytest.mark.long
 @pytest.mark.skipif(jax.device_count() >= DEVICES, reason="already on 8 host devices")
 def test_on_8_host_devices():
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES}",
