@@ -151,6 +151,7 @@ def main():
             ("  of which lowering / compiling all (s)", f"{empty['lowering_s']:.1f} / {empty['total_s']:.1f}", ""),
             ("  of which weights read / placed with the KV (s)",
              f"{empty['startup_load_s']:.1f} / {empty['startup_build_s']:.1f}", ""),
+            ("  compile workers handed their programs at (s)", empty.get("startup_handed_out_s", "-"), ""),
             ("start-up with a filled cache (s)", filled["start_s"], BEFORE["start_filled_s"]),
             ("  of which weights read / placed with the KV (s)",
              f"{filled['startup_load_s']:.1f} / {filled['startup_build_s']:.1f}", ""),
