@@ -315,9 +315,8 @@ class ModelRunner:
         are stopped; None: compile_workers.WORKERS where they can run on a GPU, else none. Seconds spent lowering
         here and in all go to `compile_seconds`."""
         spawned = workers if isinstance(workers, list) else []
-        idle = [w for w in spawned if w.job is None]
         try:
-            self._compile_all(progress, threads, len(idle) if spawned else workers, spawned)
+            self._compile_all(progress, threads, None if spawned else workers, spawned)
         finally:
             compile_workers.stop_all(spawned)
 
@@ -326,14 +325,17 @@ class ModelRunner:
         shapes does it while this process reads and places the weights; the runner built on them then waits for
         the workers and loads the programs in `compile_all(workers=workers)`."""
         programs = self.programs()
-        keys = {p: executable_cache.program_key(*self._key_parts(p)) for p in programs}
+        keys = self._keys(programs)
         for worker, share in zip(workers, self._shares(programs, len(workers))):
             if share:
                 compile_workers.send(worker, self._job(share, keys))
 
     def _compile_all(self, progress: bool, threads: int | None, workers: int | None, spawned: list) -> None:
         alone = self._inputs_sharding is None  # not tensor-parallel: a worker builds this runner from shapes
-        if workers is None:
+        busy, idle = [w for w in spawned if w.job is not None], [w for w in spawned if w.job is None]
+        if spawned:
+            workers = len(idle)
+        elif workers is None:
             workers = compile_workers.WORKERS if jax.default_backend() == "gpu" and self.executable_dir and alone else 0
         if (workers or spawned) and not self.executable_dir:
             raise ValueError("compile workers store programs in the executable cache: executable_dir is None")
@@ -341,14 +343,13 @@ class ModelRunner:
             raise ValueError("compile workers build unsharded runners: not for a tensor-parallel one")
         start = time.perf_counter()
         todo = [p for p in self.programs() if p not in self._compiled]
-        keys = {p: executable_cache.program_key(*self._key_parts(p)) for p in todo}
-        busy = [w for w in spawned if w.job is not None]
+        keys = self._keys(todo)
         # What busy workers compile under this runner's own keys (a key that differs: theirs is of no use here).
         in_flight = {p for w in busy for p, key in w.job.programs if keys.get(p) == key}
         with tqdm(total=len(todo), desc=f"compiling {len(todo)} programs", disable=not progress) as bar:
             self.loaded += self._load([p for p in todo if p not in in_flight], keys, bar)
             shares = self._shares([p for p in todo if p not in self._compiled and p not in in_flight], workers + 1)
-            running = busy + self._send(shares[1:], keys, [w for w in spawned if w.job is None])
+            running = busy + self._send(shares[1:], keys, idle)
             try:
                 lowering = self.compile_programs(shares[0], keys, threads, bar)
             except BaseException:  # an error here, or Ctrl-C: the workers stop too
@@ -360,6 +361,10 @@ class ModelRunner:
             # What a worker did not store (it failed, or could not start) is compiled here.
             lowering += self.compile_programs([p for p in todo if p not in self._compiled], keys, threads, bar)
         self.compile_seconds = {"lowering": lowering, "total": time.perf_counter() - start}
+
+    def _keys(self, programs) -> dict:
+        """{program: its executable-cache key} (executable_cache.program_key of `_key_parts`)."""
+        return {p: executable_cache.program_key(*self._key_parts(p)) for p in programs}
 
     def _send(self, shares, keys: dict, idle: list) -> list:
         """Each non-empty share sent to a worker of `idle` (spawned when none is left); the others in `idle` are
