@@ -35,6 +35,7 @@ from nanojax.cascade import CascadePlan, CascadeRules, plan_cascade
 from nanojax.config import ModelConfig
 from nanojax.kv_cache import Batch, KVCache
 from nanojax.model import forward, lm_logits
+from nanojax.quantize import is_quantized
 from nanojax.sampling import MAX_LOGPROBS, Sampled, SamplingBatch, TokenTables, sample
 from pallas_kernels._compat import num_sms
 from pallas_kernels.cascade_attention import cascade_members_per_item
@@ -43,11 +44,15 @@ from pallas_kernels.cascade_attention import cascade_members_per_item
 # heads per KV head, so a chunk re-reads its KV no more often packed than unpacked (docs/perf_notes.md, "Prefill").
 PREFILL_ROW = 64
 _STATIC = ("config", "ops", "vocab_limit")
-# XLA options for the prefill programs' compiles on a GPU: each GEMM takes the tiling XLA's cost model ranks first
-# instead of compiling and timing ~25 candidates. Half the empty-cache start's compile work is that tuning of the
-# prefills' GEMMs, whose large row counts the cost model tiles well (docs/perf_notes.md, "Start-up"); the decode
-# programs, where a tiling's few percent repeat every token, keep XLA's tuning.
-PREFILL_COMPILER_OPTIONS = {"xla_gpu_experimental_cost_model_gemm_tiling_default": True}
+# XLA options for the programs' compiles on a GPU. XLA tunes each GEMM by compiling and timing ~25 candidates (Triton
+# tilings and cuBLAS), most of an empty-cache start's compile work (docs/perf_notes.md, "Start-up"). The prefills'
+# GEMMs take the tiling XLA's cost model ranks first (measured as fast); the decodes of CUBLAS_DECODE_ROWS rows and
+# more take cuBLAS, no Triton candidate compiled (steps within 1% at 128 and 256 rows, a quarter of the compile's CPU
+# seconds). Smaller decodes keep the tuning (the cost model's pick ran batch 64 5-10% slower, cuBLAS 12-21% slower at
+# 2-64 rows), as do the decodes of FP8 weights, whose dequantizing dots cuBLAS cannot fuse.
+COST_MODEL_TILING = {"xla_gpu_experimental_cost_model_gemm_tiling_default": True}
+CUBLAS_GEMMS = {"xla_gpu_enable_triton_gemm": False}
+CUBLAS_DECODE_ROWS = 128
 
 
 def chained(prev, tokens, sources):
@@ -475,14 +480,14 @@ class ModelRunner:
         return packed_step.trace(*args[:4], jax.ShapeDtypeStruct((nbytes,), jnp.uint8), step=fn, layout=layout,
                                  static=tuple(sorted(kw.items()))).lower()
 
-    @staticmethod
-    def _is_prefill(p) -> bool:
-        return isinstance(p, Program) and not p.num_steps
-
-    @staticmethod
-    def _compiler_options(p) -> dict:
-        """XLA options for compiling program p: PREFILL_COMPILER_OPTIONS for prefill programs on a GPU."""
-        return dict(PREFILL_COMPILER_OPTIONS) if ModelRunner._is_prefill(p) and jax.default_backend() == "gpu" else {}
+    def _compiler_options(self, p) -> dict:
+        """XLA options for compiling program p on a GPU (COST_MODEL_TILING, CUBLAS_GEMMS); none on the CPU."""
+        if jax.default_backend() != "gpu" or not isinstance(p, Program):
+            return {}
+        if not p.num_steps:
+            return dict(COST_MODEL_TILING)
+        fp8 = is_quantized(self.params["layers"][0]["o"])
+        return dict(CUBLAS_GEMMS) if p.rows >= CUBLAS_DECODE_ROWS and not fp8 else {}
 
     def _program(self, p):
         if p not in self._compiled:  # lazily, when compile_all was not called (CPU tests): no executable cache

@@ -258,26 +258,37 @@ def test_a_runner_program_loads_bit_identical_and_donates(hf_model_dir, tmp_path
     _assert_same(*results)
 
 
-def test_prefill_programs_compile_with_the_cost_models_tiling_on_a_gpu(hf_model_dir, monkeypatch):
-    """compile_all hands each program's XLA options to its compile: the prefill programs (and only they) take
-    PREFILL_COMPILER_OPTIONS on a GPU, nothing on the CPU."""
+def test_programs_compile_with_their_gemm_options_on_a_gpu(hf_model_dir, monkeypatch):
+    """compile_all hands each program's XLA options to its compile. On a GPU: the prefill programs take
+    COST_MODEL_TILING, the decodes of CUBLAS_DECODE_ROWS rows and more (cascade too) CUBLAS_GEMMS, the smaller ones
+    nothing (XLA's tuning), nor the decodes of FP8 weights; nothing on the CPU."""
     from nanojax import LLM
     from nanojax import runner as runner_module
-    from nanojax.runner import PREFILL_COMPILER_OPTIONS, ModelRunner, Program
-
-    assert ModelRunner._compiler_options(Program(4, 0)) == {}  # this machine's CPU
-    monkeypatch.setattr(runner_module.jax, "default_backend", lambda: "gpu")
-    prefill, mixed, decode = Program(4, 0), Program(4, 0, decode_rows=8), Program(4, 8)
-    assert ModelRunner._compiler_options(prefill) == ModelRunner._compiler_options(mixed) == PREFILL_COMPILER_OPTIONS
-    assert ModelRunner._compiler_options(decode) == ModelRunner._compiler_options("set_slot") == {}
-    monkeypatch.undo()
+    from nanojax.quantize import quantize_params
+    from nanojax.runner import COST_MODEL_TILING, CUBLAS_DECODE_ROWS, CUBLAS_GEMMS, ModelRunner, Program
 
     folder, _ = hf_model_dir("qwen3")
-    runner = LLM(folder, dtype="float32", page_size=4, max_model_len=32, max_num_seqs=2, max_num_batched_tokens=64,
-                 kernels="reference", warmup=False).runner
+    llm = LLM(folder, dtype="float32", page_size=4, max_model_len=32, max_num_seqs=2, max_num_batched_tokens=64,
+              kernels="reference", warmup=False)
+    runner = llm.runner
+    prefills = (Program(4, 0), Program(4, 0, decode_rows=8), Program(256, 0, decode_rows=256))
+    small = (Program(1, 8), Program(CUBLAS_DECODE_ROWS // 2, 8), Program(64, 8, True))
+    large = (Program(CUBLAS_DECODE_ROWS, 8), Program(256, 32), Program(256, 32, True))
+    others = ("prompt", "set_slot")
+    assert all(runner._compiler_options(p) == {} for p in prefills + small + large + others)  # this machine's CPU
+    monkeypatch.setattr(runner_module.jax, "default_backend", lambda: "gpu")
+    assert all(runner._compiler_options(p) == COST_MODEL_TILING for p in prefills)
+    assert all(runner._compiler_options(p) == CUBLAS_GEMMS for p in large)
+    assert all(runner._compiler_options(p) == {} for p in small + others)
+    fp8 = object.__new__(ModelRunner)
+    fp8.params = quantize_params(jax.device_get(runner.params), llm.config, lm_head=False)
+    assert all(fp8._compiler_options(p) == COST_MODEL_TILING for p in prefills)
+    assert all(fp8._compiler_options(p) == {} for p in small + large + others)
+    monkeypatch.undo()
+
     marker = {"xla_test_option": 1}
-    monkeypatch.setattr(ModelRunner, "_compiler_options", staticmethod(
-        lambda p: marker if isinstance(p, Program) and not p.num_steps else {}))
+    monkeypatch.setattr(ModelRunner, "_compiler_options",
+                        lambda self, p: marker if isinstance(p, Program) and not p.num_steps else {})
     given = {}
 
     def compile_and_store(directory, key, lowered, compiler_options=None):
