@@ -3,18 +3,20 @@ calls of `LLM(folder)` with its defaults.
 
     PYTHONPATH=$PWD python3 scripts/bench_startup.py --model qwen3-0.6b --out $OUT/startup.json
 
-A random-weight model of the real architecture (scripts/configs) is saved as an HF folder, as a user's download
-would be. Each start runs in a fresh Python process with its own NANOJAX_CACHE: the first finds the compilation cache
-empty, the second finds it filled by the first. The second process also runs, through the public API with default
-knobs: nano-vllm's throughput workload twice (first and second `generate`), batch-64 greedy decode with and without
-one penalized request or one top-p request (temperature 0.7, top_p 0.9: the sampling filters' work), alternating,
-three times each, and 256 prompts of 100 tokens prefilled (`max_tokens=1`) against one prompt of 4,000; it counts
-the programs compiled after `LLM()` returned. The figures of the build before this benchmark existed (issue 19's
-table, same machine type) are printed beside.
+A random-weight model of the real architecture (scripts/configs) is saved as an HF folder, as a user's download would
+be. Each start runs in a fresh Python process with its own NANOJAX_CACHE: the first finds the compilation cache empty,
+the second finds it filled by the first. The second process also runs, through the public API with default knobs:
+nano-vllm's throughput workload twice (first and second `generate`), batch-64 greedy decode with and without one
+penalized request or one top-p request (temperature 0.7, top_p 0.9: the sampling filters' work), alternating, three
+times each, and 256 prompts of 100 tokens prefilled (`max_tokens=1`) against one prompt of 4,000; it counts the
+programs compiled after `LLM()` returned. The empty start's CPU seconds, its own and its compile workers' (with the
+ptxas runs they start), tell whether the compile work fills the cores. The figures of the build before this benchmark
+existed (issue 19's table, same machine type) are printed beside.
 """
 import argparse
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -37,7 +39,10 @@ def child(args) -> dict:
     from nanojax import LLM, SamplingParams
 
     llm = LLM(args.folder, max_num_seqs=args.max_num_seqs, tensor_parallel_size=args.tensor_parallel_size)
+    # CPU seconds of this process, and of the compile workers (with their ptxas runs): children ended and waited for.
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     result = {"start_s": time.perf_counter() - t0, "programs": llm.runner.compiles, "loaded": llm.runner.loaded,
+              "cpu_s": own.ru_utime + own.ru_stime, "workers_cpu_s": children.ru_utime + children.ru_stime,
               **{f"{k}_s": v for k, v in llm.runner.compile_seconds.items()},
               **{f"startup_{k}_s": v for k, v in llm.startup_seconds.items()}}
     # The same greedy tokens from programs compiled here and from programs loaded from the executable cache.
@@ -152,6 +157,8 @@ def main():
             ("  of which weights read / placed with the KV (s)",
              f"{empty['startup_load_s']:.1f} / {empty['startup_build_s']:.1f}", ""),
             ("  compile workers handed their programs at (s)", empty.get("startup_handed_out_s", "-"), ""),
+            ("  CPU seconds: this process / compile workers",
+             f"{empty['cpu_s']:.0f} / {empty['workers_cpu_s']:.0f}", ""),
             ("start-up with a filled cache (s)", filled["start_s"], BEFORE["start_filled_s"]),
             ("  of which weights read / placed with the KV (s)",
              f"{filled['startup_load_s']:.1f} / {filled['startup_build_s']:.1f}", ""),
