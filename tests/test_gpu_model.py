@@ -162,3 +162,27 @@ def test_programs_from_compile_workers_give_hf_greedy_tokens(tmp_path, monkeypat
     assert len(spawned) == compile_workers.WORKERS and all(w.process.returncode == 0 for w in spawned)
     greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     assert [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == expected
+
+
+@requires_gpu
+def test_decodes_of_cublas_rows_give_hf_greedy_tokens():
+    """A decode batch of CUBLAS_DECODE_ROWS rows and more, whose GEMMs are compiled as cuBLAS calls (nanojax.runner),
+    gives HF's greedy tokens, float32; rows are independent, so three of them are checked against HF one by one."""
+    import torch
+
+    from nanojax.runner import CUBLAS_DECODE_ROWS
+
+    hf = random_hf_model("qwen3-0.6b", "float32")
+    rows = CUBLAS_DECODE_ROWS + 3
+    prompts = np.random.default_rng(5).integers(0, 10000, (rows, 11)).tolist()
+    checked = [0, CUBLAS_DECODE_ROWS // 2, rows - 1]
+    with torch.no_grad():
+        expected = [hf.generate(torch.tensor([prompts[i]], device=hf.device), max_new_tokens=6, min_new_tokens=6,
+                                do_sample=False)[0, 11:].tolist() for i in checked]
+    loaded = loaded_model(hf, "float32")
+    del hf
+    llm = LLM(loaded, dtype="float32", kernels="pallas", max_model_len=64, max_num_seqs=rows, decode_steps=4,
+              warmup=False)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert any(p.rows >= CUBLAS_DECODE_ROWS and p.num_steps for p in llm.runner._compiled if not isinstance(p, str))
+    assert [outs[i].token_ids for i in checked] == expected
