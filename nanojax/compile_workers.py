@@ -6,10 +6,11 @@ Tracing and lowering are Python under the GIL: one process lowers one program at
 (`python -m nanojax.compile_workers`). A worker rebuilds the runner from shapes alone (no weights, no KV pool: the
 params' ShapeDtypeStructs), lowers the programs it is given, compiles them on a thread pool and stores each in the
 executable cache under the key the engine computed (nanojax.executable_cache); the engine then loads them. XLA tunes
-the GEMMs of decodes below 128 rows by timing candidates on the GPU (nanojax.runner's compiler options), in whichever
-process compiles them: the tilings it picks beside the other processes' compiles measured as fast as the engine's own
-(docs/perf_notes.md, "Start-up"). A program a worker did not store (it failed, or could not start) is compiled by the
-engine: a worker costs time, never correctness. On a build's first start `LLM` spawns the workers before it reads the
+the GEMMs of FP8 weights' decodes by timing candidates on the GPU (the other programs' GEMMs get a tiling or cuBLAS
+without timing: nanojax.runner's compiler options), in whichever process compiles them: the tilings it picks beside
+the other processes' compiles measured as fast as the engine's own (docs/perf_notes.md, "Start-up"). A program a
+worker did not store (it failed, or could not start) is compiled by the engine: a worker costs time, never
+correctness. On a build's first start `LLM` spawns the workers before it reads the
 weights and, for an HF folder, hands them every program as soon as the config is read (`ModelRunner.hand_out`, from
 the params' shapes and the KV pool's size, which follow from the config): the engine converts and places the weights
 meanwhile, and its `compile_all` waits for the workers and loads the programs. The engine lowers nothing then: beside

@@ -46,13 +46,24 @@ PREFILL_ROW = 64
 _STATIC = ("config", "ops", "vocab_limit")
 # XLA options for the programs' compiles on a GPU. XLA tunes each GEMM by compiling and timing ~25 candidates (Triton
 # tilings and cuBLAS), most of an empty-cache start's compile work (docs/perf_notes.md, "Start-up"). The prefills'
-# GEMMs take the tiling XLA's cost model ranks first (measured as fast); the decodes of CUBLAS_DECODE_ROWS rows and
+# GEMMs take the tiling XLA's cost model ranks first (measured as fast). The decodes of CUBLAS_DECODE_ROWS rows and
 # more take cuBLAS, no Triton candidate compiled (steps within 1% at 128 and 256 rows, a quarter of the compile's CPU
-# seconds). Smaller decodes keep the tuning (the cost model's pick ran batch 64 5-10% slower, cuBLAS 12-21% slower at
-# 2-64 rows), as do the decodes of FP8 weights, whose dequantizing dots cuBLAS cannot fuse.
+# seconds; 12-21% slower below). The smaller decodes take one Triton tiling for all their GEMMs (`decode_tiling`):
+# steps within 1% of XLA's tuning at 1-64 rows on Qwen3-0.6B (4-64 on Qwen3-8B), a third of the compile's CPU seconds
+# (the cost model's pick ran batch 64 5-10% slower). The decodes of FP8 weights keep XLA's tuning: cuBLAS cannot fuse
+# their dequantizing dots, and the tiling was measured on bf16 weights only.
 COST_MODEL_TILING = {"xla_gpu_experimental_cost_model_gemm_tiling_default": True}
 CUBLAS_GEMMS = {"xla_gpu_enable_triton_gemm": False}
 CUBLAS_DECODE_ROWS = 128
+
+
+def decode_tiling(rows: int) -> dict:
+    """XLA's option that gives every Triton GEMM of a decode of `rows` rows one tiling, unprofiled: 64 output features
+    x 8-32 rows (block_n: XLA's own picks put the rows there, 8 at 4 rows, 16 at 16, 32-64 at 64) x 128 of the
+    reduction, 3 stages, 4 warps."""
+    tiling = (f"block_m: 64 block_n: {min(max(rows, 8), 32)} block_k: 128 split_k: 1 num_stages: 3 num_warps: 4 "
+              "num_ctas: 1")
+    return {"xla_gpu_override_gemm_autotuner": tiling}
 
 
 def chained(prev, tokens, sources):
@@ -400,8 +411,9 @@ class ModelRunner:
 
     @classmethod
     def _shares(cls, programs, n: int) -> list[list]:
-        """`programs` dealt round-robin into n lists, a cascade decode in its twin's, right after it (its GEMMs then
-        find XLA's tuning of the twin's in the process's autotuning cache instead of being tuned again)."""
+        """`programs` dealt round-robin into n lists, a cascade decode in its twin's, right after it (where XLA tunes
+        their GEMMs, FP8 weights' decodes, it then finds the twin's in the process's autotuning cache instead of
+        tuning them again)."""
         chains = {}
         for p in programs:
             twin = cls._twin(p)
@@ -481,13 +493,15 @@ class ModelRunner:
                                  static=tuple(sorted(kw.items()))).lower()
 
     def _compiler_options(self, p) -> dict:
-        """XLA options for compiling program p on a GPU (COST_MODEL_TILING, CUBLAS_GEMMS); none on the CPU."""
+        """XLA options for compiling program p on a GPU (COST_MODEL_TILING, CUBLAS_GEMMS, decode_tiling); none on the
+        CPU."""
         if jax.default_backend() != "gpu" or not isinstance(p, Program):
             return {}
         if not p.num_steps:
             return dict(COST_MODEL_TILING)
-        fp8 = is_quantized(self.params["layers"][0]["o"])
-        return dict(CUBLAS_GEMMS) if p.rows >= CUBLAS_DECODE_ROWS and not fp8 else {}
+        if is_quantized(self.params["layers"][0]["o"]):
+            return {}
+        return dict(CUBLAS_GEMMS) if p.rows >= CUBLAS_DECODE_ROWS else decode_tiling(p.rows)
 
     def _program(self, p):
         if p not in self._compiled:  # lazily, when compile_all was not called (CPU tests): no executable cache

@@ -261,11 +261,12 @@ def test_a_runner_program_loads_bit_identical_and_donates(hf_model_dir, tmp_path
 def test_programs_compile_with_their_gemm_options_on_a_gpu(hf_model_dir, monkeypatch):
     """compile_all hands each program's XLA options to its compile. On a GPU: the prefill programs take
     COST_MODEL_TILING, the decodes of CUBLAS_DECODE_ROWS rows and more (cascade too) CUBLAS_GEMMS, the smaller ones
-    nothing (XLA's tuning), nor the decodes of FP8 weights; nothing on the CPU."""
+    their decode_tiling, the decodes of FP8 weights nothing (XLA's tuning); nothing on the CPU."""
     from nanojax import LLM
     from nanojax import runner as runner_module
     from nanojax.quantize import quantize_params
-    from nanojax.runner import COST_MODEL_TILING, CUBLAS_DECODE_ROWS, CUBLAS_GEMMS, ModelRunner, Program
+    from nanojax.runner import (COST_MODEL_TILING, CUBLAS_DECODE_ROWS, CUBLAS_GEMMS, ModelRunner, Program,
+                                decode_tiling)
 
     folder, _ = hf_model_dir("qwen3")
     llm = LLM(folder, dtype="float32", page_size=4, max_model_len=32, max_num_seqs=2, max_num_batched_tokens=64,
@@ -279,7 +280,9 @@ def test_programs_compile_with_their_gemm_options_on_a_gpu(hf_model_dir, monkeyp
     monkeypatch.setattr(runner_module.jax, "default_backend", lambda: "gpu")
     assert all(runner._compiler_options(p) == COST_MODEL_TILING for p in prefills)
     assert all(runner._compiler_options(p) == CUBLAS_GEMMS for p in large)
-    assert all(runner._compiler_options(p) == {} for p in small + others)
+    assert all(runner._compiler_options(p) == decode_tiling(p.rows) for p in small)
+    assert all(runner._compiler_options(p) == {} for p in others)
+    assert decode_tiling(1) == decode_tiling(8) != decode_tiling(16) != decode_tiling(32) == decode_tiling(64)
     fp8 = object.__new__(ModelRunner)
     fp8.params = quantize_params(jax.device_get(runner.params), llm.config, lm_head=False)
     assert all(fp8._compiler_options(p) == COST_MODEL_TILING for p in prefills)
