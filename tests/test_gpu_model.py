@@ -11,6 +11,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
 from random_model import loaded_model, random_hf_model  # noqa: E402
 
 from nanojax import LLM, SamplingParams  # noqa: E402
+from nanojax.runner import CUBLAS_DECODE_ROWS, CUBLAS_GEMMS, Program, decode_tiling  # noqa: E402
 
 
 @requires_gpu
@@ -165,17 +166,16 @@ def test_programs_from_compile_workers_give_hf_greedy_tokens(tmp_path, monkeypat
 
 
 @requires_gpu
-def test_decodes_of_cublas_rows_give_hf_greedy_tokens():
-    """A decode batch of CUBLAS_DECODE_ROWS rows and more, whose GEMMs are compiled as cuBLAS calls (nanojax.runner),
-    gives HF's greedy tokens, float32; rows are independent, so three of them are checked against HF one by one."""
+@pytest.mark.parametrize("rows", [37, CUBLAS_DECODE_ROWS + 3])
+def test_decodes_on_their_gemm_options_give_hf_greedy_tokens(rows):
+    """A decode batch of 37 rows (its GEMMs on decode_tiling's one Triton tiling) and one past CUBLAS_DECODE_ROWS
+    (cuBLAS calls; nanojax.runner) give HF's greedy tokens, float32; rows are independent, so three of them are
+    checked against HF one by one."""
     import torch
 
-    from nanojax.runner import CUBLAS_DECODE_ROWS
-
     hf = random_hf_model("qwen3-0.6b", "float32")
-    rows = CUBLAS_DECODE_ROWS + 3
     prompts = np.random.default_rng(5).integers(0, 10000, (rows, 11)).tolist()
-    checked = [0, CUBLAS_DECODE_ROWS // 2, rows - 1]
+    checked = [0, rows // 2, rows - 1]
     with torch.no_grad():
         expected = [hf.generate(torch.tensor([prompts[i]], device=hf.device), max_new_tokens=6, min_new_tokens=6,
                                 do_sample=False)[0, 11:].tolist() for i in checked]
@@ -184,5 +184,7 @@ def test_decodes_of_cublas_rows_give_hf_greedy_tokens():
     llm = LLM(loaded, dtype="float32", kernels="pallas", max_model_len=64, max_num_seqs=rows, decode_steps=4,
               warmup=False)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
-    assert any(p.rows >= CUBLAS_DECODE_ROWS and p.num_steps for p in llm.runner._compiled if not isinstance(p, str))
+    batch = Program(rows, 4)  # max_num_seqs is the largest decode bucket
+    assert batch in llm.runner._compiled
+    assert llm.runner._compiler_options(batch) == (CUBLAS_GEMMS if rows >= CUBLAS_DECODE_ROWS else decode_tiling(rows))
     assert [outs[i].token_ids for i in checked] == expected
