@@ -159,7 +159,7 @@ class LLM(RequestFront):
         if spawned and not quantization:
             def hand_out(known: LoadedModel) -> None:
                 """The workers get their programs as soon as the config is read, while the weights convert: the
-                programs need the params' shapes, which follow from the config, not the weights."""
+                programs need the params' shapes, which follow from the config, not the weights nor the tokenizer."""
                 shapes = _placed_shapes(known.config, jnp.dtype(self.dtype))
                 kwargs.update(sizes.runner_kwargs(known, _bytes(shapes), known.config.num_kv_heads))
                 ModelRunner(known.config, shapes, **kwargs).hand_out(spawned)
@@ -192,7 +192,8 @@ class LLM(RequestFront):
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=model_len,
             chunk_size=chunk_size or budget, page_size=page_size, prefill_row=PREFILL_ROW), self.page_manager)
-        self.runner = (DistributedRunner if several else ModelRunner)(self.config, params, tensor_parallel=tp, **kwargs)
+        self.runner = (DistributedRunner if several else ModelRunner)(self.config, params, tensor_parallel=tp,
+                                                                      vocab_limit=loaded.vocab_limit(), **kwargs)
         self.eos_ids = frozenset(self.config.eos_token_ids)
         self._rng = np.random.default_rng(seed)
         self._free_slots = list(range(max_num_seqs))
@@ -744,15 +745,16 @@ class _RunnerSizes:
     in_use: int  # the bytes the device held when LLM started, before the weights
 
     def runner_kwargs(self, known: LoadedModel, param_bytes: int, kv_heads: int) -> dict:
-        """The runner's arguments but params and tensor_parallel, from what is known before the weights are read and
-        their bytes on one device (param_bytes: the same before and after they are placed, so that every start
-        sizes the same KV pool and finds the executables stored under the same keys); kv_heads: one device's."""
+        """The runner's arguments but params, tensor_parallel and vocab_limit (the tokenizer's length, which no
+        program depends on: the hand-out does not wait for the tokenizer), from what is known before the weights are
+        read and their bytes on one device (param_bytes: the same before and after they are placed, so that every
+        start sizes the same KV pool and finds the executables stored under the same keys); kv_heads: one device's."""
         pages_per_seq = -(-_model_len(self.max_model_len, known.config) // self.page_size)
         num_pages = self.num_pages if self.num_pages is not None else min_over_processes(self.pages_that_fit(
             known.config, self.max_num_seqs * pages_per_seq, kv_heads, self.in_use + param_bytes))
         return dict(num_pages=num_pages, page_size=self.page_size, pages_per_seq=pages_per_seq,
                     dtype=jnp.dtype(self.dtype), ops=get_ops(self.kernels, known.config),
-                    vocab_limit=known.vocab_limit(), max_num_seqs=self.max_num_seqs,
+                    max_num_seqs=self.max_num_seqs,
                     max_prefill_tokens=self.max_num_batched_tokens, decode_steps=self.decode_steps,
                     cascade_rules=self.cascade_rules, executable_dir=self.executable_dir)
 

@@ -43,7 +43,7 @@ from pallas_kernels.cascade_attention import cascade_members_per_item
 # Query rows of a packed prefill: the prefill attention kernel's query tile holds 128 rows = 64 tokens x 2 query
 # heads per KV head, so a chunk re-reads its KV no more often packed than unpacked (docs/perf_notes.md, "Prefill").
 PREFILL_ROW = 64
-_STATIC = ("config", "ops", "vocab_limit")
+_STATIC = ("config", "ops")
 # XLA options for the programs' compiles on a GPU. XLA tunes each GEMM by compiling and timing ~25 candidates (Triton
 # tilings and cuBLAS), most of an empty-cache start's compile work (docs/perf_notes.md, "Start-up"). The prefills'
 # GEMMs take the tiling XLA's cost model ranks first (measured as fast). The decodes of CUBLAS_DECODE_ROWS rows and
@@ -79,7 +79,7 @@ def last_tokens(tokens, size: int):
 
 @functools.partial(jax.jit, static_argnames=(*_STATIC, "hidden_rows"), donate_argnums=(1, 2))
 def prefill_step(params, cache, tables, prev, tokens, batch: Batch, sampling: SamplingBatch, decode=None, *,
-                 config, ops, vocab_limit, hidden_rows):
+                 config, ops, hidden_rows):
     """tokens: [R, T] -> (Sampled with a leading [1] step axis, one token per row, the final hidden states [hidden_rows,
     T, H] (zeros after R: one shape for every bucket, for prompt_step), last tokens [S], cache, tables). Rows that
     end mid-prompt sample too; the host discards theirs (their slots are the neutral one, so nothing is counted).
@@ -95,24 +95,25 @@ def prefill_step(params, cache, tables, prev, tokens, batch: Batch, sampling: Sa
     last = jnp.take_along_axis(hidden, jnp.maximum(batch.q_lens - 1, 0)[:, None, None], axis=1)[:, 0]
     if decode is not None:
         last = jnp.concatenate([last, decoded])
-    out = sample(lm_logits(params, last, ops), sampling, tables, 0, vocab_limit=vocab_limit, ops=ops)
+    out = sample(lm_logits(params, last, ops), sampling, tables, 0, ops=ops)
     hidden = jnp.zeros((hidden_rows, *hidden.shape[1:]), hidden.dtype).at[:hidden.shape[0]].set(hidden)
     return (jax.tree.map(lambda x: x[None], out), hidden, last_tokens(out.tokens, prev.shape[0]), cache,
             tables.count(sampling.slots, out.tokens))
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def prompt_step(params, hidden, targets, *, config, ops, vocab_limit) -> "PromptLogprobs":
+def prompt_step(params, tables, hidden, targets, *, config, ops) -> "PromptLogprobs":
     """hidden: [R, T, H], a prefill's; targets: [R, T] int32, the prompt token after each position whose logprob is
     wanted, -1 for none -> PromptLogprobs [R, T](, MAX_LOGPROBS): each target's logprob and the top MAX_LOGPROBS of
-    the model's distribution at its position (no sampling adjustments). The logits of every position take [T, V]
-    per row: one row at a time, and only rows with targets. A program of its own, dispatched after the prefill only
-    in steps that want prompt logprobs: its branches wait for the GPU on the host (an XLA conditional reads its
-    predicate back), which inside the prefill program held every prefill's dispatch until the GPU was done."""
+    the model's distribution at its position (no sampling adjustments but the tables' vocabulary limit). The logits
+    of every position take [T, V] per row: one row at a time, and only rows with targets. A program of its own,
+    dispatched after the prefill only in steps that want prompt logprobs: its branches wait for the GPU on the host
+    (an XLA conditional reads its predicate back), which inside the prefill program held every prefill's dispatch
+    until the GPU was done."""
     def row(args):
         h, target = args
         logits = lm_logits(params, h, ops)
-        logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_limit, logits, -jnp.inf)
+        logits = logits + tables.bias[tables.neutral]  # 0, and -inf past the vocabulary limit
         log_probs = jax.nn.log_softmax(logits, axis=-1)
         top_logprobs, top_ids = jax.lax.top_k(log_probs, MAX_LOGPROBS)
         chosen = jnp.take_along_axis(log_probs, jnp.maximum(target, 0)[:, None], axis=-1)[:, 0]
@@ -127,7 +128,7 @@ def prompt_step(params, hidden, targets, *, config, ops, vocab_limit) -> "Prompt
 
 @functools.partial(jax.jit, static_argnames=(*_STATIC, "num_steps"), donate_argnums=(1, 2))
 def decode_step(params, cache, tables, prev, tokens, batch: Batch, sampling: SamplingBatch, row_steps, sources, *,
-                config, ops, vocab_limit, num_steps):
+                config, ops, num_steps):
     """num_steps decode steps in one dispatch (fixed trip count: no host sync between them).
 
     tokens: [B] last token of each row, or from prev [S] where sources [B] >= 0 (`chained`); batch describes the
@@ -142,7 +143,7 @@ def decode_step(params, cache, tables, prev, tokens, batch: Batch, sampling: Sam
         hidden, cache = forward(params, tokens[:, None], cache, batch.replace(seq_lens=seq_lens, q_lens=active),
                                 config=config, ops=ops)
         logits = lm_logits(params, hidden[:, 0], ops)
-        new = sample(logits, sampling, tables, i, vocab_limit=vocab_limit, ops=ops)
+        new = sample(logits, sampling, tables, i, ops=ops)
         out = jax.tree.map(lambda o, n: o.at[i].set(n), out, new)
         counted = jnp.where(active > 0, sampling.slots, tables.neutral)
         return new.tokens, cache, tables.count(counted, new.tokens), seq_lens + active, out
@@ -255,20 +256,24 @@ class ModelRunner:
     """Holds params, the KV cache and the token tables on device, and runs padded steps.
 
     ops: the kernel switch (nanojax.ops). max_prefill_tokens: the scheduler's token budget (packed prefill rows are
-    sized for it). decode_steps: the decode steps per dispatch besides 1. tensor_parallel: a
+    sized for it). decode_steps: the decode steps per dispatch besides 1. vocab_limit: token ids at and past it are
+    never drawn (the tokenizer's length; None: every id of the embedding), data in the token tables, so that the
+    compiled programs do not depend on it. tensor_parallel: a
     nanojax.sharding.TensorParallel to run the model over its mesh (params as numpy, or placed by its `place`).
     cascade_rules: when multi-step decodes read shared prefixes once (nanojax.cascade); None: never.
     executable_dir: where compile_all loads and stores compiled programs (nanojax.executable_cache); None: nowhere.
     """
 
     def __init__(self, config: ModelConfig, params, *, num_pages: int, page_size: int, pages_per_seq: int,
-                 dtype, ops, vocab_limit: int, max_num_seqs: int, max_prefill_tokens: int, decode_steps: int,
-                 tensor_parallel=None, cascade_rules: CascadeRules | None = None, executable_dir=None):
+                 dtype, ops, max_num_seqs: int, max_prefill_tokens: int, decode_steps: int,
+                 vocab_limit: int | None = None, tensor_parallel=None, cascade_rules: CascadeRules | None = None,
+                 executable_dir=None):
         tp = tensor_parallel
-        self.config, self.vocab_limit = config, vocab_limit
+        self.config = config
+        self.vocab_limit = config.vocab_size if vocab_limit is None else vocab_limit
         # What a compile worker needs to build this runner again from the params' shapes (nanojax.compile_workers).
         self._worker_kwargs = dict(num_pages=num_pages, page_size=page_size, pages_per_seq=pages_per_seq, dtype=dtype,
-                                   ops=ops, vocab_limit=vocab_limit, max_num_seqs=max_num_seqs,
+                                   ops=ops, max_num_seqs=max_num_seqs,
                                    max_prefill_tokens=max_prefill_tokens, decode_steps=decode_steps,
                                    cascade_rules=cascade_rules)
         # Params given as ShapeDtypeStructs (a compile worker; or keys wanted before the weights are placed, the params'
@@ -283,8 +288,8 @@ class ModelRunner:
         self.params = params if shapes_only else jax.device_put(params) if tp is None else tp.place(params)
         self.cache = (build(functools.partial(KVCache.create, config, num_pages, page_size, dtype)) if tp is None
                       else tp.create_cache(num_pages, page_size, dtype))
-        self.tables = build(lambda: jax.device_put(TokenTables.create(max_num_seqs, config.vocab_size),
-                                                   self._inputs_sharding))
+        self.tables = build(lambda: jax.device_put(
+            TokenTables.create(max_num_seqs, config.vocab_size, self.vocab_limit), self._inputs_sharding))
         self.pages_per_seq = pages_per_seq
         self.decode_rows = pow2_buckets(1, max_num_seqs)
         self.prefill_rows = pow2_buckets(1, -(-max_prefill_tokens // PREFILL_ROW))
@@ -450,14 +455,15 @@ class ModelRunner:
 
     def _call(self, p) -> tuple:
         """(jitted step, its arguments, its static keywords) of program p; arguments as arrays or shapes."""
-        kw = dict(config=self.config, ops=self.ops, vocab_limit=self.vocab_limit)
+        kw = dict(config=self.config, ops=self.ops)
         if p == "set_slot":
             row = lambda dtype: jax.ShapeDtypeStruct((self.config.vocab_size,), dtype)  # noqa: E731
             return _set_slot, (self.tables, np.int32(0), row(jnp.int32), row(jnp.int8), row(jnp.float32)), {}
         if p == "prompt":
             r, dtype = self.prefill_rows[-1], self.params["embed"].dtype
             hidden = jax.ShapeDtypeStruct((r, PREFILL_ROW, self.config.hidden_size), dtype)
-            return prompt_step, (self.params, hidden, jax.ShapeDtypeStruct((r, PREFILL_ROW), jnp.int32)), kw
+            targets = jax.ShapeDtypeStruct((r, PREFILL_ROW), jnp.int32)
+            return prompt_step, (self.params, self.tables, hidden, targets), kw
         b, t = p.rows, p.tokens_per_row
         tokens = jax.ShapeDtypeStruct((b,) if p.num_steps else (b, t), jnp.int32)
         table = self._page_table(b, [])
@@ -640,10 +646,12 @@ class ModelRunner:
         flat = np.full(self.prefill_rows[-1] * PREFILL_ROW, -1, np.int32)  # prompt_step's rows
         for first, values in targets:
             flat[first:first + len(values)] = values
-        return self._program("prompt")(self.params, hidden, flat.reshape(-1, PREFILL_ROW))
+        return self._program("prompt")(self.params, self.tables, hidden, flat.reshape(-1, PREFILL_ROW))
 
     def set_slot(self, slot: int, counts: np.ndarray, flags: np.ndarray, bias: np.ndarray) -> None:
-        """Writes one request's token tables ([V] each) into `slot`, queued before the next step."""
+        """Writes one request's token tables ([V] each) into `slot`, queued before the next step; the bias past the
+        vocabulary limit is -inf whatever the request's."""
+        bias = np.where(np.arange(bias.shape[0]) < self.vocab_limit, bias, -np.inf).astype(np.float32)
         self.tables = self._program("set_slot")(self.tables, np.int32(slot), counts, flags, bias)
 
 

@@ -15,6 +15,7 @@ compiled program. What each costs on the H100 decided the shape (docs/perf_notes
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from nanojax.sampling_params import MAX_LOGPROBS
 from pallas_kernels.sampling_filters import kept
@@ -47,10 +48,12 @@ class SamplingBatch:
 
 @flax.struct.dataclass
 class TokenTables:
-    """Per-request token state on the device, one row per slot plus the all-zero last row ([S + 1, V] each).
+    """Per-request token state on the device, one row per slot plus the neutral last row ([S + 1, V] each).
 
     counts: int32, occurrences of each token in the request's output (presence / frequency penalties);
-    flags: int8, PROMPT | BANNED bits; bias: float32, logit_bias.
+    flags: int8, PROMPT | BANNED bits; bias: float32, logit_bias, and -inf in every row at the ids past the vocabulary
+    limit (embedding rows the tokenizer never produces: never drawn). The limit is data, not a compiled constant, so
+    that the programs do not depend on the tokenizer (a first start compiles them before it has read it).
     """
 
     counts: jax.Array
@@ -58,9 +61,10 @@ class TokenTables:
     bias: jax.Array
 
     @classmethod
-    def create(cls, num_slots: int, vocab: int) -> "TokenTables":
+    def create(cls, num_slots: int, vocab: int, vocab_limit: int) -> "TokenTables":
         shape = (num_slots + 1, vocab)
-        return cls(jnp.zeros(shape, jnp.int32), jnp.zeros(shape, jnp.int8), jnp.zeros(shape, jnp.float32))
+        return cls(jnp.zeros(shape, jnp.int32), jnp.zeros(shape, jnp.int8),
+                   jnp.asarray(np.broadcast_to(neutral_bias(vocab, vocab_limit), shape)))
 
     @property
     def neutral(self) -> int:
@@ -70,6 +74,11 @@ class TokenTables:
         """Adds one occurrence of tokens [B] in slots [B]; the neutral row is never written."""
         slots = jnp.where(slots == self.neutral, self.counts.shape[0], slots)  # out of range: dropped
         return self.replace(counts=self.counts.at[slots, tokens].add(1, mode="drop"))
+
+
+def neutral_bias(vocab: int, vocab_limit: int) -> np.ndarray:
+    """[vocab] float32: a bias row with no logit_bias, 0 below vocab_limit and -inf from it on."""
+    return np.where(np.arange(vocab) < vocab_limit, 0.0, -np.inf).astype(np.float32)
 
 
 @flax.struct.dataclass
@@ -83,14 +92,14 @@ class Sampled:
     top_logprobs: jax.Array
 
 
-def sample(logits, s: SamplingBatch, tables: TokenTables, step, *, vocab_limit: int, ops) -> Sampled:
+def sample(logits, s: SamplingBatch, tables: TokenTables, step, *, ops) -> Sampled:
     """logits: [B, V] f32 -> Sampled, for the `step`-th step of a multi-step dispatch (0 for one step).
 
     Logprobs are those of the model's distribution after bias and penalties, before temperature and filters.
-    Tokens past `vocab_limit` (embedding padding the tokenizer never produces) are never drawn. ops: nanojax.ops.Ops,
-    which computes the filters' cut and the top logprob tokens.
+    Tokens past the tables' vocabulary limit are never drawn. ops: nanojax.ops.Ops, which computes the filters' cut
+    and the top logprob tokens.
     """
-    logits = _adjust(logits, s, tables, step, vocab_limit)
+    logits = _adjust(logits, s, tables, step)
     log_norm = jax.nn.logsumexp(logits, axis=-1)
     cut_key, cut_id, top_ids, top_logits = ops.sampling_filters(logits, s, num_top=MAX_LOGPROBS)
     noisy = jnp.where(kept(logits, cut_key, cut_id), _scaled(logits, s) + _gumbel(s.seeds, s.counters + step,
@@ -100,9 +109,9 @@ def sample(logits, s: SamplingBatch, tables: TokenTables, step, *, vocab_limit: 
     return Sampled(tokens, chosen, top_ids, top_logits - log_norm[:, None])
 
 
-def _adjust(logits, s: SamplingBatch, tables: TokenTables, step, vocab_limit):
-    """logit_bias, then the repetition penalty (HF's: over prompt and output), the presence/frequency penalties
-    (OpenAI's: over the output only), the min_tokens ban and the vocabulary limit."""
+def _adjust(logits, s: SamplingBatch, tables: TokenTables, step):
+    """logit_bias (with the vocabulary limit's -inf), then the repetition penalty (HF's: over prompt and output), the
+    presence/frequency penalties (OpenAI's: over the output only) and the min_tokens ban."""
     counts, flags = tables.counts[s.slots], tables.flags[s.slots]
     logits = logits + tables.bias[s.slots]
     seen = ((flags & PROMPT) != 0) | (counts > 0)
@@ -110,7 +119,7 @@ def _adjust(logits, s: SamplingBatch, tables: TokenTables, step, vocab_limit):
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
     logits -= s.frequency_penalty[:, None] * counts + s.presence_penalty[:, None] * (counts > 0)
     banned = ((flags & BANNED) != 0) & (step < s.ban_steps)[:, None]
-    return jnp.where(banned | (jnp.arange(logits.shape[1]) >= vocab_limit)[None, :], -jnp.inf, logits)
+    return jnp.where(banned, -jnp.inf, logits)
 
 
 def _gumbel(seeds, counters, vocab):

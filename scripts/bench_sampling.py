@@ -56,13 +56,13 @@ def main() -> None:
     args = parser.parse_args()
     b = args.batch
     logits = jnp.asarray(np.random.default_rng(0).normal(0, 3, (b, VOCAB)).astype(np.float32))
-    tables = TokenTables.create(b, VOCAB)
+    tables = TokenTables.create(b, VOCAB, VOCAB)
     batches = {name: jax.tree.map(jnp.asarray, sampling_batch(rows, b, b)) for name, rows in mixes(b).items()}
 
     @jax.jit
     def steps(x, s):  # the logits depend on the previous step's tokens, so that no step is hoisted
         def body(i, acc):
-            return acc + sample(x + acc[:, None] * 0.0, s, tables, i, vocab_limit=VOCAB, ops=Ops(pallas=True)).tokens
+            return acc + sample(x + acc[:, None] * 0.0, s, tables, i, ops=Ops(pallas=True)).tokens
         return jax.lax.fori_loop(0, STEPS, body, jnp.zeros((b,), jnp.int32))
 
     print(f"sample(), batch {b}, ms a step")

@@ -163,6 +163,20 @@ def test_a_runner_from_placed_shapes_has_the_programs_keys(hf_model_dir):
             *runner._key_parts(p)), p
 
 
+def test_the_programs_keys_do_not_depend_on_the_tokenizer(hf_model_dir):
+    """The vocabulary limit (the tokenizer's length) is data in the token tables: a runner built before the tokenizer
+    is read computes the programs' keys of the runner that knows it, so that the hand-out need not wait for it."""
+    from nanojax import executable_cache
+
+    folder, _ = hf_model_dir("qwen3")
+    runner = LLM(folder, **SMALL).runner
+    limited = _runner_from_shapes(runner, vocab_limit=50)
+    assert limited.vocab_limit == 50 and runner.vocab_limit == runner.config.vocab_size
+    for p in runner.programs():
+        assert executable_cache.program_key(*limited._key_parts(p)) == executable_cache.program_key(
+            *runner._key_parts(p)), p
+
+
 def test_programs_handed_out_before_the_weights_are_waited_for(hf_model_dir, tmp_path, monkeypatch):
     """hand_out (a runner from shapes, while the weights load) deals every program over the workers; the runner
     built on the weights waits for them and loads the programs: the same tokens."""

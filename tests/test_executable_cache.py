@@ -227,7 +227,7 @@ def test_a_runner_program_loads_bit_identical_and_donates(hf_model_dir, tmp_path
     folder, _ = hf_model_dir("qwen3")
     runner = LLM(folder, dtype="float32", page_size=4, max_model_len=32, max_num_seqs=2, max_num_batched_tokens=64,
                  kernels="reference", warmup=False).runner
-    static = {"config": runner.config, "ops": runner.ops, "vocab_limit": runner.vocab_limit, "num_steps": 3}
+    static = {"config": runner.config, "ops": runner.ops, "num_steps": 3}
 
     def inputs(seed: int):
         rng = np.random.default_rng(seed)

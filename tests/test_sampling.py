@@ -7,7 +7,6 @@ checks that the same counts reject the nearest wrong distribution (an off-by-one
 renormalisation or adjustment), so a pass cannot be an accident of a loose bound.
 """
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -30,15 +29,16 @@ PROBS = np.array([0.09, 0.30, 0.02, 0.16, 0.06, 0.22, 0.03, 0.12])
 LOGITS = np.log(PROBS).astype(np.float32) + 1.5  # logits are only defined up to a constant
 
 
-@functools.partial(jax.jit, static_argnames=("vocab_limit",))
-def _sample(logits, batch, tables, step, *, vocab_limit):
-    return sample(logits, batch, tables, step, vocab_limit=vocab_limit, ops=Ops()).tokens
+@jax.jit
+def _sample(logits, batch, tables, step):
+    return sample(logits, batch, tables, step, ops=Ops()).tokens
 
 
-def batch_and_tables(b, bias=None, seen=None, banned=None, **rows):
+def batch_and_tables(b, bias=None, seen=None, banned=None, vocab_limit=V, **rows):
     """A SamplingBatch of b rows with the given per-row fields (a scalar is broadcast to every row), and token
     tables with one slot per row: bias {token: value}, seen {token: count in the output; 0 = prompt only} and
-    banned [token ids] per row (a single dict or list is broadcast)."""
+    banned [token ids] per row (a single dict or list is broadcast); the bias -inf from vocab_limit on, in every
+    row (as ModelRunner writes it)."""
     fields = {k: np.broadcast_to(np.asarray(v), (b,)).tolist() for k, v in rows.items()}
     counts, flags, biases = (np.zeros((b + 1, V), dt) for dt in (np.int32, np.int8, np.float32))
     for name, per_row in (("bias", bias), ("seen", seen), ("banned", banned)):
@@ -53,6 +53,7 @@ def batch_and_tables(b, bias=None, seen=None, banned=None, **rows):
                     flags[i, t] |= PROMPT if entry[t] == 0 else 0
                 else:
                     flags[i, t] |= BANNED
+    biases[:, vocab_limit:] = -np.inf
     tables = TokenTables(jnp.asarray(counts), jnp.asarray(flags), jnp.asarray(biases))
     batch = sampling_batch({**fields, "slots": list(range(b))}, b, tables.neutral)
     return jax.tree.map(jnp.asarray, batch), tables
@@ -62,9 +63,9 @@ def draw(logits, step=0, vocab_limit=V, **rows) -> np.ndarray:
     """sample() on a batch built by batch_and_tables(**rows). logits: [V] (broadcast) or [B, V]."""
     logits = np.asarray(logits, np.float32)
     b = len(rows["counters"]) if "counters" in rows else (logits.shape[0] if logits.ndim == 2 else 1)
-    batch, tables = batch_and_tables(b, **rows)
+    batch, tables = batch_and_tables(b, vocab_limit=vocab_limit, **rows)
     logits = np.broadcast_to(logits, (b, logits.shape[-1]))
-    return np.asarray(_sample(jnp.asarray(logits), batch, tables, step, vocab_limit=vocab_limit))
+    return np.asarray(_sample(jnp.asarray(logits), batch, tables, step))
 
 
 def draws(logits=LOGITS, seed=1234, step=0, vocab_limit=V, **params) -> np.ndarray:
@@ -216,7 +217,7 @@ def test_logit_bias_and_penalties_match_numpy():
     logits[:, 1], logits[:, 2] = 2.5, -1.5  # a seen token with a positive and one with a negative logit
     want = np.stack([adjust_reference(x, *r) for x, r in zip(logits, ADJUST_ROWS)])
     s, tables = batch_and_tables(len(ADJUST_ROWS), **adjust_rows(ADJUST_ROWS))
-    got = np.asarray(_adjust(jnp.asarray(logits), s, tables, 0, V))
+    got = np.asarray(_adjust(jnp.asarray(logits), s, tables, 0))
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
     assert not np.allclose(got[1:], logits[1:])  # every row but the first is really adjusted
     # Through sample(): greedy picks the adjusted argmax ...
@@ -250,6 +251,26 @@ def test_tokens_past_vocab_limit_are_never_drawn(params):
     else:
         assert_matches(tokens, reference(np.where(np.arange(V) < 6, logits, -np.inf)),
                        reference(np.where(np.arange(V) < 5, logits, -np.inf)))
+
+
+def test_ids_past_the_tokenizer_are_never_drawn_nor_ranked(hf_model_dir):
+    """Through the engine, a tokenizer shorter than the embedding (85 of 97 rows): its length is data in the token
+    tables, not a compiled constant, and no row draws or ranks the ids past it: greedy, random, biased towards them
+    (a request's own bias row), nor the top logprobs of the output and of the prompt."""
+    folder, _ = hf_model_dir("qwen3")
+    loaded = dataclasses.replace(load_model(str(folder), "float32"), tokenizer=byte_tokenizer(85))
+    llm = LLM(loaded, page_size=4, max_model_len=64, max_num_seqs=4)
+    assert llm.runner.vocab_limit == 85
+    padding = {t: 100.0 for t in range(85, 97)}
+    params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=5, prompt_logprobs=5),
+              SamplingParams(temperature=2.0, max_tokens=10, ignore_eos=True, seed=1),
+              SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True, seed=2, logit_bias=padding),
+              SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logit_bias=padding, logprobs=5)]
+    outs = llm.generate(random_prompts(85, [5, 9, 3, 6], seed=3), params, use_tqdm=False)
+    assert all(len(o.token_ids) == 10 and max(o.token_ids) < 85 for o in outs)
+    ranked = [t for o in (outs[0], outs[3]) for _, top in o.logprobs for t in top]
+    ranked += [t for entry in outs[0].prompt_logprobs[1:] for t in entry[1]]
+    assert len(ranked) == 5 * (10 + 10 + 4) and max(ranked) < 85
 
 
 @pytest.mark.parametrize("mode", ["greedy", "random", "filtered"])

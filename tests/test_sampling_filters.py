@@ -92,10 +92,9 @@ def test_sample_draws_the_same_tokens_and_logprobs_through_the_kernel():
     fields = {k: v.tolist() for k, v in rows.items()}
     fields.update(seeds=rng.integers(0, 2**31, batch).tolist(), counters=rng.integers(0, 100, batch).tolist(),
                   slots=[batch] * batch)
-    tables = TokenTables.create(batch, vocab)
+    tables = TokenTables.create(batch, vocab, vocab)
     s = jax.tree.map(jnp.asarray, sampling_batch(fields, batch, tables.neutral))
-    outs = [jax.jit(lambda x, s, ops=ops: sample(x, s, tables, 3, vocab_limit=vocab, ops=ops))(jnp.asarray(logits),
-                                                                                            s)
+    outs = [jax.jit(lambda x, s, ops=ops: sample(x, s, tables, 3, ops=ops))(jnp.asarray(logits), s)
             for ops in (Ops(), Ops(pallas=True, interpret=True))]
     for want, got in zip(*map(jax.tree.leaves, outs)):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
@@ -121,14 +120,14 @@ def test_a_multi_step_sampling_loop_has_no_conditional_on_the_gpu():
     """With the kernel, the decode loop's sampling has no lax.cond (whose predicate the host would read every step,
     making a multi-step dispatch synchronous); with the reference it has one. Lowered for cuda on the CPU."""
     batch, vocab = 64, 151936
-    tables = TokenTables.create(batch, vocab)
+    tables = TokenTables.create(batch, vocab, vocab)
     fields = {"temperature": [0.7] * batch, "top_p": [0.9] * batch, "slots": [batch] * batch}
     s = jax.tree.map(jnp.asarray, sampling_batch(fields, batch, tables.neutral))
 
     def text(ops):
         def loop(x, s):
             def body(i, acc):
-                return acc + sample(x, s, tables, i, vocab_limit=vocab, ops=ops).tokens
+                return acc + sample(x, s, tables, i, ops=ops).tokens
             return jax.lax.fori_loop(0, 8, body, jnp.zeros((batch,), jnp.int32))
         x = jax.ShapeDtypeStruct((batch, vocab), jnp.float32)
         return jax.jit(loop).trace(x, s).lower(lowering_platforms=("cuda",)).as_text()
