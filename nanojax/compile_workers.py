@@ -17,12 +17,14 @@ pool's size, which follow from the config): the engine converts and places the w
 its own share's lowering took 19-43 s, and the empty start was 37.0 s without it against 65.5 s with it
 (docs/perf_notes.md, "Start-up").
 """
+import json
 import logging
 import os
 import pickle
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,6 +58,8 @@ class Running:
     """A started worker."""
     process: subprocess.Popen
     log: object  # the worker's stderr, a temporary file read if it fails
+    out: object  # its stdout, a temporary file: at its end a line of its `report`'s wall-clock times
+    spawned: float  # time.time() at its start
     job: Job | None = None  # None until `send`
 
 
@@ -68,10 +72,10 @@ def spawn() -> Running:
            "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     if jax.config.jax_platforms:
         env["JAX_PLATFORMS"] = jax.config.jax_platforms
-    log = tempfile.TemporaryFile()
+    log, out = tempfile.TemporaryFile(), tempfile.TemporaryFile()
     process = subprocess.Popen([sys.executable, "-m", "nanojax.compile_workers"], stdin=subprocess.PIPE,
-                               stdout=subprocess.DEVNULL, stderr=log, env=env)
-    return Running(process, log)
+                               stdout=out, stderr=log, env=env)
+    return Running(process, log, out, time.time())
 
 
 def send(worker: Running, job: Job) -> Running:
@@ -85,21 +89,33 @@ def send(worker: Running, job: Job) -> Running:
     return worker
 
 
-def wait(running: Running) -> None:
-    """Waits for the worker; if it failed, logs a warning with its stderr's tail."""
+def wait(running: Running) -> dict | None:
+    """Waits for the worker; if it failed, logs a warning with its stderr's tail and returns None. Else returns where
+    its time went: seconds from its spawn to its backend being ready, its job, its end ("ready", "job", "done"), and
+    the seconds it spent lowering ("lowering")."""
     code = running.process.wait()
+    running.out.seek(0)
+    lines = running.out.read().decode(errors="replace").splitlines()
+    running.log.seek(0)
+    tail = running.log.read()[-2000:].decode(errors="replace")
+    running.out.close()
+    running.log.close()
     if code != 0:
-        running.log.seek(0)
-        tail = running.log.read()[-2000:].decode(errors="replace")
         _log.warning("a compile worker exited with %s; what it did not store of its %d programs compiles here:\n%s",
                      code, len(running.job.programs), tail)
-    running.log.close()
+        return None
+    try:  # its last line (a library may have written to stdout before it)
+        times = json.loads(lines[-1])
+        return {**{k: times[k] - running.spawned for k in ("ready", "job", "done")}, "lowering": times["lowering"]}
+    except (ValueError, IndexError, KeyError):
+        return None
 
 
 def stop(running: Running) -> None:
     """Ends the worker (the engine's compile failed or was interrupted, or it has no job for it)."""
     running.process.kill()
     running.process.wait()
+    running.out.close()
     running.log.close()
 
 
@@ -115,20 +131,30 @@ def make_job(config, params, runner_kwargs: dict, programs) -> Job:
     return Job(config, shapes, runner_kwargs, tuple(programs), {k: getattr(jax.config, k) for k in JAX_CONFIG})
 
 
-def run(job: Job) -> None:
-    """A worker's work: the runner from shapes, each program lowered, compiled and stored under its key."""
+def run(job: Job) -> float:
+    """A worker's work: the runner from shapes, each program lowered, compiled and stored under its key. Returns the
+    seconds spent lowering."""
     from nanojax.runner import ModelRunner
 
     for name, value in job.jax_config.items():
         jax.config.update(name, value)
     keys = dict(job.programs)
-    ModelRunner(job.config, job.params, **job.runner_kwargs).compile_programs(list(keys), keys)
+    return ModelRunner(job.config, job.params, **job.runner_kwargs).compile_programs(list(keys), keys)
 
 
-if __name__ == "__main__":
+def report() -> None:
+    """A worker's life: imports and backend, then its job if one comes; its times to stdout (`wait` reads them)."""
     import nanojax.runner  # noqa: F401 -- imported, and the backend started, before the job comes (`spawn`)
 
     jax.devices()
+    times = {"ready": time.time()}
     job = sys.stdin.buffer.read()
     if job:  # else the engine had nothing for it
-        run(pickle.loads(job))
+        times["job"] = time.time()
+        times["lowering"] = run(pickle.loads(job))
+        times["done"] = time.time()
+        print(json.dumps(times), flush=True)
+
+
+if __name__ == "__main__":
+    report()

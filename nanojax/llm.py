@@ -147,6 +147,7 @@ class LLM(RequestFront):
         # nanojax while the weights load, and take shares of the programs in warmup (nanojax.compile_workers).
         spawned = [compile_workers.spawn() for _ in range(compile_workers.WORKERS)] if (
             warmup and executable_dir and not sharded and executable_cache.holds_none(executable_dir)) else []
+        spawned_at = time.perf_counter()
         if spawned:  # they end with this LLM, if __init__ fails before warmup takes them
             weakref.finalize(self, compile_workers.stop_all, spawned)
         self.decode_steps = _positive("decode_steps", decode_steps, 32 if on_gpu else 8)
@@ -212,10 +213,12 @@ class LLM(RequestFront):
         compiled_at = time.perf_counter()
         self.tokenizer = loaded.resolved().tokenizer  # its load overlapped the steps above
         # Where start-up went (scripts/bench_startup.py prints it): reading / converting the weights, placing them
-        # and the KV pool on the device, compiling or loading the programs, then waiting for the tokenizer; and
-        # when compile workers were handed their programs, on a first start.
+        # and the KV pool on the device, compiling or loading the programs, then waiting for the tokenizer; and on a
+        # first start when compile workers were spawned and handed their programs (runner.worker_seconds: the rest
+        # of their times, from their spawn).
         self.startup_seconds = {"load": loaded_at - start, "build": built_at - loaded_at,
                                 "compile": compiled_at - built_at, "tokenizer_wait": time.perf_counter() - compiled_at,
+                                **({"workers_spawned": spawned_at - start} if spawned else {}),
                                 **({"handed_out": handed_out_at[0] - start} if handed_out_at else {})}
 
     def stats(self) -> EngineStats:

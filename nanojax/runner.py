@@ -310,6 +310,7 @@ class ModelRunner:
         self.executable_dir = executable_dir
         self.compiles = self.loaded = 0  # programs compiled, and loaded from the executable cache
         self.compile_seconds: dict[str, float] = {}
+        self.worker_seconds: list[dict] = []  # compile_workers.wait's seconds, per worker of the last compile_all
 
     # ----- programs -----
     def programs(self) -> list:
@@ -376,8 +377,7 @@ class ModelRunner:
             except BaseException:  # an error here, or Ctrl-C: the workers stop too
                 compile_workers.stop_all(running)
                 raise
-            for worker in running:
-                compile_workers.wait(worker)
+            self.worker_seconds = [t for t in map(compile_workers.wait, running) if t is not None]
             self.compiles += self._load([p for p in todo if p not in self._compiled], keys, bar)  # the workers'
             # What a worker did not store (it failed, or could not start) is compiled here.
             lowering += self.compile_programs([p for p in todo if p not in self._compiled], keys, threads, bar)

@@ -10,7 +10,9 @@ nano-vllm's throughput workload twice (first and second `generate`), batch-64 gr
 penalized request or one top-p request (temperature 0.7, top_p 0.9: the sampling filters' work), alternating, three
 times each, and 256 prompts of 100 tokens prefilled (`max_tokens=1`) against one prompt of 4,000; it counts the
 programs compiled after `LLM()` returned. The empty start's CPU seconds, its own and its compile workers' (with the
-ptxas runs they start), tell whether the compile work fills the cores. The figures of the build before this benchmark
+ptxas runs they start), tell whether the compile work fills the cores; when the workers were ready (imports and
+backend), handed their programs and done (the last of each) tell what the start waited for. The figures of the build
+before this benchmark
 existed (issue 19's table, same machine type) are printed beside.
 """
 import argparse
@@ -45,6 +47,9 @@ def child(args) -> dict:
               "cpu_s": own.ru_utime + own.ru_stime, "workers_cpu_s": children.ru_utime + children.ru_stime,
               **{f"{k}_s": v for k, v in llm.runner.compile_seconds.items()},
               **{f"startup_{k}_s": v for k, v in llm.startup_seconds.items()}}
+    spawned = llm.startup_seconds.get("workers_spawned", 0.0)  # each worker's times from LLM()'s start
+    result["workers"] = [{k: v if k == "lowering" else spawned + v for k, v in w.items()}
+                         for w in llm.runner.worker_seconds]
     # The same greedy tokens from programs compiled here and from programs loaded from the executable cache.
     check = [[(7 * i + 3 * j) % min(1000, llm.config.vocab_size) for j in range(40 + 9 * i)] for i in range(3)]
     result["check_tokens"] = [o.token_ids for o in llm.generate(
@@ -157,6 +162,9 @@ def main():
             ("  of which weights read / placed with the KV (s)",
              f"{empty['startup_load_s']:.1f} / {empty['startup_build_s']:.1f}", ""),
             ("  compile workers handed their programs at (s)", empty.get("startup_handed_out_s", "-"), ""),
+            ("  compile workers ready / done, the last, at (s)", " / ".join(
+                f"{max(w[k] for w in empty['workers']):.1f}" for k in ("ready", "done")) if empty["workers"] else "-",
+             ""),
             ("  CPU seconds: this process / compile workers",
              f"{empty['cpu_s']:.0f} / {empty['workers_cpu_s']:.0f}", ""),
             ("start-up with a filled cache (s)", filled["start_s"], BEFORE["start_filled_s"]),

@@ -43,6 +43,9 @@ def test_workers_compile_their_shares_with_the_same_tokens(hf_model_dir, tmp_pat
     shares = runner._shares(runner.programs(), 3)
     assert lowered_here == shares[0] and all(shares[1:])  # the engine lowered its own share only
     assert runner.compiles == len(runner.programs()) and runner.loaded == 0
+    assert len(runner.worker_seconds) == 2  # each worker's times, from its spawn
+    assert all(0 < w["ready"] <= w["job"] <= w["done"] and 0 < w["lowering"] < w["done"] - w["job"]
+               for w in runner.worker_seconds)
     prompts = random_prompts(97, [3, 21, 9], seed=4)
     expected = [o.token_ids for o in LLM(folder, **SMALL).generate(prompts, GREEDY, use_tqdm=False)]
     assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
@@ -84,6 +87,7 @@ def test_a_failed_worker_leaves_its_programs_to_the_engine(hf_model_dir, tmp_pat
     with caplog.at_level(logging.WARNING, logger="nanojax.compile_workers"):
         llm, lowered_here = _compile_with_workers(folder, tmp_path, monkeypatch)
     assert sum("compile worker exited with 1" in r.message for r in caplog.records) == 2
+    assert llm.runner.worker_seconds == []  # no times from a failed worker
     assert sorted(map(str, lowered_here)) == sorted(map(str, llm.runner.programs()))  # all compiled here
     assert llm.runner.compiles == len(llm.runner.programs())
     prompts = random_prompts(97, [5, 12], seed=8)
@@ -137,6 +141,9 @@ def test_a_worker_without_a_job_exits():
     worker = compile_workers.spawn()
     worker.process.stdin.close()
     assert worker.process.wait(timeout=120) == 0
+    worker.out.seek(0)
+    assert worker.out.read() == b""  # no times without a job
+    worker.out.close()
     worker.log.close()
 
 
