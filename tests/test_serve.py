@@ -331,13 +331,17 @@ def test_models_health_metrics_tokenize(llm, server, client):
         assert f"\n{name}" in metrics, name
 
 
-def test_model_without_tokenizer_streams_token_ids(hf_model_dir):
+def test_model_without_tokenizer_streams_token_ids(hf_model_dir, monkeypatch):
     folder, _ = hf_model_dir("qwen3")
     llm = LLM(str(folder), dtype="float32", page_size=4, max_model_len=256, max_num_seqs=32)
     server = BackgroundServer(build_app(llm, "bare"))
     try:
         prompt = random_prompts(97, [11], seed=6)[0]
         want = offline(llm, [prompt], greedy(max_tokens=20))[0]
+        # The server merges the events that came while its loop was busy (serve._events): dispatches spaced out
+        # well beyond the loop's latency on a loaded machine, so that each comes as an event of its own.
+        decode = llm.runner.decode
+        monkeypatch.setattr(llm.runner, "decode", lambda *a, **k: time.sleep(0.2) or decode(*a, **k))
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
         chunks = [c.choices[0] for c in client.completions.create(
             model="bare", prompt=prompt, max_tokens=20, temperature=0, stream=True,
