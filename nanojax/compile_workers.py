@@ -96,17 +96,22 @@ def wait(running: Running) -> dict | None:
     code = running.process.wait()
     running.out.seek(0)
     lines = running.out.read().decode(errors="replace").splitlines()
-    running.log.seek(0)
-    tail = running.log.read()[-2000:].decode(errors="replace")
     running.out.close()
-    running.log.close()
     if code != 0:
+        running.log.seek(0)
+        tail = running.log.read()[-2000:].decode(errors="replace")
         _log.warning("a compile worker exited with %s; what it did not store of its %d programs compiles here:\n%s",
                      code, len(running.job.programs), tail)
-        return None
-    try:  # its last line (a library may have written to stdout before it)
+    running.log.close()
+    return _times(lines, running.spawned) if code == 0 else None
+
+
+def _times(lines: list[str], spawned: float) -> dict | None:
+    """A worker's stdout lines -> its times from `spawned`, from its last line (a library may have written to stdout
+    before it); None if that line holds none."""
+    try:
         times = json.loads(lines[-1])
-        return {**{k: times[k] - running.spawned for k in ("ready", "job", "done")}, "lowering": times["lowering"]}
+        return {**{k: times[k] - spawned for k in ("ready", "job", "done")}, "lowering": times["lowering"]}
     except (ValueError, IndexError, KeyError):
         return None
 

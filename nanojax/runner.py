@@ -36,7 +36,7 @@ from nanojax.config import ModelConfig
 from nanojax.kv_cache import Batch, KVCache
 from nanojax.model import forward, lm_logits
 from nanojax.quantize import is_quantized
-from nanojax.sampling import MAX_LOGPROBS, Sampled, SamplingBatch, TokenTables, sample
+from nanojax.sampling import MAX_LOGPROBS, Sampled, SamplingBatch, TokenTables, limited_bias, sample
 from pallas_kernels._compat import num_sms
 from pallas_kernels.cascade_attention import cascade_members_per_item
 
@@ -651,8 +651,8 @@ class ModelRunner:
     def set_slot(self, slot: int, counts: np.ndarray, flags: np.ndarray, bias: np.ndarray) -> None:
         """Writes one request's token tables ([V] each) into `slot`, queued before the next step; the bias past the
         vocabulary limit is -inf whatever the request's."""
-        bias = np.where(np.arange(bias.shape[0]) < self.vocab_limit, bias, -np.inf).astype(np.float32)
-        self.tables = self._program("set_slot")(self.tables, np.int32(slot), counts, flags, bias)
+        self.tables = self._program("set_slot")(self.tables, np.int32(slot), counts, flags,
+                                                limited_bias(bias, self.vocab_limit))
 
 
 class Pending:

@@ -63,7 +63,7 @@ class TokenTables:
     @classmethod
     def create(cls, num_slots: int, vocab: int, vocab_limit: int) -> "TokenTables":
         shape = (num_slots + 1, vocab)
-        row = np.where(np.arange(vocab) < vocab_limit, 0.0, -np.inf).astype(np.float32)
+        row = limited_bias(np.zeros(vocab, np.float32), vocab_limit)
         # Broadcast on the device: from a host array of `shape` it took 1.3 s on the CPU machine, this 0.2 s.
         return cls(jnp.zeros(shape, jnp.int32), jnp.zeros(shape, jnp.int8), jnp.broadcast_to(jnp.asarray(row), shape))
 
@@ -75,6 +75,11 @@ class TokenTables:
         """Adds one occurrence of tokens [B] in slots [B]; the neutral row is never written."""
         slots = jnp.where(slots == self.neutral, self.counts.shape[0], slots)  # out of range: dropped
         return self.replace(counts=self.counts.at[slots, tokens].add(1, mode="drop"))
+
+
+def limited_bias(bias: np.ndarray, vocab_limit: int) -> np.ndarray:
+    """A bias row [V] as the tables hold it: -inf at the ids from vocab_limit on, whatever it held there."""
+    return np.where(np.arange(bias.shape[0]) < vocab_limit, bias, -np.inf).astype(np.float32)
 
 
 @flax.struct.dataclass
