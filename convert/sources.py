@@ -24,17 +24,24 @@ class Source:
 
 
 def open_source(src: str | os.PathLike) -> Source:
-    path = Path(src).expanduser()
+    path = local_path(src)
     if path.is_file() and path.suffix == ".gguf":
         from convert.gguf_source import gguf_source
 
         return gguf_source(path)
     if path.is_dir():
         return _hf_folder_source(path)
+    raise CheckpointError(f"{src}: not a model folder or a .gguf file")
+
+
+def local_path(src: str | os.PathLike) -> Path:
+    """Where the source `src` names lies: the path itself, or a model id's snapshot folder in the HF hub cache (its
+    missing files downloaded first)."""
+    path = Path(src).expanduser()
     if path.exists():
-        raise CheckpointError(f"{src}: not a model folder or a .gguf file")
+        return path
     if isinstance(src, str) and src.count("/") == 1 and not src.startswith(("/", ".")):
-        return _hf_folder_source(hub_snapshot(src))
+        return hub_snapshot(src)
     raise CheckpointError(f"{src}: no such folder or file, and not an 'org/name' model id")
 
 
@@ -86,7 +93,22 @@ def normalized_hf_config(raw: dict) -> dict:
     return remembered("hf_config", json.dumps(raw, sort_keys=True).encode(), normalize)
 
 
-def _hf_folder_source(folder: Path) -> Source:
+def config_as_written(folder: Path) -> dict | None:
+    """An HF folder's config.json as it stands, read without transformers (whose config classes import torch:
+    seconds of a first start), for work that may begin before the normalized config is known and is checked against
+    it (LLM's compile workers). Only what transformers 5 renames is moved: rope_theta and rope_scaling into
+    rope_parameters. Fields the file leaves to the config class's defaults stay absent. None if it is not readable."""
+    try:
+        raw = _read_config(folder)
+    except (CheckpointError, OSError, ValueError):
+        return None
+    if "rope_parameters" not in raw and "rope_theta" in raw:
+        raw["rope_parameters"] = {**(raw.get("rope_scaling") or {}), "rope_theta": raw["rope_theta"]}
+    return raw
+
+
+def _read_config(folder: Path) -> dict:
+    """config.json with the end-of-turn ids of generation_config.json."""
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise CheckpointError(f"{folder}: no config.json")
@@ -94,7 +116,14 @@ def _hf_folder_source(folder: Path) -> Source:
         raw = json.loads(config_file.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{config_file}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{config_file}: not a JSON object")
     _merge_generation_eos(raw, folder / "generation_config.json")
+    return raw
+
+
+def _hf_folder_source(folder: Path) -> Source:
+    raw = _read_config(folder)
     shards = sorted(folder.glob("*.safetensors"))
     if not shards:
         raise CheckpointError(f"{folder}: no *.safetensors files")

@@ -156,15 +156,17 @@ class LLM(RequestFront):
         sizes = _RunnerSizes(self.dtype, max_model_len, page_size, num_pages, memory_fraction, max_num_seqs, budget,
                              self.decode_steps, kernels, CascadeRules() if cascade is True else cascade or None,
                              executable_dir, in_use=_bytes_in_use())
-        kwargs, hand_out, handed_out_at = {}, None, []
+        hand_out, handed = None, {}  # handed: the config, runner arguments and time of the hand-out
         if spawned and not quantization:
             def hand_out(known: LoadedModel) -> None:
                 """The workers get their programs as soon as the config is read, while the weights convert: the
-                programs need the params' shapes, which follow from the config, not the weights nor the tokenizer."""
+                programs need the params' shapes, which follow from the config, not the weights nor the tokenizer.
+                That config may be config.json as written (load_model's on_config), checked below: the runner built
+                on the weights takes the workers' programs only under its own keys (ModelRunner.compile_all)."""
                 shapes = _placed_shapes(known.config, jnp.dtype(self.dtype))
-                kwargs.update(sizes.runner_kwargs(known, _bytes(shapes), known.config.num_kv_heads))
+                kwargs = sizes.runner_kwargs(known, _bytes(shapes), known.config.num_kv_heads)
                 ModelRunner(known.config, shapes, **kwargs).hand_out(spawned)
-                handed_out_at.append(time.perf_counter())
+                handed.update(config=known.config, kwargs=kwargs, at=time.perf_counter())
 
         # One device: a converted checkpoint's parts go to it while the next ones convert (the first large copies
         # to a GPU are slow, docs/perf_notes.md "Start-up"). Sharded weights are placed by TensorParallel; weights
@@ -185,8 +187,8 @@ class LLM(RequestFront):
             params = tp.place(params, progress)
         else:  # a checkpoint's weights arrive as numpy arrays
             params = jax.device_put(params)
-        kwargs = kwargs or sizes.runner_kwargs(loaded, _bytes(params), self.config.num_kv_heads if tp is None else
-                                               tp.local_config.num_kv_heads)
+        kwargs = handed["kwargs"] if handed.get("config") == self.config else sizes.runner_kwargs(
+            loaded, _bytes(params), self.config.num_kv_heads if tp is None else tp.local_config.num_kv_heads)
         model_len = _model_len(max_model_len, self.config)
         self.page_manager = PageManager(kwargs["num_pages"], page_size)
         self.limits = EngineLimits(model_len, page_size, kwargs["num_pages"], max_num_seqs)
@@ -219,7 +221,7 @@ class LLM(RequestFront):
         self.startup_seconds = {"load": loaded_at - start, "build": built_at - loaded_at,
                                 "compile": compiled_at - built_at, "tokenizer_wait": time.perf_counter() - compiled_at,
                                 **({"workers_spawned": spawned_at - start} if spawned else {}),
-                                **({"handed_out": handed_out_at[0] - start} if handed_out_at else {})}
+                                **({"handed_out": handed["at"] - start} if handed else {})}
 
     def stats(self) -> EngineStats:
         """The engine's load now (read from any thread: a snapshot for metrics, not a consistent one)."""

@@ -4,7 +4,7 @@ import dataclasses
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
-from nanojax.config import ModelConfig
+from nanojax.config import ConfigError, ModelConfig
 from nanojax.quantize import is_quantized
 
 
@@ -34,11 +34,15 @@ def load_model(model: "str | LoadedModel | None", dtype: str, place=None,
     """Resolve `model` and cast its params to `dtype`. The tokenizer of an HF folder or a checkpoint loads on a
     thread while the weights are read, and may still be loading when this returns (see LoadedModel.resolved).
     place: applied to each part of a converted source's params (a layer, the rest) while the next ones convert
-    (params_from_source); other params come as they are. on_config: called, for an HF folder or model id only, with
-    the LoadedModel as it is known before the weights are read (params None), before they are."""
+    (params_from_source); other params come as they are. on_config: called once, for an HF folder or model id only,
+    before the weights are read, with a LoadedModel of params None: its config read from config.json as it stands
+    where that file holds every field the config needs (before transformers normalizes it: a first start's import
+    of transformers, with torch, comes after), else the normalized config with the tokenizer's Futures. The first
+    may differ from the config returned (a field the file leaves to transformers' defaults): the caller checks."""
     # convert/ builds on nanojax.config, so it is imported here rather than at module level.
     from convert import is_checkpoint, load_checkpoint, open_source, params_from_source
     from convert.checkpoint import DTYPES
+    from convert.sources import local_path
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
@@ -52,15 +56,31 @@ def load_model(model: "str | LoadedModel | None", dtype: str, place=None,
         tokenizer = _start_tokenizer(model)
         config, params, _ = load_checkpoint(model)
         return LoadedModel(config, _cast(params, DTYPES[dtype]), *tokenizer)
-    source = open_source(model)
+    path = local_path(model)
+    early = _config_as_written(path) if on_config is not None else None
+    if early is not None:
+        on_config(LoadedModel(early, None, None))
+    source = open_source(path)
     if source.format == "gguf":
         config, params = params_from_source(source, dtype, place=place)
         return LoadedModel(config, params, _gguf_tokenizer(source.description))
     tokenizer = _start_tokenizer(source.description)
-    if on_config is not None:
+    if on_config is not None and early is None:
         on_config(LoadedModel(ModelConfig.from_hf_config(source.hf_config), None, *tokenizer))
     config, params = params_from_source(source, dtype, place=place)
     return LoadedModel(config, params, *tokenizer)
+
+
+def _config_as_written(path) -> ModelConfig | None:
+    """The config of an HF folder's config.json as it stands (convert.sources.config_as_written), or None where that
+    is no folder or lacks a field ModelConfig reads."""
+    from convert.sources import config_as_written
+
+    written = config_as_written(path) if path.is_dir() else None
+    try:
+        return None if written is None else ModelConfig.from_hf_config(written)
+    except (ConfigError, TypeError, ValueError, KeyError):
+        return None
 
 
 def _start_tokenizer(folder) -> tuple:

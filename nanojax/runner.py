@@ -333,8 +333,9 @@ class ModelRunner:
         are loaded without tracing; the others are traced and lowered one by one, compiled on a thread pool (XLA
         compiles outside the GIL) and stored. workers: processes that each take a share of them meanwhile
         (nanojax.compile_workers; they need the executable cache and an unsharded runner), or a list of workers
-        already spawned: those handed programs (`hand_out`) are waited for, the others take shares of the rest, or
-        are stopped; None: compile_workers.WORKERS where they can run on a GPU, else none. Seconds spent lowering
+        already spawned: those handed this runner's programs (`hand_out`) are waited for, those handed another's
+        (keys it does not compute) are stopped and spawned anew, the others take shares of the rest, or are stopped;
+        None: compile_workers.WORKERS where they can run on a GPU, else none. Seconds spent lowering
         here and in all go to `compile_seconds`."""
         spawned = workers if isinstance(workers, list) else []
         try:
@@ -353,21 +354,26 @@ class ModelRunner:
                 compile_workers.send(worker, self._job(share, keys))
 
     def _compile_all(self, progress: bool, threads: int | None, workers: int | None, spawned: list) -> None:
+        start = time.perf_counter()
         alone = self._inputs_sharding is None  # not tensor-parallel: a worker builds this runner from shapes
+        todo = [p for p in self.programs() if p not in self._compiled]
+        keys = self._keys(todo)
+        # Workers handed programs under keys other than this runner's (a runner of another config: LLM's hand-out
+        # from config.json as written, where transformers' defaults differ) are stopped, and as many spawned anew.
+        stale = [w for w in spawned if w.job is not None and any(keys.get(p) != key for p, key in w.job.programs)]
+        for worker in stale:
+            spawned.remove(worker)
+            compile_workers.stop(worker)
         busy, idle = [w for w in spawned if w.job is not None], [w for w in spawned if w.job is None]
-        if spawned:
-            workers = len(idle)
+        if spawned or stale:
+            workers = len(idle) + len(stale)
         elif workers is None:
             workers = compile_workers.WORKERS if jax.default_backend() == "gpu" and self.executable_dir and alone else 0
         if (workers or spawned) and not self.executable_dir:
             raise ValueError("compile workers store programs in the executable cache: executable_dir is None")
         if (workers or spawned) and not alone:
             raise ValueError("compile workers build unsharded runners: not for a tensor-parallel one")
-        start = time.perf_counter()
-        todo = [p for p in self.programs() if p not in self._compiled]
-        keys = self._keys(todo)
-        # What busy workers compile under this runner's own keys (a key that differs: theirs is of no use here).
-        in_flight = {p for w in busy for p, key in w.job.programs if keys.get(p) == key}
+        in_flight = {p for w in busy for p, _ in w.job.programs}
         with tqdm(total=len(todo), desc=f"compiling {len(todo)} programs", disable=not progress) as bar:
             self.loaded += self._load([p for p in todo if p not in in_flight], keys, bar)
             shares = self._shares([p for p in todo if p not in self._compiled and p not in in_flight], workers + 1)

@@ -147,13 +147,15 @@ def test_a_worker_without_a_job_exits():
     worker.log.close()
 
 
-def _runner_from_shapes(runner, **changes):
-    """The runner LLM builds from the params' shapes while the weights load, with `runner`'s arguments."""
+def _runner_from_shapes(runner, config=None, **changes):
+    """The runner LLM builds from the params' shapes while the weights load, with `runner`'s arguments (and config,
+    unless another is given)."""
     from nanojax.llm import _placed_shapes
     from nanojax.runner import ModelRunner
 
-    shapes = _placed_shapes(runner.config, runner.params["embed"].dtype)
-    return ModelRunner(runner.config, shapes, **{**runner._worker_kwargs, "executable_dir": runner.executable_dir,
+    config = config or runner.config
+    shapes = _placed_shapes(config, runner.params["embed"].dtype)
+    return ModelRunner(config, shapes, **{**runner._worker_kwargs, "executable_dir": runner.executable_dir,
                                                  **changes})
 
 
@@ -204,23 +206,25 @@ def test_programs_handed_out_before_the_weights_are_waited_for(hf_model_dir, tmp
     assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
 
 
-def test_programs_handed_out_under_other_keys_compile_here(hf_model_dir, tmp_path, monkeypatch):
-    """Programs handed out under keys this runner does not compute (here: for a KV pool of another size) are of no
-    use to it: it compiles them itself, and takes from the worker only those whose keys match (the token-table
-    writer's and prompt logprobs', which do not depend on the pool)."""
-    from nanojax import executable_cache
+def test_programs_handed_out_for_another_config_are_compiled_anew(hf_model_dir, tmp_path, monkeypatch):
+    """A worker handed programs for another config (LLM's hand-out from config.json as written, where it differs from
+    transformers' normalized config) is of no use: it is stopped, a worker is spawned in its place, and the runner's
+    own programs are compiled: the same tokens."""
+    import dataclasses
 
     folder, _ = hf_model_dir("qwen3")
-    runner = LLM(folder, **SMALL).runner
+    llm = LLM(folder, **SMALL)
+    runner = llm.runner
     runner.executable_dir = tmp_path
     ahead = [compile_workers.spawn()]
-    other = _runner_from_shapes(runner, num_pages=runner._worker_kwargs["num_pages"] + 1)
-    other.hand_out(ahead)
-    lowered_here, lower = [], runner._lower
-    monkeypatch.setattr(runner, "_lower", lambda p: lowered_here.append(p) or lower(p))
+    stale = ahead[0].process
+    other = dataclasses.replace(runner.config, eos_token_ids=(*runner.config.eos_token_ids, 3))
+    _runner_from_shapes(runner, config=other).hand_out(ahead)
+    spawned, spawn = [], compile_workers.spawn
+    monkeypatch.setattr(compile_workers, "spawn", lambda: spawned.append(spawn()) or spawned[-1])
     runner.compile_all(progress=False, workers=ahead)
-    handed = other.programs()
-    same = [p for p in handed if executable_cache.program_key(*other._key_parts(p)) == executable_cache.program_key(
-        *runner._key_parts(p))]
-    assert same == ["prompt", "set_slot"] and set(lowered_here) == set(runner.programs()) - set(same)
+    assert stale.returncode is not None and not ahead and len(spawned) == 1
     assert runner.compiles == len(runner.programs()) and runner.loaded == 0
+    prompts = random_prompts(97, [3, 21, 9], seed=5)
+    expected = [o.token_ids for o in LLM(folder, **SMALL).generate(prompts, GREEDY, use_tqdm=False)]
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected

@@ -8,14 +8,23 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+from conftest import TINY
+
 from nanojax import default_model
+from nanojax.loader import _config_as_written
+
+CONFIGS = Path(__file__).parents[1] / "scripts" / "configs"  # published config.json files of real models
 
 CHILD = """
 import json, sys
 from nanojax.loader import load_model
-loaded = load_model(sys.argv[1], "float32")
+known = []
+loaded = load_model(sys.argv[1], "float32", on_config=lambda k: known.append(("transformers" in sys.modules,
+                                                                              k.config)))
 m = loaded.resolved()
 print(json.dumps({"auto": "transformers.models.auto" in sys.modules, "vocab_limit": loaded.vocab_limit(),
+                  "on_config": [(imported, config == loaded.config) for imported, config in known],
                   "config": repr(m.config), "class": type(m.tokenizer).__name__, "size": len(m.tokenizer),
                   "ids": m.tokenizer("The capital of France is Paris. ünï 123").input_ids,
                   "chat": m.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
@@ -38,6 +47,8 @@ def test_second_load_needs_no_auto_classes(hf_model_dir, tmp_path):
     first, second = runs
     assert first["auto"], "the first load asks transformers' auto classes"
     assert not second["auto"]
+    # The config as config.json states it comes first, before transformers is imported, and is the normalized one.
+    assert first["on_config"] == second["on_config"] == [[False, True]]
     assert {k: v for k, v in first.items() if k != "auto"} == {k: v for k, v in second.items() if k != "auto"}
     assert first["vocab_limit"] == min(first["size"], 97)  # the tiny qwen3's embedding rows
     assert len(list((tmp_path / "cache" / "answers").rglob("*.json"))) == 2  # the config, the tokenizer's class
@@ -112,6 +123,32 @@ def test_the_first_tokenizer_pick_does_not_hold_up_the_weights(hf_model_dir, tmp
     assert picking.wait(60) and not loaded.tokenizer.done() and loaded.params["layers"]
     go_on.set()
     assert loaded.vocab_limit() == min(len(loaded.resolved().tokenizer), 97)
+
+
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_config_as_written_is_the_normalized_one(hf_model_dir, name):
+    """config.json as transformers writes it, read without transformers (for the compile workers' early hand-out),
+    gives the config of transformers' normalized form."""
+    folder, _ = hf_model_dir(name)
+    assert _config_as_written(folder) == _normalized(folder / "config.json")
+
+
+def test_published_configs_as_written_are_the_normalized_ones(tmp_path):
+    """So do real models' config.json files as published (transformers 4's rope fields); a file that leaves fields
+    to transformers' defaults gives none (the hand-out then waits for the normalized config)."""
+    published = sorted(CONFIGS.glob("*.json"))
+    assert published
+    for path in published:
+        (tmp_path / "config.json").write_text(path.read_text())
+        written = _config_as_written(tmp_path)
+        assert written == _normalized(path) or written is None and path.name == "tiny-llama.json", path.name
+
+
+def _normalized(config_file: Path):
+    from convert.sources import normalized_hf_config
+    from nanojax.config import ModelConfig
+
+    return ModelConfig.from_hf_config(normalized_hf_config(json.loads(config_file.read_text())))
 
 
 def test_on_config_comes_before_the_weights(hf_model_dir, monkeypatch):
