@@ -11,11 +11,12 @@ without timing: nanojax.runner's compiler options), in whichever process compile
 the other processes' compiles measured as fast as the engine's own (docs/perf_notes.md, "Start-up"). A program a
 worker did not store (it failed, or could not start) is compiled by the engine: a worker costs time, never
 correctness. On a build's first start `LLM` spawns the workers before it reads the weights and, for an HF folder,
-hands them every program as soon as the config is read (`ModelRunner.hand_out`, from the params' shapes and the KV
-pool's size, which follow from the config): the engine converts and places the weights meanwhile, and its
-`compile_all` waits for the workers and loads the programs. The engine lowers nothing then: beside four busy workers
-its own share's lowering took 19-43 s, and the empty start was 37.0 s without it against 65.5 s with it
-(docs/perf_notes.md, "Start-up").
+hands them every program as soon as config.json is read, before transformers normalizes it (`ModelRunner.hand_out`,
+from the params' shapes and the KV pool's size, which follow from the config): the engine converts and places the
+weights meanwhile, and its `compile_all` waits for the workers and loads the programs, or stops those handed
+programs for a config other than the normalized one and compiles anew. The engine lowers nothing then: beside
+four busy workers its own share's lowering took 19-43 s, and the empty start was 37.0 s without it against 65.5 s
+with it (docs/perf_notes.md, "Start-up").
 """
 import json
 import logging

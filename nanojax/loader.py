@@ -4,7 +4,7 @@ import dataclasses
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
-from nanojax.config import ConfigError, ModelConfig
+from nanojax.config import ModelConfig
 from nanojax.quantize import is_quantized
 
 
@@ -79,7 +79,7 @@ def _config_as_written(path) -> ModelConfig | None:
     written = config_as_written(path) if path.is_dir() else None
     try:
         return None if written is None else ModelConfig.from_hf_config(written)
-    except (ConfigError, TypeError, ValueError, KeyError):
+    except (ValueError, TypeError, KeyError):  # a field missing (ConfigError) or of another type
         return None
 
 
