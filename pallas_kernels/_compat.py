@@ -64,8 +64,9 @@ def triton_params(num_warps: int, num_stages: int):
 
 def can_lower_for_cuda() -> bool:
     """Whether Triton kernels can be lowered for 'cuda' here (e.g. on a CPU-only machine, to check the lowering):
-    jaxlib <= 0.10.2 embeds the Triton IR in the HLO, later versions compile it while lowering and need the CUDA
-    plugin's compiler. Uses jaxlib internals, so anything unexpected means "no"."""
+    jaxlib <= 0.10.2 lowers them without a GPU; later versions need one (0.11.2 asks a GPU device for its compute
+    capability; some 0.11 development versions compiled the module while lowering, through the CUDA plugin). Uses
+    jaxlib internals, so anything unexpected means "no"."""
     try:
         from jax._src.lib import triton, version
         return version <= (0, 10, 2) or triton.has_compilation_handler("cuda")
