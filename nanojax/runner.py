@@ -496,13 +496,16 @@ class ModelRunner:
         return self._layouts[p]
 
     def _lower(self, p):
+        return self._trace(p).lower()
+
+    def _trace(self, p) -> jax.stages.Traced:
         fn, args, kw = self._call(p)
         if not isinstance(p, Program):  # called with its arguments as they are
-            return fn.trace(*args, **kw).lower()
+            return fn.trace(*args, **kw)
         layout = self._record_layout(p, args)
         nbytes = sum(int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in layout[1])
         return packed_step.trace(*args[:4], jax.ShapeDtypeStruct((nbytes,), jnp.uint8), step=fn, layout=layout,
-                                 static=tuple(sorted(kw.items()))).lower()
+                                 static=tuple(sorted(kw.items())))
 
     def _compiler_options(self, p) -> dict:
         """XLA options for compiling program p on a GPU (COST_MODEL_TILING, CUBLAS_GEMMS, decode_tiling); none on the

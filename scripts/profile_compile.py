@@ -5,13 +5,15 @@
         scripts/profile_compile.py --mode compile_all --timings
 
 A random-weight model saved as an HF folder, `LLM(folder, warmup=False)`, then every program of
-`runner.programs()`: `serial` traces, lowers and compiles each in turn (seconds and the process's CPU seconds per
-program); `pool` lowers all, then compiles them on --threads threads; `compile_all` runs the engine's own
-`compile_all` (lowering one by one, compiling on a thread per core, shares of the programs in --workers compile
-workers; CPU seconds this process's and its workers'). JAX's persistent compilation cache is off in the
-first two and empty in the third (give a fresh NANOJAX_CACHE). `--timings` then times decode at batch 1 and 64 (256
-tokens over 32-token prompts, a 1-token run subtracted), prefill (256 prompts of 100 tokens; one of 4,000) and
-nano-vllm's workload (bench_throughput's, in the 8,192 pages given here: prefills mixed with decodes).
+`runner.programs()`: `serial` traces, lowers and compiles each in turn (seconds, and CPU seconds with ptxas's, per
+program); `pool` lowers all, then compiles them on --threads threads; both compile each program with the engine's XLA
+options for it (`ModelRunner._compiler_options`) updated by --compiler-options, and keep what they compiled as the
+engine's programs. `compile_all` runs the engine's own `compile_all` (lowering one by one, compiling on a thread per
+core, shares of the programs in --workers compile workers; CPU seconds this process's and its children's: the
+workers, ptxas). JAX's persistent compilation cache is off in the first two and empty in the third (give a fresh
+NANOJAX_CACHE). `--timings` then times, on the programs just compiled, decode at batch 1 and 64 (256 tokens over
+32-token prompts, a 1-token run subtracted), prefill (256 prompts of 100 tokens; one of 4,000) and nano-vllm's
+workload (bench_throughput's, in the 8,192 pages given here: prefills mixed with decodes).
 """
 import argparse
 import concurrent.futures
@@ -27,21 +29,23 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1]))
 
 
-def cpu_seconds(who=resource.RUSAGE_SELF) -> float:
-    usage = resource.getrusage(who)
-    return usage.ru_utime + usage.ru_stime
+def cpu_seconds(who=(resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)) -> float:
+    """CPU seconds of this process and of its waited-for children (XLA runs ptxas as a child process; the compile
+    workers are children too)."""
+    return sum(u.ru_utime + u.ru_stime for u in map(resource.getrusage, who))
 
 
 def serial(runner, compiler_options: dict) -> dict:
+    """Each program traced, lowered and compiled in turn with the engine's options for it updated by
+    compiler_options, and kept as the runner's (so that --timings runs these)."""
     rows = []
     for p in runner.programs():
-        fn, args, kw = runner._call(p)
         t0 = time.perf_counter()
-        traced = fn.trace(*args, **kw)
+        traced = runner._trace(p)
         t1 = time.perf_counter()
         lowered = traced.lower()
         t2, c0 = time.perf_counter(), cpu_seconds()
-        lowered.compile(compiler_options=compiler_options)
+        runner._compiled[p] = lowered.compile(compiler_options={**runner._compiler_options(p), **compiler_options})
         rows.append({"program": str(p), "trace_s": t1 - t0, "lower_s": t2 - t1, "compile_s": time.perf_counter() - t2,
                      "compile_cpu_s": cpu_seconds() - c0})
         print(json.dumps(rows[-1]), flush=True)
@@ -50,11 +54,15 @@ def serial(runner, compiler_options: dict) -> dict:
 
 
 def pool(runner, threads: int, compiler_options: dict) -> dict:
+    """Every program lowered, then compiled on `threads` threads (options as in `serial`), kept as the runner's."""
     t0 = time.perf_counter()
-    lowered = [runner._lower(p) for p in runner.programs()]
+    programs = runner.programs()
+    lowered = [runner._lower(p) for p in programs]
     t1, c0 = time.perf_counter(), cpu_seconds()
     with concurrent.futures.ThreadPoolExecutor(threads) as executor:
-        list(executor.map(lambda x: x.compile(compiler_options=compiler_options), lowered))
+        compiled = list(executor.map(lambda p, x: x.compile(compiler_options={
+            **runner._compiler_options(p), **compiler_options}), programs, lowered))
+    runner._compiled.update(zip(programs, compiled))
     return {"programs": len(lowered), "lower_s": t1 - t0, "compile_s": time.perf_counter() - t1,
             "compile_cpu_s": cpu_seconds() - c0, "threads": threads}
 
@@ -95,7 +103,8 @@ def main():
     ap.add_argument("--timings", action="store_true")
     ap.add_argument("--workers", type=int, default=None, help="compile_all: compile workers (default: the engine's)")
     ap.add_argument("--compiler-options", type=json.loads, default={},
-                    help='serial and pool: XLA options for every compile, as JSON ({"xla_gpu_autotune_level": 1})')
+                    help='serial and pool: XLA options over the engine\'s for every compile, as JSON '
+                         '({"xla_gpu_autotune_level": 1})')
     ap.add_argument("--out", default="profile_compile.json")
     args = ap.parse_args()
     import jax
@@ -107,10 +116,11 @@ def main():
         random_hf_model(args.model, "bfloat16").save_pretrained(tmp)
         llm = LLM(tmp, warmup=False, progress=False, num_pages=8192)
     if args.mode == "compile_all":
-        c0, w0 = cpu_seconds(), cpu_seconds(resource.RUSAGE_CHILDREN)
+        own, children = (resource.RUSAGE_SELF,), (resource.RUSAGE_CHILDREN,)
+        c0, w0 = cpu_seconds(own), cpu_seconds(children)
         llm.runner.compile_all(progress=False, workers=args.workers)
-        result = {**llm.runner.compile_seconds, "cpu_s": cpu_seconds() - c0,
-                  "workers_cpu_s": cpu_seconds(resource.RUSAGE_CHILDREN) - w0, "programs": llm.runner.compiles}
+        result = {**llm.runner.compile_seconds, "cpu_s": cpu_seconds(own) - c0,
+                  "workers_cpu_s": cpu_seconds(children) - w0, "programs": llm.runner.compiles}
     else:
         jax.config.update("jax_enable_compilation_cache", False)
         result = (serial(llm.runner, args.compiler_options) if args.mode == "serial"
