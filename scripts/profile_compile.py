@@ -1,6 +1,7 @@
 """Where an empty-cache start's compiling goes, program by program, and what an XLA flag costs in step time.
 
-    NANOJAX_CACHE=$(mktemp -d) PYTHONPATH=$PWD python3 scripts/profile_compile.py --model qwen3-0.6b --mode serial
+    NANOJAX_CACHE=$(mktemp -d) PYTHONPATH=$PWD python3 scripts/profile_compile.py --model qwen3-0.6b --mode serial \\
+        --steps
     NANOJAX_CACHE=$(mktemp -d) XLA_FLAGS=--xla_gpu_autotune_level=0 PYTHONPATH=$PWD python3 \\
         scripts/profile_compile.py --mode compile_all --timings
 
@@ -13,10 +14,13 @@ core, shares of the programs in --workers compile workers; CPU seconds this proc
 workers, ptxas). JAX's persistent compilation cache is off in the first two and empty in the third (give a fresh
 NANOJAX_CACHE). `--timings` then times, on the programs just compiled, decode at batch 1 and 64 (256 tokens over
 32-token prompts, a 1-token run subtracted), prefill (256 prompts of 100 tokens; one of 4,000) and nano-vllm's
-workload (bench_throughput's, in the 8,192 pages given here: prefills mixed with decodes).
+workload (bench_throughput's, in the 8,192 pages given here: prefills mixed with decodes); `--steps` each decode and
+prefill program's own step, run on the runner (to compare options program by program, run it once per
+tree).
 """
 import argparse
 import concurrent.futures
+import itertools
 import json
 import os
 import resource
@@ -67,6 +71,48 @@ def pool(runner, threads: int, compiler_options: dict) -> dict:
             "compile_cpu_s": cpu_seconds() - c0, "threads": threads}
 
 
+def steps(runner, context: int = 512, reps: int = 5) -> list[dict]:
+    """Each decode and prefill program's step run directly on the runner (greedy, the median of `reps` after one): a
+    decode dispatch with every row at `context` tokens (ms a step), a prefill of its rows x PREFILL_ROW - 10 tokens
+    in one chunk, a mixed one with 64 decode rows (ms). Cascade decodes are left out (they need shared prefixes). The
+    rows take the pool's pages in turn: their KV values do not change the time."""
+    from nanojax.runner import PREFILL_ROW, Program, greedy_sampling
+
+    pages = itertools.cycle(range(1, runner.cache.num_pages))
+    slot = runner.neutral_slot
+
+    def table(tokens):
+        return [next(pages) for _ in range(-(-tokens // runner.page_size))]
+
+    def median_ms(call):
+        call()
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - start)
+        return 1e3 * sorted(times)[reps // 2]
+
+    rows = []
+    for p in runner.programs():
+        if not isinstance(p, Program) or p.cascade:
+            continue
+        if p.num_steps:
+            tables = [table(context + p.num_steps) for _ in range(p.rows)]
+            ms = median_ms(lambda: runner.decode([5] * p.rows, tables, [context] * p.rows, greedy_sampling(
+                p.rows, slot), p.num_steps).tokens()) / p.num_steps
+        else:
+            n = p.rows * PREFILL_ROW - 10
+            chunk = ([7] * n, table(n), n, {k: v[0] for k, v in greedy_sampling(1, slot).items()})
+            d = min(64, p.decode_rows)
+            decodes = ([5] * d, [table(context + 1) for _ in range(d)], [context] * d, greedy_sampling(d, slot)
+                       ) if d else None
+            ms = median_ms(lambda: runner.prefill([chunk], decodes)[0][0].tokens())
+        rows.append({"program": str(p), "step_ms": ms})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def timings(llm) -> dict:
     from bench_throughput import nano_vllm_workload
 
@@ -101,6 +147,7 @@ def main():
     ap.add_argument("--mode", default="serial", choices=["serial", "pool", "compile_all"])
     ap.add_argument("--threads", type=int, default=16)
     ap.add_argument("--timings", action="store_true")
+    ap.add_argument("--steps", action="store_true", help="then time each decode and prefill program's step")
     ap.add_argument("--workers", type=int, default=None, help="compile_all: compile workers (default: the engine's)")
     ap.add_argument("--compiler-options", type=json.loads, default={},
                     help='serial and pool: XLA options over the engine\'s for every compile, as JSON '
@@ -125,6 +172,8 @@ def main():
         jax.config.update("jax_enable_compilation_cache", False)
         result = (serial(llm.runner, args.compiler_options) if args.mode == "serial"
                   else pool(llm.runner, args.threads, args.compiler_options))
+    if args.steps:
+        result["steps"] = steps(llm.runner)
     if args.timings:
         result.update(timings(llm))
     result.update(model=args.model, mode=args.mode, xla_flags=os.environ.get("XLA_FLAGS", ""),
