@@ -499,6 +499,8 @@ class ModelRunner:
         return self._trace(p).lower()
 
     def _trace(self, p) -> jax.stages.Traced:
+        """Program p traced as it is dispatched: a Program through packed_step (its host arrays as one buffer, their
+        layout recorded for _run), the others with their arguments as they are."""
         fn, args, kw = self._call(p)
         if not isinstance(p, Program):  # called with its arguments as they are
             return fn.trace(*args, **kw)

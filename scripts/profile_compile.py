@@ -39,6 +39,11 @@ def cpu_seconds(who=(resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)) -> float:
     return sum(u.ru_utime + u.ru_stime for u in map(resource.getrusage, who))
 
 
+def options_for(runner, p, compiler_options: dict) -> dict:
+    """The engine's XLA options for program p, updated by compiler_options."""
+    return {**runner._compiler_options(p), **compiler_options}
+
+
 def serial(runner, compiler_options: dict) -> dict:
     """Each program traced, lowered and compiled in turn with the engine's options for it updated by
     compiler_options, and kept as the runner's (so that --timings runs these)."""
@@ -49,7 +54,7 @@ def serial(runner, compiler_options: dict) -> dict:
         t1 = time.perf_counter()
         lowered = traced.lower()
         t2, c0 = time.perf_counter(), cpu_seconds()
-        runner._compiled[p] = lowered.compile(compiler_options={**runner._compiler_options(p), **compiler_options})
+        runner._compiled[p] = lowered.compile(compiler_options=options_for(runner, p, compiler_options))
         rows.append({"program": str(p), "trace_s": t1 - t0, "lower_s": t2 - t1, "compile_s": time.perf_counter() - t2,
                      "compile_cpu_s": cpu_seconds() - c0})
         print(json.dumps(rows[-1]), flush=True)
@@ -64,8 +69,8 @@ def pool(runner, threads: int, compiler_options: dict) -> dict:
     lowered = [runner._lower(p) for p in programs]
     t1, c0 = time.perf_counter(), cpu_seconds()
     with concurrent.futures.ThreadPoolExecutor(threads) as executor:
-        compiled = list(executor.map(lambda p, x: x.compile(compiler_options={
-            **runner._compiler_options(p), **compiler_options}), programs, lowered))
+        compiled = list(executor.map(lambda p, x: x.compile(compiler_options=options_for(runner, p, compiler_options)),
+                                     programs, lowered))
     runner._compiled.update(zip(programs, compiled))
     return {"programs": len(lowered), "lower_s": t1 - t0, "compile_s": time.perf_counter() - t1,
             "compile_cpu_s": cpu_seconds() - c0, "threads": threads}
