@@ -6,30 +6,37 @@ Tracing and lowering are Python under the GIL: one process lowers one program at
 (`python -m nanojax.compile_workers`). A worker rebuilds the runner from shapes alone (no weights, no KV pool: the
 params' ShapeDtypeStructs), lowers the programs it is given, compiles them on a thread pool and stores each in the
 executable cache under the key the engine computed (nanojax.executable_cache); the engine then loads them. XLA tunes
-the GEMMs of FP8 weights' decodes by timing candidates on the GPU (the other programs' GEMMs get a tiling or cuBLAS
-without timing: nanojax.runner's compiler options), in whichever process compiles them: the tilings it picks beside
-the other processes' compiles measured as fast as the engine's own (docs/perf_notes.md, "Start-up"). A program a
-worker did not store (it failed, or could not start) is compiled by the engine: a worker costs time, never
-correctness. On a build's first start `LLM` spawns the workers before it reads the weights and, for an HF folder,
-hands them every program as soon as config.json is read, before transformers normalizes it (`ModelRunner.hand_out`,
-from the params' shapes and the KV pool's size, which follow from the config): the engine converts and places the
-weights meanwhile, and its `compile_all` waits for the workers and loads the programs, or stops those handed
-programs for a config other than the normalized one and compiles anew. The engine lowers nothing then: beside
-four busy workers its own share's lowering took 19-43 s, and the empty start was 37.0 s without it against 65.5 s
-with it (docs/perf_notes.md, "Start-up").
+the GEMMs of FP8 weights' decodes by compiling and timing candidates on the GPU (the other programs' GEMMs get one
+tiling or cuBLAS, no Triton candidate compiled: nanojax.runner's compiler options), in whichever process compiles
+them: the tilings it picks beside the other processes' compiles measured as fast as the engine's own
+(docs/perf_notes.md, "Start-up"). A program a worker did not store (it failed, or could not start) is compiled by the
+engine: a worker costs time, never correctness. On a build's first start `LLM` starts the workers before it reads the
+weights: forked from its own process before JAX starts a backend there (`fork_ahead`), they skip importing JAX and
+nanojax (on the H200 ready 0.9-1.0 s into `LLM()` against 3.9-5.6 s spawned), else spawned. For an HF folder it hands
+them every program as soon as config.json is read, before transformers normalizes it (`ModelRunner.hand_out`, from the
+params' shapes and the KV pool's size, which follow from the config): the engine converts and places the weights
+meanwhile, and its `compile_all` waits for the workers and loads the programs, or stops those handed programs for a
+config other than the normalized one and compiles anew. The engine lowers nothing then: beside four busy workers its
+own share's lowering took 19-43 s, and the empty start was 37.0 s without it against 65.5 s with it
+(docs/perf_notes.md, "Start-up").
 """
 import json
 import logging
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import traceback
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import jax
+from jax._src import xla_bridge
 
 _log = logging.getLogger(__name__)
 # Workers beside the engine's own share on a GPU: on an H200's 16 cores 8 were no faster than 4 and spent more CPU
@@ -54,12 +61,28 @@ JAX_CONFIG = ("jax_platforms", "jax_enable_x64", "jax_default_matmul_precision",
               "jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
 
 
+class Forked:
+    """A forked worker's process, with what this module uses of subprocess.Popen's."""
+
+    def __init__(self, pid: int, stdin):
+        self.pid, self.stdin, self.returncode = pid, stdin, None
+
+    def wait(self) -> int:
+        if self.returncode is None:
+            self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, signal.SIGKILL)
+
+
 @dataclass
 class Running:
     """A started worker."""
-    process: subprocess.Popen
+    process: "subprocess.Popen | Forked"
     log: object  # the worker's stderr, a temporary file read if it fails
-    out: object  # its stdout, a temporary file: at its end a line of its `report`'s wall-clock times
+    out: object  # its stdout, a temporary file: at its end a line of its `life`'s wall-clock times
     spawned: float  # time.time() at its start
     job: Job | None = None  # None until `send`
 
@@ -77,6 +100,76 @@ def spawn() -> Running:
     process = subprocess.Popen([sys.executable, "-m", "nanojax.compile_workers"], stdin=subprocess.PIPE,
                                stdout=out, stderr=log, env=env)
     return Running(process, log, out, time.time())
+
+
+def fork_ahead(n: int) -> list[Running]:
+    """n workers forked from this process, each waiting (without a backend) for `start`; [] where forking is not
+    safe: a JAX backend started here already (its CUDA state and threads do not survive a fork), other Python threads
+    running (a lock one of them holds would stay held in the child), or no os.fork. They share this process's
+    imports and jax.config; `stop` ends those not started."""
+    if not hasattr(os, "fork") or xla_bridge.backends_are_initialized() or threading.active_count() > 1:
+        return []
+    pipes = [os.pipe() for _ in range(n)]
+    files = [(tempfile.TemporaryFile(), tempfile.TemporaryFile()) for _ in range(n)]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pids = []
+    for i, (read, _) in enumerate(pipes):
+        try:
+            with warnings.catch_warnings():  # Python 3.12 warns of native threads: numpy's BLAS pool, which
+                warnings.simplefilter("ignore", DeprecationWarning)  # stops and restarts itself around a fork
+                pid = os.fork()
+        except OSError:  # no memory or process left for one: none is kept (the engine spawns them if it needs them)
+            break
+        if pid == 0:
+            for fd in (fd for pipe in pipes for fd in pipe if fd != read):
+                os.close(fd)  # the others' ends: a worker sees the end of its job only when the engine closes it
+            _forked_life(read, *files[i])
+        pids.append(pid)
+    spawned = time.time()
+    for read, _ in pipes:
+        os.close(read)
+    for (_, write), (log, out) in zip(pipes[len(pids):], files[len(pids):]):
+        os.close(write)
+        log.close()
+        out.close()
+    workers = [Running(Forked(pid, os.fdopen(write, "wb")), log, out, spawned)
+               for pid, (_, write), (log, out) in zip(pids, pipes, files)]
+    if len(workers) < n:
+        stop_all(workers)
+    return workers
+
+
+def start(forked: list[Running]) -> list[Running]:
+    """Lets forked workers start their backends (then they wait for their jobs, `send`); returns them."""
+    for worker in forked:
+        try:
+            worker.process.stdin.write(b"g")
+            worker.process.stdin.flush()
+        except OSError:  # it died: wait() reports it
+            pass
+    return forked
+
+
+def _forked_life(job_fd: int, log, out) -> None:
+    """A forked worker: waits for `start`, then lives as a spawned one (`life`); never returns. Its output goes to
+    its files, not to the engine's streams."""
+    code = 1
+    try:
+        for fd in (1, 2):  # a library's prints and XLA's messages
+            os.dup2(log.fileno(), fd)
+        sys.stdout, sys.stderr = open(1, "w", closefd=False), open(2, "w", closefd=False)
+        with os.fdopen(job_fd, "rb") as jobs:
+            if jobs.read(1) == b"g":  # else stopped before start: nothing to do
+                os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # read when the backend starts
+                life(jobs, out)
+        code = 0
+    except BaseException:  # noqa: BLE001 - reported through the exit status and the log
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)  # not the engine's exit handlers
 
 
 def send(worker: Running, job: Job) -> Running:
@@ -148,19 +241,21 @@ def run(job: Job) -> float:
     return ModelRunner(job.config, job.params, **job.runner_kwargs).compile_programs(list(keys), keys)
 
 
-def report() -> None:
-    """A worker's life: imports and backend, then its job if one comes; its times to stdout (`wait` reads them)."""
+def life(jobs, out) -> None:
+    """A worker's life: imports and backend, then its job if one comes on `jobs` (a binary file); its times to `out`
+    (a binary file, `wait` reads them)."""
     import nanojax.runner  # noqa: F401 -- imported, and the backend started, before the job comes (`spawn`)
 
     jax.devices()
     times = {"ready": time.time()}
-    job = sys.stdin.buffer.read()
+    job = jobs.read()
     if job:  # else the engine had nothing for it
         times["job"] = time.time()
         times["lowering"] = run(pickle.loads(job))
         times["done"] = time.time()
-        print(json.dumps(times), flush=True)
+        out.write(f"{json.dumps(times)}\n".encode())
+        out.flush()
 
 
 if __name__ == "__main__":
-    report()
+    life(sys.stdin.buffer, sys.stdout.buffer)

@@ -127,8 +127,13 @@ class LLM(RequestFront):
                  cascade: "bool | CascadeRules" = True):
         from nanojax.cache import use_compilation_cache
 
-        start = time.perf_counter()
-
+        start, start_wall = time.perf_counter(), time.time()
+        # Compile workers forked before this process starts a backend, in case this is a build's first start on a
+        # GPU (decided below, once the backend is up): forked, they skip importing JAX and nanojax. They end with
+        # this LLM, if __init__ fails before warmup takes them.
+        spawned = compile_workers.fork_ahead(compile_workers.WORKERS) if (
+            warmup is not False and tensor_parallel_size is None) else []
+        weakref.finalize(self, compile_workers.stop_all, spawned)
         on_gpu = jax.default_backend() == "gpu"
         if on_gpu:  # XLA:CPU executables do not reliably survive the persistent cache (nanojax.cache)
             use_compilation_cache()
@@ -143,13 +148,16 @@ class LLM(RequestFront):
         # Off for several processes: each holds other devices' executables, under keys not yet made per process.
         # Off on the CPU: an XLA:CPU executable is not reliably loaded by another process (nanojax.cache).
         executable_dir = executable_cache.default_directory() if on_gpu and not several else None
-        # A build's first start (none of its executables stored yet): compile workers start now, importing JAX and
-        # nanojax while the weights load, and take shares of the programs in warmup (nanojax.compile_workers).
-        spawned = [compile_workers.spawn() for _ in range(compile_workers.WORKERS)] if (
-            warmup and executable_dir and not sharded and executable_cache.holds_none(executable_dir)) else []
-        spawned_at = time.perf_counter()
-        if spawned:  # they end with this LLM, if __init__ fails before warmup takes them
-            weakref.finalize(self, compile_workers.stop_all, spawned)
+        # A build's first start (none of its executables stored yet): compile workers start now (spawned where none
+        # was forked), starting their backends while the weights load, and take shares of the programs in warmup
+        # (nanojax.compile_workers).
+        if not (warmup and executable_dir and not sharded and executable_cache.holds_none(executable_dir)):
+            compile_workers.stop_all(spawned)
+        elif spawned:
+            compile_workers.start(spawned)
+        else:
+            spawned.extend(compile_workers.spawn() for _ in range(compile_workers.WORKERS))
+        spawned_at = spawned[0].spawned - start_wall if spawned else None  # workers' times count from their start
         self.decode_steps = _positive("decode_steps", decode_steps, 32 if on_gpu else 8)
         max_num_seqs = _positive("max_num_seqs", max_num_seqs, 256 if on_gpu else 64)
         budget = _positive("max_num_batched_tokens", max_num_batched_tokens, 8192 if on_gpu else 2048)
@@ -220,7 +228,7 @@ class LLM(RequestFront):
         # of their times, from their spawn).
         self.startup_seconds = {"load": loaded_at - start, "build": built_at - loaded_at,
                                 "compile": compiled_at - built_at, "tokenizer_wait": time.perf_counter() - compiled_at,
-                                **({"workers_spawned": spawned_at - start} if spawned else {}),
+                                **({"workers_spawned": spawned_at} if spawned_at is not None else {}),
                                 **({"handed_out": handed["at"] - start} if handed else {})}
 
     def stats(self) -> EngineStats:

@@ -45,16 +45,19 @@ from pallas_kernels.cascade_attention import cascade_members_per_item
 PREFILL_ROW = 64
 _STATIC = ("config", "ops")
 # XLA options for the programs' compiles on a GPU. XLA tunes each GEMM by compiling and timing ~25 candidates (Triton
-# tilings and cuBLAS), most of an empty-cache start's compile work (docs/perf_notes.md, "Start-up"). The prefills'
-# GEMMs take the tiling XLA's cost model ranks first (measured as fast). The decodes of CUBLAS_DECODE_ROWS rows and
-# more take cuBLAS, no Triton candidate compiled (steps within 1% at 128 and 256 rows, a quarter of the compile's CPU
-# seconds; 12-21% slower below). The smaller decodes take one Triton tiling for all their GEMMs (`decode_tiling`):
-# steps within 1% of XLA's tuning at 1-64 rows on Qwen3-0.6B (4-64 on Qwen3-8B), a third of the compile's CPU seconds
-# (the cost model's pick ran batch 64 5-10% slower). The decodes of FP8 weights keep XLA's tuning: cuBLAS cannot fuse
-# their dequantizing dots, and the tiling was measured on bf16 weights only.
+# tilings and cuBLAS), most of an empty-cache start's compile work (docs/perf_notes.md, "Start-up"). A program whose
+# GEMMs have CUBLAS_MIN_ROWS rows or more (a decode's rows; a prefill's tokens and decode rows) takes cuBLAS, no
+# Triton candidate compiled: decodes of 128 and 256 rows within 1% of XLA's tuning; prefills and mixed steps against
+# the tiling XLA's cost model ranks first (their option before) 0-7% faster at 128-1,280 rows and 1-7% slower above
+# on Qwen3-0.6B, 27-29% faster at 4,096-8,448 rows on Qwen3-8B, each compile a quarter cheaper. Below it cuBLAS was
+# slower (decodes of 1-64 rows 12-21%, a 64-token prefill 5% on Qwen3-0.6B): the smaller decodes take one Triton
+# tiling for all their GEMMs (`decode_tiling`: steps within 1% of XLA's tuning at 1-64 rows on Qwen3-0.6B, 4-64 on
+# Qwen3-8B, a third of the compile's CPU seconds; the cost model's pick ran batch 64 5-10% slower), the 64-token
+# prefill the cost model's tiling. FP8 weights keep the cost model's tiling for prefills and XLA's tuning for decodes:
+# cuBLAS cannot fuse their dequantizing dots, and the tiling was measured on bf16 weights only.
 COST_MODEL_TILING = {"xla_gpu_experimental_cost_model_gemm_tiling_default": True}
 CUBLAS_GEMMS = {"xla_gpu_enable_triton_gemm": False}
-CUBLAS_DECODE_ROWS = 128
+CUBLAS_MIN_ROWS = 128
 
 
 def decode_tiling(rows: int) -> dict:
@@ -510,15 +513,16 @@ class ModelRunner:
                                  static=tuple(sorted(kw.items())))
 
     def _compiler_options(self, p) -> dict:
-        """XLA options for compiling program p on a GPU (COST_MODEL_TILING, CUBLAS_GEMMS, decode_tiling); none on the
+        """XLA options for compiling program p on a GPU (CUBLAS_GEMMS, COST_MODEL_TILING, decode_tiling); none on the
         CPU."""
         if jax.default_backend() != "gpu" or not isinstance(p, Program):
             return {}
+        quantized = is_quantized(self.params["layers"][0]["o"])
+        if p.rows * p.tokens_per_row + p.decode_rows >= CUBLAS_MIN_ROWS and not quantized:
+            return dict(CUBLAS_GEMMS)
         if not p.num_steps:
             return dict(COST_MODEL_TILING)
-        if is_quantized(self.params["layers"][0]["o"]):
-            return {}
-        return dict(CUBLAS_GEMMS) if p.rows >= CUBLAS_DECODE_ROWS else decode_tiling(p.rows)
+        return {} if quantized else decode_tiling(p.rows)
 
     def _program(self, p):
         if p not in self._compiled:  # lazily, when compile_all was not called (CPU tests): no executable cache

@@ -228,3 +228,54 @@ def test_programs_handed_out_for_another_config_are_compiled_anew(hf_model_dir, 
     prompts = random_prompts(97, [3, 21, 9], seed=5)
     expected = [o.token_ids for o in LLM(folder, **SMALL).generate(prompts, GREEDY, use_tqdm=False)]
     assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
+
+
+_FORKED = r"""
+import sys
+from nanojax import LLM, SamplingParams, compile_workers
+
+folder, directory = sys.argv[1:]
+forked = compile_workers.fork_ahead(3)  # before this process starts a backend
+assert len(forked) == 3, forked
+unstarted, idle, busy = forked
+compile_workers.stop(unstarted)  # stopped while it waits for start: killed, nothing run
+assert unstarted.process.returncode < 0
+compile_workers.start([idle, busy])
+idle.process.stdin.close()  # started without a job: exits cleanly, no times
+assert compile_workers.wait(idle) is None and idle.process.returncode == 0
+import jax
+jax.config.update("jax_enable_compilation_cache", False)
+llm = LLM(folder, dtype="float32", page_size=4, max_model_len=32, max_num_seqs=2, max_num_batched_tokens=64,
+          kernels="reference", warmup=False)
+assert compile_workers.fork_ahead(1) == []  # the backend is up now
+runner = llm.runner
+runner.executable_dir = directory
+lowered_here, lower = [], runner._lower
+runner._lower = lambda p: lowered_here.append(p) or lower(p)
+runner.compile_all(progress=False, workers=[busy])
+assert runner.compiles == len(runner.programs()) and busy.process.returncode == 0, runner.worker_seconds
+assert len(runner.worker_seconds) == 1 and 0 < len(lowered_here) < len(runner.programs())
+greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+print([o.token_ids for o in llm.generate([[1, 2, 3], [4, 5, 6, 7, 8]], greedy, use_tqdm=False)])
+"""
+
+
+def test_workers_forked_before_the_backend_compile_their_shares(hf_model_dir, tmp_path):
+    """In a fresh process (a backend started here would not survive a fork): workers forked ahead are stopped, or
+    started and exit without a job, or compile a share as spawned ones do, giving the tokens of programs compiled here
+    (this process's backend is up, so it forks no more)."""
+    import subprocess
+    import sys
+
+    folder, _ = hf_model_dir("qwen3")
+    out = subprocess.run([sys.executable, "-c", _FORKED, str(folder), str(tmp_path)], capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    llm = LLM(folder, **SMALL)
+    expected = [o.token_ids for o in llm.generate([[1, 2, 3], [4, 5, 6, 7, 8]], GREEDY, use_tqdm=False)]
+    assert out.stdout.strip().splitlines()[-1] == str(expected)
+
+
+def test_no_fork_once_a_backend_started_or_beside_other_threads():
+    jax.devices()
+    assert compile_workers.fork_ahead(2) == []

@@ -259,27 +259,32 @@ def test_a_runner_program_loads_bit_identical_and_donates(hf_model_dir, tmp_path
 
 
 def test_programs_compile_with_their_gemm_options_on_a_gpu(hf_model_dir, monkeypatch):
-    """compile_all hands each program's XLA options to its compile. On a GPU: the prefill programs take
-    COST_MODEL_TILING, the decodes of CUBLAS_DECODE_ROWS rows and more (cascade too) CUBLAS_GEMMS, the smaller ones
-    their decode_tiling, the decodes of FP8 weights nothing (XLA's tuning); nothing on the CPU."""
+    """compile_all hands each program's XLA options to its compile. On a GPU: the programs whose GEMMs have
+    CUBLAS_MIN_ROWS rows or more (a decode's rows; a prefill's tokens and its decode rows) take CUBLAS_GEMMS, the
+    smaller decodes their decode_tiling, the smaller prefills COST_MODEL_TILING; of FP8 weights the prefills
+    COST_MODEL_TILING and the decodes nothing (XLA's tuning); nothing on the CPU."""
     from nanojax import LLM
     from nanojax import runner as runner_module
     from nanojax.quantize import quantize_params
-    from nanojax.runner import (COST_MODEL_TILING, CUBLAS_DECODE_ROWS, CUBLAS_GEMMS, ModelRunner, Program,
+    from nanojax.runner import (COST_MODEL_TILING, CUBLAS_GEMMS, CUBLAS_MIN_ROWS, PREFILL_ROW, ModelRunner, Program,
                                 decode_tiling)
 
     folder, _ = hf_model_dir("qwen3")
     llm = LLM(folder, dtype="float32", page_size=4, max_model_len=32, max_num_seqs=2, max_num_batched_tokens=64,
               kernels="reference", warmup=False)
     runner = llm.runner
-    prefills = (Program(4, 0), Program(4, 0, decode_rows=8), Program(256, 0, decode_rows=256))
-    small = (Program(1, 8), Program(CUBLAS_DECODE_ROWS // 2, 8), Program(64, 8, True))
-    large = (Program(CUBLAS_DECODE_ROWS, 8), Program(256, 32), Program(256, 32, True))
+    one_row = CUBLAS_MIN_ROWS // PREFILL_ROW  # the prefill rows that reach CUBLAS_MIN_ROWS tokens
+    small_prefills = (Program(one_row - 1, 0), Program(one_row - 1, 0, decode_rows=PREFILL_ROW - 1))
+    large_prefills = (Program(one_row, 0), Program(one_row - 1, 0, decode_rows=PREFILL_ROW),
+                      Program(128, 0, decode_rows=256))
+    prefills = small_prefills + large_prefills
+    small = (Program(1, 8), Program(CUBLAS_MIN_ROWS - 1, 8), Program(64, 8, True))
+    large = (Program(CUBLAS_MIN_ROWS, 8), Program(256, 32), Program(256, 32, True))
     others = ("prompt", "set_slot")
     assert all(runner._compiler_options(p) == {} for p in prefills + small + large + others)  # this machine's CPU
     monkeypatch.setattr(runner_module.jax, "default_backend", lambda: "gpu")
-    assert all(runner._compiler_options(p) == COST_MODEL_TILING for p in prefills)
-    assert all(runner._compiler_options(p) == CUBLAS_GEMMS for p in large)
+    assert all(runner._compiler_options(p) == COST_MODEL_TILING for p in small_prefills)
+    assert all(runner._compiler_options(p) == CUBLAS_GEMMS for p in large_prefills + large)
     assert all(runner._compiler_options(p) == decode_tiling(p.rows) for p in small)
     assert all(runner._compiler_options(p) == {} for p in others)
     assert decode_tiling(1) == decode_tiling(8) != decode_tiling(16) != decode_tiling(32) == decode_tiling(64)

@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
 from random_model import loaded_model, random_hf_model  # noqa: E402
 
 from nanojax import LLM, SamplingParams  # noqa: E402
-from nanojax.runner import CUBLAS_DECODE_ROWS, CUBLAS_GEMMS, Program, decode_tiling  # noqa: E402
+from nanojax.runner import CUBLAS_GEMMS, CUBLAS_MIN_ROWS, Program, decode_tiling  # noqa: E402
 
 
 @requires_gpu
@@ -166,11 +166,11 @@ def test_programs_from_compile_workers_give_hf_greedy_tokens(tmp_path, monkeypat
 
 
 @requires_gpu
-@pytest.mark.parametrize("rows", [37, CUBLAS_DECODE_ROWS + 3])
-def test_decodes_on_their_gemm_options_give_hf_greedy_tokens(rows):
-    """A decode batch of 37 rows (its GEMMs on decode_tiling's one Triton tiling) and one past CUBLAS_DECODE_ROWS
-    (cuBLAS calls; nanojax.runner) give HF's greedy tokens, float32; rows are independent, so three of them are
-    checked against HF one by one."""
+@pytest.mark.parametrize("rows", [37, CUBLAS_MIN_ROWS + 3])
+def test_decodes_and_prefills_on_their_gemm_options_give_hf_greedy_tokens(rows):
+    """A decode batch of 37 rows (its GEMMs on decode_tiling's one Triton tiling) and one past CUBLAS_MIN_ROWS
+    (cuBLAS calls; nanojax.runner), and their prefills (37 x 11 and 131 x 11 tokens: cuBLAS calls), give HF's greedy
+    tokens, float32; rows are independent, so three of them are checked against HF one by one."""
     import torch
 
     hf = random_hf_model("qwen3-0.6b", "float32")
@@ -186,5 +186,5 @@ def test_decodes_on_their_gemm_options_give_hf_greedy_tokens(rows):
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     batch = Program(rows, 4)  # max_num_seqs is the largest decode bucket
     assert batch in llm.runner._compiled
-    assert llm.runner._compiler_options(batch) == (CUBLAS_GEMMS if rows >= CUBLAS_DECODE_ROWS else decode_tiling(rows))
+    assert llm.runner._compiler_options(batch) == (CUBLAS_GEMMS if rows >= CUBLAS_MIN_ROWS else decode_tiling(rows))
     assert [outs[i].token_ids for i in checked] == expected
