@@ -46,15 +46,16 @@ PREFILL_ROW = 64
 _STATIC = ("config", "ops")
 # XLA options for the programs' compiles on a GPU. XLA tunes each GEMM by compiling and timing ~25 candidates (Triton
 # tilings and cuBLAS), most of an empty-cache start's compile work (docs/perf_notes.md, "Start-up"). A program whose
-# GEMMs have CUBLAS_MIN_ROWS rows or more (a decode's rows; a prefill's tokens and decode rows) takes cuBLAS, no
-# Triton candidate compiled: decodes of 128 and 256 rows within 1% of XLA's tuning; prefills and mixed steps against
-# the tiling XLA's cost model ranks first (their option before) 0-7% faster at 128-1,280 rows and 1-7% slower above
-# on Qwen3-0.6B, 27-29% faster at 4,096-8,448 rows on Qwen3-8B, each compile a quarter cheaper. Below it cuBLAS was
-# slower (decodes of 1-64 rows 12-21%, a 64-token prefill 5% on Qwen3-0.6B): the smaller decodes take one Triton
+# GEMMs have CUBLAS_MIN_ROWS rows or more (a decode's rows; a prefill's tokens and decode rows) takes cuBLAS, no Triton
+# candidate compiled: decodes of 128 and 256 rows within 1% of XLA's tuning; prefills and mixed steps, against the
+# tiling XLA's cost model ranks first (their option before), 0-11% faster at 128-1,280 rows and from 2% faster to 7%
+# slower above on Qwen3-0.6B, 19-29% faster at 2,048-8,448 rows on Qwen3-8B, each compile cheaper by a fifth to a
+# third (docs/benchmarks.md, "Start-up and first call"). Below it cuBLAS was slower on Qwen3-0.6B (decodes of 1-64
+# rows 12-21%, the 64-token prefill 5%; on Qwen3-8B that prefill 4% faster): the smaller decodes take one Triton
 # tiling for all their GEMMs (`decode_tiling`: steps within 1% of XLA's tuning at 1-64 rows on Qwen3-0.6B, 4-64 on
 # Qwen3-8B, a third of the compile's CPU seconds; the cost model's pick ran batch 64 5-10% slower), the 64-token
-# prefill the cost model's tiling. FP8 weights keep the cost model's tiling for prefills and XLA's tuning for decodes:
-# cuBLAS cannot fuse their dequantizing dots, and the tiling was measured on bf16 weights only.
+# prefill the cost model's tiling. FP8 weights keep the cost model's tiling for prefills and XLA's tuning for
+# decodes: cuBLAS cannot fuse their dequantizing dots, and the tiling was measured on bf16 weights only.
 COST_MODEL_TILING = {"xla_gpu_experimental_cost_model_gemm_tiling_default": True}
 CUBLAS_GEMMS = {"xla_gpu_enable_triton_gemm": False}
 CUBLAS_MIN_ROWS = 128
