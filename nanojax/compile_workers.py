@@ -122,8 +122,6 @@ def fork_ahead(n: int) -> list[Running]:
         except OSError:  # no memory or process left for one: none is kept (the engine spawns them if it needs them)
             break
         if pid == 0:
-            for fd in (fd for pipe in pipes for fd in pipe if fd != read):
-                os.close(fd)  # the others' ends: a worker sees the end of its job only when the engine closes it
             _forked_life(read, *files[i])
         pids.append(pid)
     spawned = time.time()
@@ -158,6 +156,14 @@ def _forked_life(job_fd: int, log, out) -> None:
     try:
         for fd in (1, 2):  # a library's prints and XLA's messages
             os.dup2(log.fileno(), fd)
+        # Every other descriptor inherited closed, as a spawned worker has them: the other workers' pipes (each sees
+        # the end of its job only when the engine closes its end) and whatever the engine's process holds open (a
+        # server's connection must end with the engine, not with its workers).
+        low = 3
+        for fd in sorted({job_fd, log.fileno(), out.fileno()}):
+            os.closerange(low, fd)
+            low = fd + 1
+        os.closerange(low, os.sysconf("SC_OPEN_MAX"))
         sys.stdout, sys.stderr = open(1, "w", closefd=False), open(2, "w", closefd=False)
         with os.fdopen(job_fd, "rb") as jobs:
             if jobs.read(1) == b"g":  # else stopped before start: nothing to do

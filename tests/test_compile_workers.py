@@ -231,12 +231,17 @@ def test_programs_handed_out_for_another_config_are_compiled_anew(hf_model_dir, 
 
 
 _FORKED = r"""
+import os
+import select
 import sys
 from nanojax import LLM, SamplingParams, compile_workers
 
 folder, directory = sys.argv[1:]
+held_r, held_w = os.pipe()  # a descriptor of this process's, which no worker may keep open
 forked = compile_workers.fork_ahead(3)  # before this process starts a backend
 assert len(forked) == 3, forked
+os.close(held_w)
+assert select.select([held_r], [], [], 60)[0] and os.read(held_r, 1) == b""
 unstarted, idle, busy = forked
 compile_workers.stop(unstarted)  # stopped while it waits for start: killed, nothing run
 assert unstarted.process.returncode < 0
@@ -261,9 +266,9 @@ print([o.token_ids for o in llm.generate([[1, 2, 3], [4, 5, 6, 7, 8]], greedy, u
 
 
 def test_workers_forked_before_the_backend_compile_their_shares(hf_model_dir, tmp_path):
-    """In a fresh process (a backend started here would not survive a fork): workers forked ahead are stopped, or
-    started and exit without a job, or compile a share as spawned ones do, giving the tokens of programs compiled here
-    (this process's backend is up, so it forks no more)."""
+    """In a fresh process (a backend started here would not survive a fork): workers forked ahead hold none of its
+    descriptors, and are stopped, or started and exit without a job, or compile a share as spawned ones do, giving the
+    tokens of programs compiled here (this process's backend is up, so it forks no more)."""
     import subprocess
     import sys
 
