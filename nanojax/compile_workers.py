@@ -179,7 +179,7 @@ def _forked_life(job_fd: int, log, out) -> None:
 
 
 def send(worker: Running, job: Job) -> Running:
-    """Hands a spawned worker its job."""
+    """Hands a worker (spawned, or forked and started) its job."""
     worker.job = job
     try:
         worker.process.stdin.write(pickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL))
