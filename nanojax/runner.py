@@ -37,6 +37,7 @@ from nanojax.kv_cache import Batch, KVCache
 from nanojax.model import forward, lm_logits
 from nanojax.quantize import is_quantized
 from nanojax.sampling import MAX_LOGPROBS, Sampled, SamplingBatch, TokenTables, limited_bias, sample
+from nanojax.sampling_params import DEVICE_FIELDS
 from pallas_kernels._compat import num_sms
 from pallas_kernels.cascade_attention import cascade_members_per_item
 
@@ -227,11 +228,27 @@ def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
     return tuple(out) + (hi,)
 
 
-# Per-row sampling fields and the value a row without a request takes (greedy, no adjustments).
-_SAMPLING_FILL = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seeds=0, counters=0, ban_steps=0,
-                      repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, logprobs=0)
-_SAMPLING_DTYPES = dict(top_k=np.int32, seeds=np.uint32, counters=np.int32, ban_steps=np.int32, logprobs=np.int32,
-                        slots=np.int32)
+# Per-row sampling fields: (dtype, the value a row without a request takes: greedy, no adjustments), the request's
+# own (SamplingParams) and the engine's state of the row (slots: the neutral slot, filled in by _sampling_fill).
+_SAMPLING_FIELDS = {**DEVICE_FIELDS, "seeds": (np.dtype(np.uint32), 0), "counters": (np.dtype(np.int32), 0),
+                    "ban_steps": (np.dtype(np.int32), 0), "slots": (np.dtype(np.int32), None)}
+
+
+def checked_row(fields: dict) -> dict:
+    """One row's sampling fields cast to their device dtypes; ValueError naming a field whose value does not fit
+    (the engine fails that row's request, not the step)."""
+    out = {}
+    for name, value in fields.items():
+        dtype = _SAMPLING_FIELDS[name][0]
+        try:
+            with np.errstate(over="ignore", invalid="ignore"):
+                out[name] = cast = np.asarray(value).astype(dtype)
+            fits = np.isfinite(cast) and (dtype.kind == "f" or cast == value)
+        except (OverflowError, TypeError, ValueError):
+            fits = False
+        if not fits:
+            raise ValueError(f"{name}={value!r} does not fit the step's {dtype}")
+    return out
 
 
 class PromptLogprobs(NamedTuple):
@@ -664,6 +681,15 @@ class ModelRunner:
             flat[first:first + len(values)] = values
         return self._program("prompt")(self.params, self.tables, hidden, flat.reshape(-1, PREFILL_ROW))
 
+    def release(self, keep: frozenset[int] = frozenset()) -> None:
+        """Deletes the device state, the params but those whose buffers are in `keep` (addresses), and the compiled
+        programs: the runner runs nothing after."""
+        for x in jax.tree.leaves((self.cache, self.tables, self.last, self.params)):
+            if isinstance(x, jax.Array) and not x.is_deleted() and not any(
+                    shard.data.unsafe_buffer_pointer() in keep for shard in x.addressable_shards):
+                x.delete()
+        self._compiled.clear()
+
     def set_slot(self, slot: int, counts: np.ndarray, flags: np.ndarray, bias: np.ndarray) -> None:
         """Writes one request's token tables ([V] each) into `slot`, queued before the next step; the bias past the
         vocabulary limit is -inf whatever the request's."""
@@ -712,7 +738,7 @@ def sampling_batch(fields: dict[str, list], rows: int, neutral_slot: int) -> Sam
     numpy SamplingBatch of `rows` rows."""
     out = {}
     for name, fill in _sampling_fill(neutral_slot).items():
-        col = np.full(rows, fill, _SAMPLING_DTYPES.get(name, np.float32))
+        col = np.full(rows, fill, _SAMPLING_FIELDS[name][0])
         values = fields.get(name, ())
         col[:len(values)] = values
         out[name] = col
@@ -720,7 +746,7 @@ def sampling_batch(fields: dict[str, list], rows: int, neutral_slot: int) -> Sam
 
 
 def _sampling_fill(neutral_slot: int) -> dict:
-    return {**_SAMPLING_FILL, "slots": neutral_slot}
+    return {name: neutral_slot if name == "slots" else fill for name, (_, fill) in _SAMPLING_FIELDS.items()}
 
 
 def greedy_sampling(rows: int, neutral_slot: int) -> dict[str, list]:

@@ -12,10 +12,12 @@ import dataclasses
 import functools
 import itertools
 import json
+import math
 import os
 import re
 import secrets
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from fastapi import APIRouter, FastAPI, Request
@@ -24,6 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from nanojax.engine_io import RequestOutput, RequestStream
+from nanojax.front import EngineStats
 from nanojax.sampling_params import SamplingParams
 from nanojax.scheduler import CapacityError
 from nanojax.serve_metrics import ServeMetrics
@@ -33,13 +36,16 @@ from nanojax.serve_protocol import (ChatCompletionRequest, CompletionRequest, De
 
 @dataclasses.dataclass(frozen=True)
 class ServerLimits:
-    """What one request may ask for (past them: 413 for the body, 400 for the rest). max_tokens None: the model's
-    max_model_len."""
+    """What one request may ask for (past them: 413 for the body, 400 for the rest; max_tokens None: the model's
+    max_model_len); and how long the engine may take to answer /health's stats query, or go without beginning a
+    turn while it has work, before /health answers 503."""
 
     max_body_bytes: int = 8 << 20
     max_n: int = 16
     max_tokens: int | None = None
     max_prompts: int = 64
+    stats_timeout_s: float = 2.0
+    stall_timeout_s: float = 60.0
 
 
 class RequestError(Exception):
@@ -112,6 +118,14 @@ def _token_text(llm, token_id: int) -> str:
     return llm.tokenizer.decode([token_id]) if llm.tokenizer else f"token_id:{token_id}"
 
 
+# What vLLM sends for a logprob of -inf (or NaN): JSON has no such numbers.
+_NO_LOGPROB = -9999.0
+
+
+def _finite(logprob: float | None) -> float | None:
+    return logprob if logprob is None or math.isfinite(logprob) else _NO_LOGPROB
+
+
 def _entries(event: RequestOutput, start: int) -> list[tuple[int, float | None, dict | None]]:
     """(token id, its logprob, {id: logprob} of the top N) of the event's tokens from `start` on."""
     return [(t, lp, top) for t, (lp, top) in zip(event.token_ids[start:], event.logprobs[start:])]
@@ -123,8 +137,8 @@ def _completion_logprobs(llm, entries, offset: int) -> dict:
         tokens.append(_token_text(llm, token_id))
         offsets.append(offset)
         offset += len(tokens[-1])
-    return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
-            "top_logprobs": [None if top is None else {_token_text(llm, t): v for t, v in top.items()}
+    return {"tokens": tokens, "token_logprobs": [_finite(lp) for _, lp, _ in entries],
+            "top_logprobs": [None if top is None else {_token_text(llm, t): _finite(v) for t, v in top.items()}
                              for _, _, top in entries],
             "text_offset": offsets}
 
@@ -132,24 +146,30 @@ def _completion_logprobs(llm, entries, offset: int) -> dict:
 def _chat_logprobs(llm, entries) -> dict:
     def item(token_id, logprob):
         text = _token_text(llm, token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode())}
 
     return {"content": [{**item(t, lp), "top_logprobs": [item(i, v) for i, v in top.items()]}
                         for t, lp, top in entries]}
 
 
+def _json(value) -> str:
+    """Compact JSON, refusing NaN and infinities (not JSON: clients' parsers reject them)."""
+    return json.dumps(value, separators=(",", ":"), allow_nan=False)
+
+
 class _Response:
     """Builds one HTTP request's choices (completions or chat) from the engine's events, whole or as chunks."""
 
-    def __init__(self, llm, chat: bool, body, model: str, prompts: list[list[int]], echo: list[str | None]):
-        self.llm, self.chat, self.body, self.prompts, self.echo = llm, chat, body, prompts, echo
+    def __init__(self, llm, chat: bool, body, model: str, prompts: list[list[int]], echo: list[str | None],
+                 arrival: float):
+        self.llm, self.chat, self.body, self.prompts, self.echo, self.arrival = llm, chat, body, prompts, echo, arrival
         self.logprobs = bool(body.logprobs) if chat else body.logprobs is not None
         kind = "chatcmpl" if chat else "cmpl"
         # A counter under a random prefix: unique like a uuid4, without its system call per request.
         self.head = {"id": f"{kind}-{_ID_PREFIX}{next(_response_numbers):08x}", "created": int(time.time()),
                      "model": model}
         chunk_head = {**self.head, "object": "chat.completion.chunk" if chat else "text_completion"}
-        self.chunk_head = f"data: {json.dumps(chunk_head, separators=(',', ':'))[:-1]},\"choices\":"  # encoded once
+        self.chunk_head = f"data: {_json(chunk_head)[:-1]},\"choices\":"  # encoded once
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
         self.sent: dict[int, int] = {}  # choice -> its tokens already streamed
         self.text_len: dict[int, int] = {}  # choice -> the length of its text already streamed
@@ -200,8 +220,8 @@ class _Response:
                 "usage": self.usage()}
 
     def chunk(self, choices: list[dict], usage: dict | None = None) -> str:
-        usage = f",\"usage\":{json.dumps(usage, separators=(',', ':'))}" if self.include_usage else ""
-        return f"{self.chunk_head}{json.dumps(choices, separators=(',', ':'))}{usage}}}\n\n"
+        usage = f",\"usage\":{_json(usage)}" if self.include_usage else ""
+        return f"{self.chunk_head}{_json(choices)}{usage}}}\n\n"
 
 
 class _AbortOnClose(StreamingResponse):
@@ -219,9 +239,12 @@ class _AbortOnClose(StreamingResponse):
 
 
 # ----- the app -----
+_OPEN_PATHS = ("/health", "/metrics")  # answered without the API key: probes and scrapers do not have it
+
+
 class _Guard:
-    """ASGI middleware, before a body is read: 401 on /v1 routes without the API key (if one is set); 413 for a
-    body over max_bytes (declared, or found so while it streams in)."""
+    """ASGI middleware, before a body is read: 401 on every route but _OPEN_PATHS without the API key (if one is
+    set); 413 for a body over max_bytes (declared, or found so while it streams in)."""
 
     def __init__(self, app, max_bytes: int, api_key: str | None):
         self.app, self.max_bytes = app, max_bytes
@@ -231,7 +254,7 @@ class _Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        if self.expected and scope["path"].startswith("/v1") and not secrets.compare_digest(
+        if self.expected and scope["path"] not in _OPEN_PATHS and not secrets.compare_digest(
                 headers.get(b"authorization", b""), self.expected):
             refusal = error_body("missing or wrong API key (Authorization: Bearer KEY)", code="invalid_api_key")
             return await JSONResponse(refusal, status_code=401)(scope, receive, send)
@@ -260,10 +283,17 @@ async def _http_error(_, e: HTTPException):
     return JSONResponse(error_body(str(e.detail)), status_code=e.status_code)
 
 
+async def _unexpected(_, e: Exception):
+    """A bug in a handler: a 500 in OpenAI's shape, which clients parse, rather than plain text."""
+    return JSONResponse(error_body(f"the server failed on this request: {e!r}", "server_error"), status_code=500)
+
+
 async def _invalid(_, e: RequestValidationError):
-    """A body pydantic refused: 400 naming the first field it is about."""
-    err = e.errors()[0]
-    where = [str(x) for x in err["loc"][1:]]  # past "body"
+    """A body pydantic refused: 400 naming the first field it is about (a failed check of a value before a
+    mismatched type: of a union's members, the one the value was meant for)."""
+    err = next((x for x in e.errors() if x["type"] == "value_error"), e.errors()[0])
+    # past "body"; without the labels of a union's members (list[int], function-after[...]), which are not fields
+    where = [str(x) for x in err["loc"][1:] if "[" not in str(x)]
     if err["type"] == "json_invalid":
         return JSONResponse(error_body(f"the body is not valid JSON: {err['ctx']['error']}"), status_code=400)
     if err["type"] == "extra_forbidden":
@@ -288,15 +318,20 @@ def _chat_max_tokens(body: ChatCompletionRequest, num_prompt_tokens: int, limits
 
 
 class _Server:
-    """One LLM served under one name: the routes' handlers and what they share."""
+    """One LLM served under one name (and its aliases): the routes' handlers and what they share."""
 
-    def __init__(self, llm, model_name: str, limits: ServerLimits, api_key: str | None):
-        self.llm, self.model_name, self.limits, self.api_key = llm, model_name, limits, api_key
-        self.metrics = ServeMetrics(llm)
+    def __init__(self, llm, model_name: str, aliases: tuple[str, ...], limits: ServerLimits):
+        self.llm, self.model_name, self.limits = llm, model_name, limits
+        self.names = {model_name, *aliases}
+        self.metrics = ServeMetrics()
         self.started = int(time.time())
+        # Tokenizing a long prompt holds a thread for a while: off the event loop (which goes on answering), in a
+        # pool of its own (a flood of them leaves the default pool to /health's stats query)
+        self.tokenizing = ThreadPoolExecutor(thread_name_prefix="nanojax-tokenize")
+        self.stats_query: asyncio.Future | None = None
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model not in self.names:
             raise RequestError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                                "model", "NotFoundError", "model_not_found")
 
@@ -310,10 +345,15 @@ class _Server:
         except RuntimeError as e:  # the engine has died
             raise RequestError(503, str(e), kind="server_error") from None
 
-    def chat_prompt(self, messages) -> list[int]:
+    async def tokenized(self, fn, prompt_field: str):
+        """engine_call(fn) in the tokenizing pool: for what encodes or decodes text a client sent."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizing, self.engine_call, fn, prompt_field,
+                                                                {})
+
+    async def chat_prompt(self, messages) -> list[int]:
         """The messages through the model's chat template, as token ids."""
-        return self.engine_call(lambda: self.llm.apply_chat_template([m.as_template_input() for m in messages]),
-                                "messages", {})
+        return await self.tokenized(lambda: self.llm.apply_chat_template([m.as_template_input() for m in messages]),
+                                    "messages")
 
     # ----- generation -----
     async def respond(self, request: Request, response: _Response, params: SamplingParams, prompt_field: str,
@@ -349,9 +389,10 @@ class _Server:
             self.llm.abort(request_id)
 
     async def completions(self, body: CompletionRequest, request: Request):
+        arrival = time.perf_counter()
         self.check_model(body.model)
         llm = self.llm
-        prompts, texts = self.engine_call(lambda: _completion_prompts(llm, body.prompt, self.limits), "prompt", {})
+        prompts, texts = await self.tokenized(lambda: _completion_prompts(llm, body.prompt, self.limits), "prompt")
         if body.echo and llm.tokenizer is None:
             raise RequestError(400, "echo needs a tokenizer, and this model has none", "echo")
         echo = [t if t is not None else llm.tokenizer.decode(ids) for ids, t in zip(prompts, texts)] \
@@ -360,18 +401,19 @@ class _Server:
         prompt_logprobs = body.logprobs if body.echo else None
         params = self.engine_call(lambda: _sampling_params(body, max_tokens, body.logprobs, self.limits,
                                                            llm.max_model_len, prompt_logprobs), "prompt", {})
-        response = _Response(llm, False, body, self.model_name, prompts, echo)
+        response = _Response(llm, False, body, self.model_name, prompts, echo, arrival)
         return await self.respond(request, response, params, "prompt", {})
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
+        arrival = time.perf_counter()
         self.check_model(body.model)
-        ids = self.chat_prompt(body.messages)
+        ids = await self.chat_prompt(body.messages)
         max_tokens = _chat_max_tokens(body, len(ids), self.limits, self.llm.max_model_len)
         renames = _chat_renames(body)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = self.engine_call(lambda: _sampling_params(body, max_tokens, logprobs, self.limits,
                                                            self.llm.max_model_len), "messages", renames)
-        response = _Response(self.llm, True, body, self.model_name, [ids], [None])
+        response = _Response(self.llm, True, body, self.model_name, [ids], [None], arrival)
         return await self.respond(request, response, params, "messages", renames)
 
     # ----- the rest -----
@@ -386,25 +428,47 @@ class _Server:
         self.check_model(model)
         return self.model_card()
 
-    async def health(self):
+    async def engine_state(self) -> tuple[EngineStats | None, str | None]:
+        """(the engine's load, None if it cannot be read; why it cannot serve requests, None if it can): it has
+        stopped, it does not answer a stats query within stats_timeout_s (a hung process), or it has work and has
+        not begun a turn for stall_timeout_s."""
         if self.llm.dead is not None:
-            return JSONResponse(error_body(f"the engine has stopped: {self.llm.dead!r}", "server_error"),
-                                status_code=503)
+            return None, f"the engine has stopped: {self.llm.dead!r}"
+        if self.stats_query is None or self.stats_query.done():
+            self.stats_query = asyncio.ensure_future(asyncio.to_thread(self.llm.stats))
+            # marked retrieved: its callers may all have given up on it before it fails
+            self.stats_query.add_done_callback(lambda query: query.cancelled() or query.exception())
+        try:  # callers share the query in flight: a hung engine does not pile up threads waiting on it
+            stats = await asyncio.wait_for(asyncio.shield(self.stats_query), self.limits.stats_timeout_s)
+        except TimeoutError:
+            return None, f"the engine did not answer a stats query within {self.limits.stats_timeout_s} s"
+        except RuntimeError as e:  # it stopped meanwhile
+            return None, str(e)
+        if stats.stalled_s > self.limits.stall_timeout_s:
+            return stats, f"the engine has had work and no new turn for {stats.stalled_s:.1f} s"
+        return stats, None
+
+    async def health(self):
+        _, trouble = await self.engine_state()
+        if trouble is not None:
+            return JSONResponse(error_body(trouble, "server_error"), status_code=503)
         return Response(status_code=200)
 
     async def prometheus(self):
-        return Response(await asyncio.to_thread(self.metrics.exposition),
+        stats, trouble = await self.engine_state()
+        return Response(self.metrics.exposition(stats, up=trouble is None),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def tokenize(self, body: TokenizeRequest):
         self.check_model(body.model)
         tokenizer = self.llm.tokenizer
         if body.messages is not None:
-            ids = self.chat_prompt(body.messages)
+            ids = await self.chat_prompt(body.messages)
         elif tokenizer is None:
             raise RequestError(400, "this model has no tokenizer", "prompt")
         else:
-            ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            encode = functools.partial(tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = await self.tokenized(encode, "prompt")
         return {"tokens": ids, "count": len(ids), "max_model_len": self.llm.max_model_len}
 
     async def detokenize(self, body: DetokenizeRequest):
@@ -414,18 +478,21 @@ class _Server:
         vocab_size = self.llm.config.vocab_size
         if any(not 0 <= t < vocab_size for t in body.tokens):
             raise RequestError(400, f"token ids must be in [0, {vocab_size})", "tokens")
-        return {"prompt": self.llm.tokenizer.decode(body.tokens)}
+        return {"prompt": await self.tokenized(lambda: self.llm.tokenizer.decode(body.tokens), "tokens")}
 
 
-def build_app(llm, model_name: str, *, api_key: str | None = None, limits: ServerLimits = ServerLimits(),
-              on_shutdown=None) -> FastAPI:
-    """The FastAPI app serving `llm` (an LLM or an EngineProcess) under `model_name`; with api_key, /v1 routes need
-    `Authorization: Bearer`. on_shutdown() runs when the server shuts down (uvicorn then re-raises the signal)."""
-    server = _Server(llm, model_name, limits, api_key)
+def build_app(llm, model_name: str, *, aliases: tuple[str, ...] = (), api_key: str | None = None,
+              limits: ServerLimits = ServerLimits(), on_shutdown=None) -> FastAPI:
+    """The FastAPI app serving `llm` (an LLM or an EngineProcess) under `model_name` (the name in responses and
+    /v1/models; requests may also name it by one of `aliases`); with api_key, every route but /health and /metrics
+    needs `Authorization: Bearer`. on_shutdown() runs when the server shuts down (uvicorn then re-raises the
+    signal)."""
+    server = _Server(llm, model_name, aliases, limits)
 
     @contextlib.asynccontextmanager
     async def lifespan(_):
         yield
+        server.tokenizing.shutdown(wait=False)
         if on_shutdown is not None:
             await asyncio.to_thread(on_shutdown)
 
@@ -434,6 +501,7 @@ def build_app(llm, model_name: str, *, api_key: str | None = None, limits: Serve
     app.add_exception_handler(RequestError, _refused)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _invalid)
+    app.add_exception_handler(Exception, _unexpected)
     v1 = APIRouter(prefix="/v1")
     v1.post("/completions")(server.completions)
     v1.post("/chat/completions")(server.chat_completions)
@@ -450,7 +518,8 @@ def build_app(llm, model_name: str, *, api_key: str | None = None, limits: Serve
 async def _events(stream: RequestStream, response: _Response, metrics: ServeMetrics):
     """The stream's events, a list per wakeup of the event loop holding one event per choice (the events that
     came meanwhile merged: when the loop falls behind the engine, it sends fewer, larger chunks rather than
-    falling further behind); records finished choices in the response and the metrics."""
+    falling further behind); records finished choices and the finished request in the response and the
+    metrics."""
     last: dict[int, float] = {}  # choice -> when its previous events came
     async for batch in stream.batches():
         now = time.perf_counter()
@@ -466,6 +535,7 @@ async def _events(stream: RequestStream, response: _Response, metrics: ServeMetr
                 if event.choice == 0:
                     metrics.prompt_done(len(event.prompt_token_ids), event.num_cached_tokens)
         yield events
+    metrics.e2e.observe(time.perf_counter() - response.arrival)  # every choice has ended
 
 
 def _merged(events: list[RequestOutput], choice_index) -> list[RequestOutput]:
@@ -546,14 +616,18 @@ class BackgroundServer:
 
 
 # ----- command line -----
-def served_name(model: str | None) -> str:
-    """The name clients use: the default model's, a folder's or file's name, or the hub id."""
+def served_names(model: str | None, served_model_name: str | None = None) -> tuple[str, ...]:
+    """The names clients use, the one in responses first: --served-model-name if given; else the default model's,
+    or --model as given (vLLM's) and, for a folder or a file, its name."""
+    if served_model_name is not None:
+        return (served_model_name,)
     if model is None:
         from nanojax.default_model import MODEL_NAME
 
-        return MODEL_NAME
+        return (MODEL_NAME,)
     path = Path(model)
-    return path.stem if path.suffix == ".gguf" else path.name if path.exists() else model
+    alias = path.stem if path.suffix == ".gguf" else path.name if path.exists() else model
+    return tuple(dict.fromkeys((model, alias)))
 
 
 def parse_args(argv=None):
@@ -564,7 +638,8 @@ def parse_args(argv=None):
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes the server)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("NANOJAX_API_KEY"),
-                   help="require `Authorization: Bearer KEY` on /v1 routes (default: $NANOJAX_API_KEY)")
+                   help="require `Authorization: Bearer KEY` on every route but /health and /metrics (default: "
+                   "$NANOJAX_API_KEY)")
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"])
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
@@ -607,7 +682,8 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     engine = (LLM if args.engine_in_process else EngineProcess)(args.model, **engine_options(args))
     limits = ServerLimits(args.max_body_bytes, args.max_n, args.max_tokens_limit, args.max_prompts)
-    app = build_app(engine, args.served_model_name or served_name(args.model), api_key=args.api_key, limits=limits,
+    name, *aliases = served_names(args.model, args.served_model_name)
+    app = build_app(engine, name, aliases=tuple(aliases), api_key=args.api_key, limits=limits,
                     on_shutdown=engine.close if isinstance(engine, EngineProcess) else None)
     freeze_startup_heap()
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

@@ -1,18 +1,22 @@
 """The server's Prometheus metrics, in a registry of its own (several servers may live in one process, as in tests).
 
-Engine state (running / waiting requests, KV pages: the engine's `stats()`) is read when /metrics is scraped; token
-counts, the prefix-cache hit rate and latencies are accumulated from the events the server hands to its clients.
+Engine state (whether it serves, running / waiting requests, KV pages: the engine's `stats()`) is read when /metrics
+is scraped; token counts, the prefix-cache hit rate and latencies are accumulated from the events the server hands
+to its clients.
 """
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from nanojax.front import EngineStats
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5, 5, 10, 20, 40)
 
 
 class ServeMetrics:
-    def __init__(self, llm):
+    def __init__(self):
         self.registry = r = CollectorRegistry()
-        self.llm = llm
         self._queried = self._hits = 0  # prompt tokens, and those of them found in the prefix cache
+        self._up = Gauge("nanojax_engine_up", "1 while the engine serves requests (/health answers 200), else 0",
+                         registry=r)
         self._running = Gauge("nanojax_requests_running", "Sequences being computed", registry=r)
         self._waiting = Gauge("nanojax_requests_waiting", "Sequences waiting for KV pages or a batch slot", registry=r)
         self._pages_total = Gauge("nanojax_kv_pages_total", "KV pages in the pool", registry=r)
@@ -50,11 +54,12 @@ class ServeMetrics:
         if event.time_to_first_token is not None:
             self.ttft.observe(event.time_to_first_token)
 
-    def exposition(self) -> bytes:
-        """The metrics with the engine's load asked now (LLM.stats, or EngineProcess.stats: a message to its
-        process; call from a worker thread)."""
-        stats = self.llm.stats()
-        for gauge, value in ((self._running, stats.running), (self._waiting, stats.waiting),
-                             (self._pages_total, stats.kv_pages_total), (self._pages_used, stats.kv_pages_used)):
-            gauge.set(value)
+    def exposition(self, stats: EngineStats | None, up: bool) -> bytes:
+        """The metrics with the engine's load just read (None: it could not be read, and its gauges keep the last
+        values read)."""
+        self._up.set(up)
+        if stats is not None:
+            for gauge, value in ((self._running, stats.running), (self._waiting, stats.waiting),
+                                 (self._pages_total, stats.kv_pages_total), (self._pages_used, stats.kv_pages_used)):
+                gauge.set(value)
         return generate_latest(self.registry)

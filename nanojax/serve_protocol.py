@@ -2,14 +2,28 @@
 
 Unknown fields are refused (400 naming the field) rather than silently ignored: a client that sends `tools` or
 `response_format` learns that this server does not do them. Fields vLLM accepts beside OpenAI's are here too.
+Types are strict (no numeric strings, no booleans as numbers, no infinities or NaN): a value the client did not
+mean is refused rather than guessed at.
 """
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+
+
+def _valid_unicode(text: str) -> str:
+    # JSON's \u escapes can spell a lone UTF-16 surrogate: no tokenizer can encode it
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        raise ValueError("the text holds a lone surrogate (\\ud800-\\udfff), which is not valid Unicode") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]  # text that reaches the tokenizer
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Body):
@@ -24,7 +38,7 @@ class _Sampling(_Body):
     temperature: float = 1.0
     top_p: float = 1.0
     n: int = 1
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -38,24 +52,24 @@ class _Sampling(_Body):
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     ignore_eos: bool = False
-    stop_token_ids: list[StrictInt] | None = None
+    stop_token_ids: list[int] | None = None
     return_token_ids: bool = False  # vLLM's: each choice also carries its token ids (prompt's in the first chunk)
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    prompt: Text | list[int] | list[Text] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False
 
 
 class TextPart(_Body):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: Text | list[TextPart] | None = None
     name: str | None = None
 
     def as_template_input(self) -> dict:
@@ -78,7 +92,7 @@ class ChatCompletionRequest(_Sampling):
 
 class TokenizeRequest(_Body):
     model: str | None = None
-    prompt: str | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
 
@@ -91,7 +105,7 @@ class TokenizeRequest(_Body):
 
 class DetokenizeRequest(_Body):
     model: str | None = None
-    tokens: list[StrictInt]
+    tokens: list[int]
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,

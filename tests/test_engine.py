@@ -122,6 +122,15 @@ def test_bad_requests_are_rejected_clearly(qwen3):
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=0)
+    for field, value in [("temperature", float("inf")), ("temperature", 1e308), ("top_k", 1 << 40),
+                         ("repetition_penalty", 1e-300), ("presence_penalty", float("nan")), ("max_tokens", "4"),
+                         ("seed", 1 << 32), ("n", True), ("logprobs", 21)]:
+        with pytest.raises(ValueError, match=f"^{field} must be"):
+            SamplingParams(**{field: value})
+    with pytest.raises(ValueError, match="logit_bias values"):
+        SamplingParams(logit_bias={3: float("-inf")})
+    with pytest.raises(ValueError, match="top_k must be <= vocab_size=97"):
+        llm.generate([prompts[0]], SamplingParams(top_k=98), use_tqdm=False)
     small_pool = LLM(folder, dtype="float32", page_size=4, max_model_len=96, num_pages=6)
     with pytest.raises(ValueError, match="KV pages"):
         small_pool.generate([prompts[0]], SamplingParams(max_tokens=40), use_tqdm=False)
@@ -208,3 +217,25 @@ def test_a_row_fed_from_the_previous_dispatch_equals_its_token_sent_from_the_hos
     (a, _), *_ = chained.prefill([mixed], decodes=([0, 0], tables[1::-1], lens, two), sources=[1, 0])
     (b, _), *_ = host.prefill([mixed], decodes=(lasts, tables[1::-1], lens, two))
     assert lasts[0] != lasts[1] and decoded[2, 1] != lasts[0] and same(a, b)  # (row 1's step 3: past its steps)
+
+
+class _Unfit(SamplingParams):
+    """Parameters that pass their checks but whose step row does not fit the device's dtypes: a bug the engine's
+    second line of defence must keep to its own request."""
+
+    def device_values(self) -> dict:
+        return {**super().device_values(), "top_k": 1 << 40}
+
+
+def test_a_row_that_cannot_be_prepared_fails_only_its_request(qwen3):
+    folder, prompts, expected = qwen3
+    llm = LLM(folder, dtype="float32", page_size=4, max_model_len=96, decode_steps=2)
+    victims = [llm.add_request(p, GREEDY) for p in prompts[:3]]
+    bad = llm.add_request(prompts[3], _Unfit(temperature=0, max_tokens=24, ignore_eos=True))
+    with pytest.raises(ValueError, match="top_k=1099511627776 does not fit"):
+        list(bad)
+    finals = [list(stream)[-1] for stream in victims]
+    assert [o.token_ids for o in finals] == expected[:3] and {o.finish_reason for o in finals} == {"length"}
+    assert llm.generate(prompts[3:4], GREEDY, use_tqdm=False)[0].token_ids == expected[3]
+    check_invariants(llm.page_manager)
+    assert llm.page_manager.num_free_pages == llm.page_manager.num_pages

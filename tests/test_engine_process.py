@@ -1,9 +1,11 @@
 """The engine in a process of its own (nanojax.engine_process), directly and behind the server: the same greedy
 tokens as the in-process engine, requests refused at once in the caller, aborts that free the child's KV pages,
-metrics asked of the child, a child that splits the model over two devices, and a dead child reported by /health
-while the server goes on answering."""
+metrics asked of the child, a child that splits the model over two devices, and a hung or dead child reported by
+/health and /metrics while the server goes on answering."""
 import dataclasses
 import gc
+import os
+import signal
 import time
 
 import httpx
@@ -11,7 +13,7 @@ import openai
 import pytest
 from conftest import random_prompts
 from test_sampling import byte_tokenizer
-from test_serve import CHAT_TEMPLATE, KEY, LIMITS, concurrent_clients, greedy, metric
+from test_serve import CHAT_TEMPLATE, KEY, LIMITS, concurrent_clients, greedy, metric, wait_for_health
 
 from nanojax import LLM, SamplingParams
 from nanojax.engine_process import EngineProcess
@@ -136,21 +138,34 @@ def test_served_32_concurrent_clients_equal_offline_generate(llm, engine, server
     assert metric(server, "nanojax_kv_pages_total") == engine.limits.num_pages
 
 
-def test_a_dead_engine_process_answers_503_and_the_server_goes_on(model):
+def test_a_hung_then_dead_engine_process_answers_503_and_the_server_goes_on(model):
     engine = EngineProcess(model, **ENGINE)
-    server = BackgroundServer(build_app(engine, "tiny", api_key=KEY, limits=LIMITS))
+    limits = dataclasses.replace(LIMITS, stats_timeout_s=0.5)
+    server = BackgroundServer(build_app(engine, "tiny", api_key=KEY, limits=limits))
+    pid = engine._process.pid
     try:
         assert httpx.get(f"{server.url}/health").status_code == 200
+        os.kill(pid, signal.SIGSTOP)  # hung: it answers nothing
+        start = time.perf_counter()
+        assert "stats query" in wait_for_health(server, 503, seconds=5).json()["error"]["message"]
+        assert time.perf_counter() - start < 2
+        assert metric(server, "nanojax_engine_up") == 0
+        os.kill(pid, signal.SIGCONT)
+        wait_for_health(server, 200)
+        assert metric(server, "nanojax_engine_up") == 1
+
         engine._process.kill()
-        deadline = time.time() + 30
-        while httpx.get(f"{server.url}/health").status_code != 503:
-            assert time.time() < deadline
-            time.sleep(0.05)
+        wait_for_health(server, 503)
+        metrics = httpx.get(f"{server.url}/metrics")
+        assert metrics.status_code == 200 and "\nnanojax_engine_up 0.0" in metrics.text
+        assert metric(server, "nanojax_kv_pages_total") == engine.limits.num_pages  # as last read
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=30)
         with pytest.raises(openai.InternalServerError):
             client.completions.create(model="tiny", prompt=[1], max_tokens=2)
         assert client.models.list().data[0].id == "tiny"
     finally:
+        if engine._process.is_alive():
+            os.kill(pid, signal.SIGCONT)
         server.stop()
         engine.close()
 

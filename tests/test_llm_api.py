@@ -303,3 +303,53 @@ def test_the_loop_waits_for_work_without_holding_the_llm(qwen3, monkeypatch):
     assert ref() is None  # freed while its loop waits (60 s); the thread then ends without waiting out the time
     thread.join(timeout=0.3)
     assert not thread.is_alive()
+
+
+def test_close_gives_back_the_device_buffers_threads_and_requests(qwen3):
+    """Three LLMs built and closed in one process leave no device buffer behind (`with`, close() with a request
+    still running, and a plain del); a closed LLM refuses requests and closes again as a no-op. A caller's
+    LoadedModel of device arrays keeps them."""
+    import gc
+    import time
+
+    import jax
+
+    from nanojax.loader import LoadedModel
+
+    folder, model = qwen3
+    gc.collect()
+    before = {id(x) for x in jax.live_arrays()}
+    prompt = random_prompts(97, [9], seed=60)[0]
+    with LLM(folder, dtype="float32", page_size=4, max_model_len=96) as llm:
+        assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].token_ids == hf_greedy(model, prompt, 8)
+    assert llm.closed and not llm._thread.is_alive()
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.add_request(prompt, GREEDY)
+    llm.close()
+
+    llm = LLM(folder, dtype="float32", page_size=4, max_model_len=96)
+    stream = llm.add_request(prompt, SamplingParams(max_tokens=80, ignore_eos=True))
+    llm.close()
+    assert list(stream)[-1].finish_reason in ("abort", "length")
+    assert llm.page_manager.num_free_pages == llm.page_manager.num_pages
+
+    llm = LLM(folder, dtype="float32", page_size=4, max_model_len=96)
+    llm.generate([prompt], GREEDY, use_tqdm=False)
+    del llm, stream
+    deadline = time.monotonic() + 10  # (the loop may still be finishing its last step when generate returns)
+    while gc.collect() is not None and not {id(x) for x in jax.live_arrays()} <= before:
+        assert time.monotonic() < deadline, "an LLM deleted and collected left device buffers behind"
+        time.sleep(0.05)
+
+    loaded = LLM(folder, dtype="float32").runner.params  # device arrays, as a caller would hold them
+    loaded = LoadedModel(LLM(folder, dtype="float32", warmup=False).config, loaded, None)
+    LLM(loaded, dtype="float32", page_size=4, max_model_len=96).close()
+    assert not any(x.is_deleted() for x in jax.tree.leaves(loaded.params))
+
+
+def test_a_pool_too_small_for_one_sequence_is_an_error_naming_the_knobs(qwen3, monkeypatch):
+    from nanojax import llm as llm_module
+
+    monkeypatch.setattr(llm_module, "_device_limit", lambda: 1 << 16)  # a 64 KiB device
+    with pytest.raises(ValueError, match=r"one sequence of max_model_len=96 needs 24.*memory_fraction.*num_pages"):
+        LLM(qwen3[0], dtype="float32", page_size=4, max_model_len=96)

@@ -6,8 +6,12 @@ model answering a real question is the test at the end.
 """
 import asyncio
 import dataclasses
+import json
+import math
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -16,11 +20,13 @@ import pytest
 from conftest import random_prompts
 from test_sampling import byte_tokenizer
 
-from nanojax import LLM, SamplingParams
+from nanojax import LLM, SamplingParams, serve
+from nanojax.engine_io import RequestStream
 from nanojax.loader import load_model
-from nanojax.serve import BackgroundServer, ServerLimits, build_app, engine_options, parse_args
+from nanojax.serve import BackgroundServer, ServerLimits, build_app, engine_options, parse_args, served_names
 
 KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
 LIMITS = ServerLimits(max_body_bytes=32 << 10, max_n=4, max_tokens=200, max_prompts=8)
 
@@ -157,6 +163,10 @@ BAD = [  # (body of a completions request, status, the field named)
     ({"prompt": [1] * 256}, 400, "prompt"),  # no room left under max_model_len
     ({"prompt": [1], "temperature": -1}, 400, "temperature"),
     ({"prompt": [1], "temperature": "hot"}, 400, "temperature"),
+    ({"prompt": [1], "temperature": "0.5"}, 400, "temperature"),  # numbers are not coerced from strings
+    ({"prompt": [1], "max_tokens": "4"}, 400, "max_tokens"),
+    ({"prompt": [1], "max_tokens": 4.0}, 400, "max_tokens"),
+    ({"prompt": [1], "n": True}, 400, "n"),  # nor from booleans
     ({"prompt": [1], "top_p": 0}, 400, "top_p"),
     ({"prompt": [1], "top_k": -2}, 400, "top_k"),
     ({"prompt": [1], "min_p": 2}, 400, "min_p"),
@@ -230,10 +240,15 @@ def test_api_key_refused_when_missing_or_wrong(server):
         r = httpx.post(f"{server.url}/v1/completions", json={"prompt": [1]}, headers=headers)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         assert httpx.get(f"{server.url}/v1/models", headers=headers).status_code == 401
+        for path, body in (("/tokenize", {"messages": [{"role": "user", "content": "hi"}]}),
+                           ("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [5]})):
+            assert httpx.post(f"{server.url}{path}", json=body, headers=headers).status_code == 401, path
     wrong = openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         wrong.models.list()
-    assert httpx.get(f"{server.url}/health").status_code == 200  # outside /v1: no key needed
+    # probes and scrapers need no key
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert httpx.get(f"{server.url}/metrics").status_code == 200
 
 
 def test_logprobs_and_echo(llm, client):
@@ -317,18 +332,180 @@ def test_models_health_metrics_tokenize(llm, server, client):
     finally:
         llm.dead = None
     ids = [5, 6, 7, 60]
-    text = httpx.post(f"{server.url}/detokenize", json={"tokens": ids}).json()["prompt"]
+    text = httpx.post(f"{server.url}/detokenize", json={"tokens": ids}, headers=AUTH).json()["prompt"]
     assert text == llm.tokenizer.decode(ids)
-    r = httpx.post(f"{server.url}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    r = httpx.post(f"{server.url}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]},
+                   headers=AUTH).json()
     assert r["tokens"] == llm.apply_chat_template([{"role": "user", "content": "hi"}]) and r["count"] == len(
         r["tokens"])
-    assert httpx.post(f"{server.url}/detokenize", json={"tokens": [97]}).status_code == 400
-    assert httpx.post(f"{server.url}/tokenize", json={}).status_code == 400
+    r = httpx.post(f"{server.url}/tokenize", json={"prompt": "the ab"}, headers=AUTH).json()
+    assert r["tokens"] == llm.tokenizer.encode("the ab")
+    assert httpx.post(f"{server.url}/detokenize", json={"tokens": [97]}, headers=AUTH).status_code == 400
+    assert httpx.post(f"{server.url}/tokenize", json={}, headers=AUTH).status_code == 400
     metrics = httpx.get(f"{server.url}/metrics").text
     for name in ("nanojax_requests_running", "nanojax_requests_waiting", "nanojax_kv_pages_used",
                  "nanojax_prefix_cache_hit_rate", "nanojax_prompt_tokens_total", "nanojax_generation_tokens_total",
                  "nanojax_time_to_first_token_seconds_bucket", "nanojax_inter_token_latency_seconds_bucket"):
         assert f"\n{name}" in metrics, name
+    assert "\nnanojax_engine_up 1.0" in metrics
+
+
+def test_request_latency_is_observed_once_per_request(server, client):
+    before = metric(server, "nanojax_request_latency_seconds_count")
+    client.completions.create(model="tiny", prompt=[[1, 2], [3]], max_tokens=3, n=2)  # one request, four choices
+    list(client.completions.create(model="tiny", prompt=[4, 5], max_tokens=3, stream=True))
+    client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    assert metric(server, "nanojax_request_latency_seconds_count") == before + 3
+    assert metric(server, "nanojax_request_latency_seconds_sum") > 0
+
+
+def _strict_json(text: str):
+    """json.loads refusing NaN and Infinity, as JSON parsers other than Python's do."""
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+class _NonFiniteLogprobs(RequestStream):
+    """The engine's events with NaN logprobs and -inf top logprobs (what a degenerate distribution gives)."""
+
+    def put(self, event, error=None):
+        if event.logprobs:
+            event = dataclasses.replace(event, logprobs=[(math.nan, dict.fromkeys(top, -math.inf))
+                                                         for _, top in event.logprobs])
+        super().put(event, error)
+
+
+def test_logprobs_stay_json_numbers_when_nan_or_infinite(server, monkeypatch):
+    monkeypatch.setattr(serve, "RequestStream", _NonFiniteLogprobs)
+    for path, body in (("/v1/completions", {"prompt": [5, 6], "logprobs": 2}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                                                 "top_logprobs": 2})):
+        for stream in (False, True):
+            r = httpx.post(f"{server.url}{path}", json={**body, "max_tokens": 3, "stream": stream}, headers=AUTH,
+                           timeout=120)
+            assert r.status_code == 200, r.text
+            docs = [_strict_json(line[len("data: "):]) for line in r.text.splitlines()
+                    if line.startswith("data: {")] if stream else [_strict_json(r.text)]
+            assert docs and not any("error" in doc for doc in docs), r.text
+            assert "-9999.0" in r.text  # vLLM's stand-in for -inf
+
+
+RAW_BAD = [  # (route, body as Python's json writes it: what httpx's json= refuses to send, the field named)
+    ("/v1/completions", {"prompt": [1], "temperature": math.inf}, "temperature"),
+    ("/v1/completions", {"prompt": [1], "top_p": math.nan}, "top_p"),
+    ("/v1/completions", {"prompt": "a\ud800b"}, "prompt"),  # a lone surrogate
+    ("/v1/completions", {"prompt": ["ok", "\udc00"]}, "prompt"),
+    ("/v1/completions", {"prompt": [1], "stop": "\ud800"}, "stop"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\ud800b"}]}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]},
+     "messages"),
+    ("/tokenize", {"prompt": "a\ud800b"}, "prompt"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "a\ud800b"}]}, "messages"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", RAW_BAD)
+def test_infinities_and_lone_surrogates_refused_naming_the_field(server, path, body, param):
+    r = httpx.post(f"{server.url}{path}", content=json.dumps(body),
+                   headers={**AUTH, "Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_integers_accepted_for_float_fields(client):
+    got = client.completions.create(model="tiny", prompt=[1], max_tokens=2, temperature=1, top_p=1,
+                                    extra_body={"repetition_penalty": 1})
+    assert got.usage.completion_tokens == 2
+
+
+def test_unexpected_error_answers_500_in_openai_shape(server, monkeypatch):
+    def broken(*args):
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(serve, "_completion_prompts", broken)
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": [1]}, headers=AUTH)
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error", r.text
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def _held(fn, started: threading.Event, release: threading.Event):
+    """fn that, called, says so and waits for release (a tokenizer busy on a long text)."""
+    def held(*args, **kw):
+        started.set()
+        release.wait(60)
+        return fn(*args, **kw)
+
+    return held
+
+
+def test_health_answers_while_a_large_request_tokenizes(llm, monkeypatch):
+    started, release = threading.Event(), threading.Event()
+    monkeypatch.setattr(llm.tokenizer, "encode", _held(llm.tokenizer.encode, started, release))
+    monkeypatch.setattr(llm, "apply_chat_template", _held(llm.apply_chat_template, started, release))
+    text = "ab " * (1 << 20)
+    server = BackgroundServer(build_app(llm, "tiny", limits=ServerLimits(max_body_bytes=16 << 20)))
+    try:
+        for path, body in (("/tokenize", {"prompt": text}), ("/v1/completions", {"prompt": text, "max_tokens": 1}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}],
+                                                     "max_tokens": 1})):
+            started.clear()
+            release.clear()
+            with ThreadPoolExecutor(1) as pool:
+                reply = pool.submit(httpx.post, f"{server.url}{path}", json=body, timeout=120)
+                assert started.wait(60), path
+                start = time.perf_counter()
+                assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+                assert time.perf_counter() - start < 1, path
+                release.set()
+                assert reply.result().status_code == 200, path
+    finally:
+        release.set()
+        server.stop()
+
+
+def wait_for_health(server, status: int, seconds: float = 30) -> httpx.Response:
+    """/health's first answer with `status` (each within the few seconds /health may take)."""
+    deadline = time.time() + seconds
+    while (r := httpx.get(f"{server.url}/health", timeout=5)).status_code != status:
+        assert time.time() < deadline, f"/health did not answer {status}"
+        time.sleep(0.05)
+    return r
+
+
+def test_health_answers_503_while_the_engine_stalls_with_work(llm, monkeypatch):
+    server = BackgroundServer(build_app(llm, "tiny", limits=ServerLimits(stall_timeout_s=0.5)))
+    decode = llm.runner.decode
+    monkeypatch.setattr(llm.runner, "decode", lambda *a, **k: time.sleep(2) or decode(*a, **k))
+    try:
+        wait_for_health(server, 200)
+        with ThreadPoolExecutor(1) as pool:
+            reply = pool.submit(httpx.post, f"{server.url}/v1/completions", timeout=120,
+                                json={"prompt": [1, 2], "max_tokens": 4, "ignore_eos": True})
+            assert "no new turn" in wait_for_health(server, 503).json()["error"]["message"]
+            assert reply.result().status_code == 200
+        wait_for_health(server, 200)  # the engine steps again
+    finally:
+        server.stop()
+
+
+def test_served_under_the_model_path_as_given_and_its_folder_name(llm, hf_model_dir):
+    folder, _ = hf_model_dir("qwen3")
+    names = served_names(str(folder))
+    assert names == (str(folder), folder.name)
+    assert served_names(str(folder), "mine") == ("mine",) and served_names("org/name") == ("org/name",)
+    server = BackgroundServer(build_app(llm, names[0], aliases=names[1:]))
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
+        assert [m.id for m in client.models.list().data] == [str(folder)]
+        for name in names:
+            assert client.completions.create(model=name, prompt=[1], max_tokens=1).model == str(folder)
+            assert httpx.get(f"{server.url}/v1/models/{name}").json()["id"] == str(folder)
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="other", prompt=[1], max_tokens=1)
+    finally:
+        server.stop()
 
 
 def test_model_without_tokenizer_streams_token_ids(hf_model_dir, monkeypatch):

@@ -1,0 +1,50 @@
+"""The files of a model folder or nanojax checkpoint read with errors that say which one is damaged (a copy or
+download cut short) and how to get a whole one again."""
+import json
+from pathlib import Path
+
+from convert.keys import CheckpointError
+
+MANIFEST = "manifest.json"
+
+
+def read_json(path: Path):
+    """The JSON value in `path`; a missing, unreadable or damaged file is a CheckpointError naming it and saying how
+    to get its folder whole again."""
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        problem = "missing"
+    except ValueError as e:  # UnicodeDecodeError too
+        problem = f"not valid JSON ({e}): cut short or damaged"
+    except OSError as e:
+        problem = f"unreadable ({e.strerror})"
+    raise CheckpointError(f"{path}: {problem}; {recovery(path.parent)}")
+
+
+def recovery(path: Path) -> str:
+    """How to get a whole copy of the damaged folder or file `path`: one nanojax makes itself is deleted, a
+    checkpoint converted again, a Hugging Face cache snapshot downloaded again, anything else copied again."""
+    from nanojax.default_model import made_by_nanojax
+
+    path = Path(path).absolute()
+    if made_by_nanojax(path):
+        return f"delete {path} and run again: nanojax makes it again"
+    if (path / MANIFEST).is_file():
+        return f"convert it again: {convert_command(path)}"
+    if path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--"):
+        return f"delete {path.parent.parent} and run again with the model id: it is downloaded again"
+    return f"copy or download {path} again"
+
+
+def convert_command(path: Path) -> str:
+    """The command that converts the checkpoint at `path` again, with the source, dtype and weight format its
+    manifest records (SRC where the manifest is unreadable)."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError):  # read_json would call back here
+        manifest = {}
+    manifest = manifest if isinstance(manifest, dict) else {}
+    options = [f"--dtype {manifest['dtype']}"] if "dtype" in manifest else []
+    options += [f"--quantize {manifest['quantization']}"] if manifest.get("quantization") else []
+    return " ".join(["python -m convert", str(manifest.get("source", "SRC")), str(path), *options, "--overwrite"])
