@@ -4,7 +4,7 @@ The params are one Orbax checkpoint per part (params/layers/{i} for each layer, 
 as each part is converted: Orbax holds a second copy of what it saves, so saving the whole tree at once would
 need twice the model in memory. A conversion writes everything into a temporary sibling folder and renames it
 into place at the end, so a failed or interrupted conversion leaves nothing half-written at the destination, and
-the folder a killed one left is removed by the next conversion beside it (nanojax/cache.py).
+the folder a killed one left is removed by the next conversion beside it (convert/cache.py).
 """
 import concurrent.futures
 import json
@@ -15,11 +15,12 @@ from typing import Callable
 import jax
 import numpy as np
 
+from convert.cache import move_into_place, temporary_folder
+from convert.config import ModelConfig
 from convert.files import MANIFEST, convert_command, read_json, recovery
 from convert.keys import CheckpointError, param_parts, params_from_parts
+from convert.quantize import quantize_layer
 from convert.sources import Source, open_source
-from nanojax.cache import move_into_place, temporary_folder
-from nanojax.config import ModelConfig
 
 PARAMS = "params"
 # The params layout this code writes and reads. 3: one Orbax checkpoint per part. 2: one Orbax checkpoint of the
@@ -28,7 +29,7 @@ PARAMS = "params"
 PARAMS_FORMAT = 3
 DTYPES = {"float32": np.float32, "bfloat16": jax.numpy.bfloat16, "float16": np.float16}
 # Weight formats a checkpoint may record besides its dtype: "fp8", every projection in FP8 (E4M3) with
-# per-output-channel scales (nanojax/quantize.py); embeddings, norms and the LM head stay in dtype.
+# per-output-channel scales (convert/quantize.py); embeddings, norms and the LM head stay in dtype.
 QUANTIZATIONS = (None, "fp8")
 # The FP8 layout this code writes and reads. 2: {w_t [N, K], scale [N]} (a row per output channel). 1 (no "fp8_format"
 # in the manifest): {w [K, N], scale [N]}, which this code would misread.
@@ -38,7 +39,8 @@ FP8_FORMAT = 2
 def params_from_source(source: Source, dtype: str, progress: bool = False,
                        place: Callable[[dict], dict] | None = None) -> tuple[ModelConfig, dict]:
     """The whole model in memory; its layers converted on a thread per core (up to 16): the whole model is held
-    anyway, and conversion was most of a warm start of `LLM(hf_folder)` (docs/perf_notes.md, "Start-up").
+    anyway, and conversion was most of a warm start of `LLM(hf_folder)` (docs/perf_notes.md, "Conversion and
+    placement").
     place: applied to each part on a thread of its own as the part is converted (`jax.device_put`: the copies to
     the device run while the next parts convert)."""
     config = ModelConfig.from_hf_config(source.hf_config)
@@ -93,8 +95,6 @@ def convert(src, dst, dtype: str = "bfloat16", overwrite: bool = False, progress
 
 
 def _fp8_layer(part: dict) -> dict:
-    from nanojax.quantize import quantize_layer
-
     return jax.tree.map(np.asarray, quantize_layer(part))
 
 

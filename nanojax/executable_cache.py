@@ -1,6 +1,7 @@
 """Compiled programs kept on disk as serialized executables, so that a warm start loads each one without tracing or
 lowering it. JAX's persistent compilation cache (nanojax.cache) skips only the compile step: its key is a hash of
-the lowered module, and tracing + lowering the unrolled layers is serial Python that took most of a warm start.
+the lowered module, and tracing + lowering the unrolled layers is serial Python that took most of a warm start
+(docs/perf_notes.md, "Keeping compiled programs").
 
 Here the key is known before tracing: a blake2b hash over what the caller says the program is (its description,
 the model config, the Ops, the arguments' shapes, dtypes and shardings: `signature`) and over what makes an
@@ -28,6 +29,8 @@ import jaxlib
 import numpy as np
 from jax.experimental import serialize_executable
 
+from convert.cache import cache_dir, write_whole
+
 _log = logging.getLogger(__name__)
 # Bumped when the file layout below changes: older files then sit under another environment hash.
 FORMAT = 1
@@ -35,8 +38,6 @@ SUFFIX = ".jaxexe"
 
 
 def default_directory() -> Path:
-    from nanojax.cache import cache_dir
-
     return cache_dir() / "executables"
 
 
@@ -144,8 +145,6 @@ def store(directory: Path | None, key: str, compiled: jax.stages.Compiled) -> bo
     except (ValueError, NotImplementedError, AttributeError, pickle.PicklingError, TypeError) as e:
         _log.debug("executable cache: %s not serializable (%s: %s)", key, type(e).__name__, e)
         return False
-    from nanojax.cache import write_whole
-
     path = path_of(directory, key)
     try:
         write_whole(path, data)  # what a killed writer left is removed by the next store
@@ -157,13 +156,11 @@ def store(directory: Path | None, key: str, compiled: jax.stages.Compiled) -> bo
 
 def compile_and_store(directory: Path | None, key: str, lowered: jax.stages.Lowered,
                       compiler_options: dict | None = None) -> jax.stages.Compiled:
-    """Compiles `lowered` and stores it; on the CPU only while JAX's persistent compilation cache is off. An XLA:CPU
-    executable that came from that cache, directly or through JAX's in-memory cache of it, serializes incompletely
-    (jax 0.10.2: loaded again, it fails at run time with 'Function broadcast_add_fusion not found'), and which
-    compile that was cannot be told reliably. XLA:GPU ones round-trip (H100, jax 0.11.2: a fused program answered by
-    the persistent cache, serialized and loaded, gave the same values), and are always stored, so that the executable
-    cache fills on the first start of a new build even where the persistent cache holds its programs. Thread-safe.
-    compiler_options: XLA options for this compile (`Lowered.compile`'s)."""
+    """Compiles `lowered` with compiler_options (`Lowered.compile`'s) and stores it; thread-safe. On the CPU only while
+    JAX's persistent compilation cache is off: an XLA:CPU executable that came from that cache, directly or through
+    JAX's in-memory cache of it, serializes incompletely (jax 0.10.2: 'Function broadcast_add_fusion not found' once
+    loaded), and which compile that was cannot be told. XLA:GPU ones round-trip, and are always stored, so that the
+    executable cache fills on a new build's first start (docs/perf_notes.md, "Keeping compiled programs")."""
     compiled = lowered.compile(compiler_options=compiler_options)
     if jax.default_backend() == "gpu" or not _persistent_cache_on():
         store(directory, key, compiled)

@@ -9,6 +9,7 @@ import time
 import jax
 
 from nanojax import distributed
+from nanojax.config import EngineConfig
 from nanojax.llm import LLM
 from nanojax.sampling_params import SamplingParams
 
@@ -65,8 +66,9 @@ def main(argv=None) -> int:
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                 max_tokens=args.max_tokens, seed=args.seed)
         distributed.initialize(args.coordinator, args.num_processes, args.process_id)
-        llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=1,
-                  tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization)
+        llm = LLM(args.model, EngineConfig(dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=1,
+                                           tensor_parallel_size=args.tensor_parallel_size,
+                                           quantization=args.quantization))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

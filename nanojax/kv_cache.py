@@ -6,7 +6,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from nanojax.config import ModelConfig
+from convert.config import ModelConfig
 
 
 @flax.struct.dataclass

@@ -1,11 +1,16 @@
 """Resolve what the user named into (config, params, tokenizer): a nanojax checkpoint, or any source that
 convert/ reads (HF folder, hub-cache id, GGUF), converted in memory."""
 import dataclasses
+import tempfile
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
-from nanojax.config import ModelConfig
-from nanojax.quantize import is_quantized
+from convert import is_checkpoint, load_checkpoint, open_source, params_from_source
+from convert.checkpoint import DTYPES
+from convert.config import ModelConfig
+from convert.quantize import is_quantized
+from convert.sources import config_as_written, has_tokenizer_files, hf_tokenizer, load_hf_tokenizer, local_path
+from nanojax.default_model import default_checkpoint
 
 
 @dataclasses.dataclass
@@ -35,22 +40,14 @@ def load_model(model: "str | LoadedModel | None", dtype: str, place=None,
     thread while the weights are read, and may still be loading when this returns (see LoadedModel.resolved).
     place: applied to each part of a converted source's params (a layer, the rest) while the next ones convert
     (params_from_source); other params come as they are. on_config: called once, for an HF folder or model id only,
-    before the weights are read, with a LoadedModel of params None: its config read from config.json as it stands
-    where that file holds every field the config needs (before transformers normalizes it: a first start's import
-    of transformers, with torch, comes after), else the normalized config with the tokenizer's Futures. The first
-    may differ from the config returned (a field the file leaves to transformers' defaults): the caller checks."""
-    # convert/ builds on nanojax.config, so it is imported here rather than at module level.
-    from convert import is_checkpoint, load_checkpoint, open_source, params_from_source
-    from convert.checkpoint import DTYPES
-    from convert.sources import local_path
-
+    before the weights are read, with a LoadedModel of params None: the config of config.json as written where it
+    holds every field (before transformers is imported), else the normalized config with the tokenizer's Futures.
+    The first may differ from the config returned (a field left to transformers' defaults): the caller checks."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
     if isinstance(model, LoadedModel):
         return dataclasses.replace(model, params=_cast(model.params, DTYPES[dtype]))
     if model is None:
-        from nanojax.default_model import default_checkpoint
-
         model = str(default_checkpoint())
     if is_checkpoint(model):
         tokenizer = _start_tokenizer(model)
@@ -63,7 +60,7 @@ def load_model(model: "str | LoadedModel | None", dtype: str, place=None,
     source = open_source(path)
     if source.format == "gguf":
         config, params = params_from_source(source, dtype, place=place)
-        return LoadedModel(config, params, _gguf_tokenizer(source.description))
+        return LoadedModel(config, params, _gguf_tokenizer(source))
     tokenizer = _start_tokenizer(source.description)
     if on_config is not None and early is None:
         on_config(LoadedModel(ModelConfig.from_hf_config(source.hf_config), None, *tokenizer))
@@ -74,8 +71,6 @@ def load_model(model: "str | LoadedModel | None", dtype: str, place=None,
 def _config_as_written(path) -> ModelConfig | None:
     """The config of an HF folder's config.json as it stands (convert.sources.config_as_written), or None where that
     is no folder or lacks a field ModelConfig reads."""
-    from convert.sources import config_as_written
-
     written = config_as_written(path) if path.is_dir() else None
     try:
         return None if written is None else ModelConfig.from_hf_config(written)
@@ -88,8 +83,6 @@ def _start_tokenizer(folder) -> tuple:
     hf_tokenizer runs on a thread of its own while the weights are read and placed: the first load of a tokenizer
     asks transformers' AutoTokenizer which class it is (the answer is kept), and building it imports transformers
     (with torch, on some versions)."""
-    from convert.sources import has_tokenizer_files, hf_tokenizer
-
     if not has_tokenizer_files(folder):
         return None, None
     pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
@@ -101,7 +94,7 @@ def _start_tokenizer(folder) -> tuple:
 
 
 def _cast(params, dtype):
-    """Casts float params to dtype; FP8 projections ({w_t: float8, scale: float32}, nanojax.quantize) stay as they
+    """Casts float params to dtype; FP8 projections ({w_t: float8, scale: float32}, convert.quantize) stay as they
     are."""
     if isinstance(params, dict) and is_quantized(params):
         return {k: v if k in ("w_t", "scale") else _cast(v, dtype) for k, v in params.items()}
@@ -109,16 +102,12 @@ def _cast(params, dtype):
         items = params.items() if isinstance(params, dict) else enumerate(params)
         cast = {k: _cast(v, dtype) for k, v in items}
         return cast if isinstance(params, dict) else type(params)(cast.values())
-    # Same dtype: no copy (the default checkpoint is stored in float32, the CPU's dtype; copying it took 1.5 s).
+    # Same dtype: no copy (the default checkpoint is stored in float32, the CPU's dtype: its start copies nothing).
     return params if params.dtype == dtype else params.astype(dtype)
 
 
-def _gguf_tokenizer(path):
-    import tempfile
-
-    from convert.gguf_source import save_gguf_tokenizer
-    from convert.sources import load_hf_tokenizer
-
+def _gguf_tokenizer(source):
+    """The HF tokenizer rebuilt from a GGUF's metadata."""
     with tempfile.TemporaryDirectory() as tmp:
-        save_gguf_tokenizer(path, tmp)
+        source.save_tokenizer(tmp)
         return load_hf_tokenizer(tmp)

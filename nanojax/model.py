@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nanojax.config import ModelConfig
+from convert.config import ModelConfig
 from nanojax.kv_cache import KVCache
 from nanojax.ops import Ops
 from pallas_kernels.qkv_rope_cache import rope_cos_sin
@@ -142,7 +142,7 @@ def lm_logits(params, hidden, ops: Ops = Ops()):
 
 
 def head_logits(head, hidden):
-    """head: {lm_head [H, V]}, {embed [V, H]} (tied) or an FP8 {lm_head: {w_t [V, H], scale [V]}} (nanojax/quantize.py;
+    """head: {lm_head [H, V]}, {embed [V, H]} (tied) or an FP8 {lm_head: {w_t [V, H], scale [V]}} (convert/quantize.py;
     beside the embedding when tied), dequantized in front of XLA's dot: (hidden @ w_t.astype(hidden.dtype)^T) * scale
     in f32. hidden: [..., H] -> float32 logits [..., V]."""
     precision = jax.lax.Precision.HIGHEST

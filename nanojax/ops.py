@@ -16,7 +16,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from nanojax.quantize import is_quantized
+from convert.quantize import is_quantized
 from pallas_kernels.cascade_attention import cascade_decode_attention, cascade_decode_attention_reference
 from pallas_kernels.paged_attention import paged_attention_reference, paged_decode_attention, paged_prefill_attention
 from pallas_kernels.qkv_rope_cache import qkv_rope_cache, qkv_rope_cache_reference
@@ -24,23 +24,20 @@ from pallas_kernels.rmsnorm_matmul import rmsnorm_matmul, rmsnorm_matmul_referen
 from pallas_kernels.sampling_filters import is_filtered, no_filters, sampling_filters, sampling_filters_reference
 
 NAMES = ("auto", "reference", "pallas", "interpret")
-# The fused projection kernel is used up to this many rows, where it beats XLA's GEMV fusion (1.3-2x at M = 1 on the
-# H100). From M = 2 on XLA switches to a GEMM that ties or beats a projection without a norm (o_proj, down_proj: XLA
-# as fast or up to 1.5x faster at M = 2..64; prefill sizes: XLA 1.05-6.6x), so larger row counts take the XLA path
-# (docs/benchmarks.md, bench_kernels.py).
+# Projections without a norm (o_proj, down_proj) take the fused kernel up to this many rows: it beats XLA's GEMV
+# fusion at one row, and from two rows XLA's GEMM ties or wins (docs/perf_notes.md, "Fused projections: which rows
+# take the kernel").
 PALLAS_PROJECTION_MAX_ROWS = 1
 # With a norm (QKV, gate/up) the fused kernel replaces XLA's two kernels (the norm, then the GEMM) by one, and stays
-# ahead up to batched decode sizes (docs/perf_notes.md, "Fused projections: which rows take the kernel").
+# ahead up to batched decode sizes (the same subject).
 PALLAS_NORMED_PROJECTION_MAX_ROWS = 64
-# FP8 weights (nanojax/quantize.py) take the fused kernel for one row and a weight of up to this many elements (every
+# FP8 weights (convert/quantize.py) take the fused kernel for one row and a weight of up to this many elements (every
 # projection of Qwen3-0.6B; Llama-3.2-1B's QKV and o): there a step is latency-bound and the kernel's fused norm,
-# activation and residual save XLA's extra kernels (H100, batch 1: Qwen3-0.6B 1.072 against 1.149 ms per step,
-# Llama-3.2-1B 1.002 against 1.068). Larger weights read faster through XLA's dot, which fuses the E4M3 upcast into
-# its operand load (H200, Qwen3-8B batch 1: 3.059 against 3.451 ms with the kernel), and so do more rows
-# (docs/perf_notes.md, "FP8 weights").
+# activation and residual save XLA's extra kernels. Larger weights, and more rows, read faster through XLA's dot,
+# which fuses the E4M3 upcast into its operand load (docs/perf_notes.md, "FP8 weights").
 PALLAS_FP8_MAX_WEIGHT = 8 << 20
-# XLA runs a one-row dot as a reduction fusion, which read FP8 slower than its GEMM on two rows (Qwen3-8B batch 1:
-# 5.67 vs 4.48 ms per step, padded to 8 rows 4.58), so fewer rows are padded to this many.
+# XLA runs a one-row dot as a reduction fusion, which reads FP8 slower than its GEMM on two rows, so fewer rows are
+# padded to this many (the same subject).
 FP8_XLA_MIN_ROWS = 2
 
 
@@ -53,7 +50,7 @@ class Ops:
 
     def project(self, x, p, *, norm_eps=None, residual=None, activation=None):
         """x: [N, K]; p: {w [K, N'], b [N']?} (an RMSNorm's scale folded into w), or FP8 {w_t float8_e4m3fn [N', K],
-        scale [N'], b?} (nanojax/quantize.py) -> [N, N_out]; see rmsnorm_matmul_reference. An FP8 projection
+        scale [N'], b?} (convert/quantize.py) -> [N, N_out]; see rmsnorm_matmul_reference. An FP8 projection
         takes the kernel for one row of a weight up to PALLAS_FP8_MAX_WEIGHT elements, else XLA's dot on the
         dequantized weight, (x @ w_t.astype(x.dtype)^T) * scale in f32, its rows padded to FP8_XLA_MIN_ROWS."""
         kw = {"norm_eps": norm_eps, "residual": residual, "activation": activation}

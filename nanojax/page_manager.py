@@ -5,21 +5,17 @@ listed in ``seq.page_table``; its token position ``p`` lives in slot
 ``page_table[p // page_size] * page_size + p % page_size``.
 
 Prefix caching: a FULL page whose KV has been computed is registered by :meth:`PageManager.commit`
-under the chained hash ``h_i = hash_page_tokens(h_{i-1}, tokens_i)``, which names the page's whole
-token prefix.  The hash has 128 bits, so two different prefixes colliding is not a practical concern;
-a hit still compares the page's own token ids, so a forced collision with other tokens is a miss.
-Several pages may hold the same prefix (identical prompts computed in the same step): all of them
-stay reachable, and a hit prefers one in use.
+under the chained 128-bit hash ``h_i = hash_page_tokens(h_{i-1}, tokens_i)`` of its whole token prefix; a hit
+also compares the page's own token ids, so a forced collision is a miss.  Several pages may hold the same
+prefix (identical prompts computed in one step): all stay reachable, and a hit prefers one in use.
 
-Free pages keep their content: a page whose reference count drops to 0 joins the free list with its
-hash, so a later hit revives it (that consumes a free page, which :meth:`PageManager.can_allocate`
-counts).  Fresh pages come from the front of the free list: pages with no cached content first, then
-cached ones, least recently freed first; a sequence frees its pages last to first, so the tail of a
-prefix is evicted before its head.
+Free pages keep their content: a page whose reference count drops to 0 joins the free list with its hash, so
+a later hit revives it (consuming a free page, which :meth:`PageManager.can_allocate` counts).  Fresh pages
+come from the front of the free list: uncached pages first, then cached ones, least recently freed first; a
+sequence frees its pages last to first, so a prefix's tail is evicted before its head.
 
-Pinning: :meth:`PageManager.pin_pages` takes an extra reference on a sequence's committed pages, so
-they are never evicted and every later request starting with that prefix hits them, until
-:meth:`PageManager.unpin`.
+Pinning: :meth:`PageManager.pin_pages` takes an extra reference on a sequence's committed pages, so they are
+never evicted and later requests with that prefix hit them, until :meth:`PageManager.unpin`.
 """
 
 from __future__ import annotations

@@ -1,41 +1,34 @@
 """The compiled steps: embed -> layers -> final norm -> LM head -> sampling in one jit, the KV cache donated.
 
-Two programs, each compiled once per row bucket, serve every request mix (sampling parameters are data, see
-nanojax.sampling):
-- decode: [B, 1] tokens, the engine's decode_steps steps per dispatch, each row taking its own number of them (the
-  KV slots the scheduler could give it), B a power of two up to max_num_seqs;
-- prefill: the step's prompt chunks packed as rows of PREFILL_ROW tokens ([R, PREFILL_ROW], R a power of two). A
-  chunk of n tokens takes ceil(n / PREFILL_ROW) consecutive rows with the same page table, each row attending to
-  the cache up to its own last token, so many short prompts cost one dispatch and a long one the same as unpacked.
-  A step that has prompt chunks and decodes (a mixed step) runs both in one forward, so the weights are read once:
-  the prefill program with max_num_seqs one-token decode rows after the prompt rows.
-Prompt logprobs, wanted by few requests, run in a third program on the prefill's hidden states, dispatched only in
-steps that want them (`prompt_step`). `compile_all` lowers every bucket and compiles them on a thread pool (XLA
-compiles outside the GIL); on a GPU, worker processes lower and compile shares of the buckets meanwhile
-(nanojax.compile_workers). A dispatch sends its host arrays as one byte buffer (`pack`), which the program unpacks
-(`packed_step`).
-Every program also returns each row's last sampled token in a fixed-size device array, which the next dispatch
-takes as `prev`: a decode row whose `sources` entry is r >= 0 feeds the previous dispatch's row r instead of a
-host token, so the engine can dispatch a step before it has read the previous one back.
+Two programs, each compiled once per row bucket, serve every request mix (sampling parameters are data):
+- decode: [B, 1] tokens, decode_steps steps per dispatch, each row taking its own number of them (the KV slots the
+  scheduler gave it), B a power of two up to max_num_seqs;
+- prefill: the step's prompt chunks packed as rows of PREFILL_ROW tokens ([R, PREFILL_ROW], R a power of two), a
+  chunk of n tokens in ceil(n / PREFILL_ROW) rows with its page table, each row attending up to its own last token.
+  A mixed step (prompt chunks and decodes) adds max_num_seqs one-token decode rows to it: the weights read once.
+Prompt logprobs run in a third program on the prefill's hidden states, only in steps that want them (`prompt_step`).
+nanojax.compilation compiles every bucket ahead through `programs`, `key_parts`, `lower`, `compiler_options`, `twin`,
+`missing` and `install`; a program not compiled ahead compiles on first use. A dispatch sends its host arrays as one
+byte buffer (`pack`, `packed_step`). Every program returns each row's last sampled token in a fixed-size device array,
+the next dispatch's `prev`: a decode row whose `sources` entry is r >= 0 takes the previous dispatch's row r, so the
+engine can dispatch a step before it has read the previous one back.
 """
-import concurrent.futures
 import dataclasses
 import functools
-import os
-import time
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tqdm import tqdm
 
-from nanojax import compile_workers, executable_cache
-from nanojax.cascade import CascadePlan, CascadeRules, plan_cascade
-from nanojax.config import ModelConfig
+from convert.config import ModelConfig
+from convert.quantize import is_quantized
+from nanojax import executable_cache
+from nanojax.cascade import CascadePlan, plan_cascade
+from nanojax.config import EngineConfig
 from nanojax.kv_cache import Batch, KVCache
 from nanojax.model import forward, lm_logits
-from nanojax.quantize import is_quantized
+from nanojax.ops import get_ops
 from nanojax.sampling import MAX_LOGPROBS, Sampled, SamplingBatch, TokenTables, limited_bias, sample
 from nanojax.sampling_params import DEVICE_FIELDS
 from pallas_kernels._compat import num_sms
@@ -46,17 +39,12 @@ from pallas_kernels.cascade_attention import cascade_members_per_item
 PREFILL_ROW = 64
 _STATIC = ("config", "ops")
 # XLA options for the programs' compiles on a GPU. XLA tunes each GEMM by compiling and timing ~25 candidates (Triton
-# tilings and cuBLAS), most of an empty-cache start's compile work (docs/perf_notes.md, "Start-up"). A program whose
-# GEMMs have CUBLAS_MIN_ROWS rows or more (a decode's rows; a prefill's tokens and decode rows) takes cuBLAS, no Triton
-# candidate compiled: decodes of 128 and 256 rows within 1% of XLA's tuning; prefills and mixed steps, against the
-# tiling XLA's cost model ranks first (their option before), 0-11% faster at 128-1,280 rows and from 2% faster to 7%
-# slower above on Qwen3-0.6B, 19-29% faster at 2,048-8,448 rows on Qwen3-8B, each compile cheaper by a fifth to a
-# third (docs/benchmarks.md, "Start-up and first call"). Below it cuBLAS was slower on Qwen3-0.6B (decodes of 1-64
-# rows 12-21%, the 64-token prefill 5%; on Qwen3-8B that prefill 4% faster): the smaller decodes take one Triton
-# tiling for all their GEMMs (`decode_tiling`: steps within 1% of XLA's tuning at 1-64 rows on Qwen3-0.6B, 4-64 on
-# Qwen3-8B, a third of the compile's CPU seconds; the cost model's pick ran batch 64 5-10% slower), the 64-token
-# prefill the cost model's tiling. FP8 weights keep the cost model's tiling for prefills and XLA's tuning for
-# decodes: cuBLAS cannot fuse their dequantizing dots, and the tiling was measured on bf16 weights only.
+# tilings and cuBLAS), most of an empty-cache start's compile work; these options skip that where a step loses little
+# (docs/perf_notes.md, "XLA's GEMM options per program"). A program whose GEMMs have CUBLAS_MIN_ROWS rows or more (a
+# decode's rows; a prefill's tokens and decode rows) takes cuBLAS, as fast as the tuning there and cheaper to compile.
+# Below it cuBLAS loses: the smaller decodes take one Triton tiling for all their GEMMs (`decode_tiling`), the 64-token
+# prefill the cost model's tiling. FP8 weights keep the cost model's tiling for prefills and XLA's tuning for decodes:
+# cuBLAS cannot fuse their dequantizing dots, and the fixed tiling was chosen on bf16 weights only.
 COST_MODEL_TILING = {"xla_gpu_experimental_cost_model_gemm_tiling_default": True}
 CUBLAS_GEMMS = {"xla_gpu_enable_triton_gemm": False}
 CUBLAS_MIN_ROWS = 128
@@ -110,11 +98,10 @@ def prefill_step(params, cache, tables, prev, tokens, batch: Batch, sampling: Sa
 def prompt_step(params, tables, hidden, targets, *, config, ops) -> "PromptLogprobs":
     """hidden: [R, T, H], a prefill's; targets: [R, T] int32, the prompt token after each position whose logprob is
     wanted, -1 for none -> PromptLogprobs [R, T](, MAX_LOGPROBS): each target's logprob and the top MAX_LOGPROBS of
-    the model's distribution at its position (no sampling adjustments but the tables' vocabulary limit). The logits
-    of every position take [T, V] per row: one row at a time, and only rows with targets. A program of its own,
-    dispatched after the prefill only in steps that want prompt logprobs: its branches wait for the GPU on the host
-    (an XLA conditional reads its predicate back), which inside the prefill program held every prefill's dispatch
-    until the GPU was done."""
+    the model's distribution at its position (no sampling adjustments but the tables' vocabulary limit), one row of
+    [T, V] logits at a time and only rows with targets. A program of its own, dispatched only in steps that want it:
+    its conditional reads its predicate back on the host, which inside the prefill program held every prefill's
+    dispatch until the GPU was done (docs/perf_notes.md, "Dispatch and host overhead")."""
     def row(args):
         h, target = args
         logits = lm_logits(params, h, ops)
@@ -165,9 +152,8 @@ def decode_step(params, cache, tables, prev, tokens, batch: Batch, sampling: Sam
 @functools.partial(jax.jit, static_argnames=("step", "layout", "static"), donate_argnums=(1, 2))
 def packed_step(params, cache, tables, prev, packed, *, step, layout, static):
     """step(params, cache, tables, prev, *host_args, **static) with the host arguments sent as one byte buffer (packed:
-    [nbytes] uint8, `pack`'s; layout: theirs): one host-to-device copy per dispatch instead of one per array, which
-    cost ~1 ms per dispatch for a step's 17 arrays on the H100 machine (docs/perf_notes.md, "Dispatch and host
-    overhead")."""
+    [nbytes] uint8, `pack`'s; layout: theirs): one host-to-device copy per dispatch instead of one per array
+    (docs/perf_notes.md, "Dispatch and host overhead")."""
     return step(params, cache, tables, prev, *_unpack(packed, layout), **dict(static))
 
 
@@ -235,15 +221,16 @@ _SAMPLING_FIELDS = {**DEVICE_FIELDS, "seeds": (np.dtype(np.uint32), 0), "counter
 
 
 def checked_row(fields: dict) -> dict:
-    """One row's sampling fields cast to their device dtypes; ValueError naming a field whose value does not fit
-    (the engine fails that row's request, not the step)."""
+    """One row's sampling fields as their device dtypes hold them (Python scalars); ValueError naming a field whose
+    value does not fit (the engine fails that row's request, not the step)."""
     out = {}
     for name, value in fields.items():
         dtype = _SAMPLING_FIELDS[name][0]
         try:
             with np.errstate(over="ignore", invalid="ignore"):
-                out[name] = cast = np.asarray(value).astype(dtype)
+                cast = np.asarray(value).astype(dtype)
             fits = np.isfinite(cast) and (dtype.kind == "f" or cast == value)
+            out[name] = cast.item()
         except (OverflowError, TypeError, ValueError):
             fits = False
         if not fits:
@@ -276,27 +263,23 @@ class Program:
 class ModelRunner:
     """Holds params, the KV cache and the token tables on device, and runs padded steps.
 
-    ops: the kernel switch (nanojax.ops). max_prefill_tokens: the scheduler's token budget (packed prefill rows are
-    sized for it). decode_steps: the decode steps per dispatch besides 1. vocab_limit: token ids at and past it are
-    never drawn (the tokenizer's length; None: every id of the embedding), data in the token tables, so that the
-    compiled programs do not depend on it. tensor_parallel: a
+    engine: the resolved EngineConfig (sizes, dtype, kernels, steps per dispatch, cascade rules); num_pages: the KV
+    pool's pages. vocab_limit: token ids at and past it are never drawn (the tokenizer's length; None: every id of
+    the embedding), data in the token tables, so that the compiled programs do not depend on it. tensor_parallel: a
     nanojax.sharding.TensorParallel to run the model over its mesh (params as numpy, or placed by its `place`).
-    cascade_rules: when multi-step decodes read shared prefixes once (nanojax.cascade); None: never.
-    executable_dir: where compile_all loads and stores compiled programs (nanojax.executable_cache); None: nowhere.
+    executable_dir: where nanojax.compilation loads and stores this runner's programs (nanojax.executable_cache);
+    None: nowhere.
     """
 
-    def __init__(self, config: ModelConfig, params, *, num_pages: int, page_size: int, pages_per_seq: int,
-                 dtype, ops, max_num_seqs: int, max_prefill_tokens: int, decode_steps: int,
-                 vocab_limit: int | None = None, tensor_parallel=None, cascade_rules: CascadeRules | None = None,
-                 executable_dir=None):
+    def __init__(self, config: ModelConfig, engine: EngineConfig, params, *, num_pages: int,
+                 vocab_limit: int | None = None, tensor_parallel=None, executable_dir=None):
         tp = tensor_parallel
-        self.config = config
+        self.config, self.engine = config, engine
         self.vocab_limit = config.vocab_size if vocab_limit is None else vocab_limit
-        # What a compile worker needs to build this runner again from the params' shapes (nanojax.compile_workers).
-        self._worker_kwargs = dict(num_pages=num_pages, page_size=page_size, pages_per_seq=pages_per_seq, dtype=dtype,
-                                   ops=ops, max_num_seqs=max_num_seqs,
-                                   max_prefill_tokens=max_prefill_tokens, decode_steps=decode_steps,
-                                   cascade_rules=cascade_rules)
+        # What a compile worker needs to build this runner again from the params' shapes (nanojax.compilation).
+        self.rebuild_kwargs = dict(engine=engine, num_pages=num_pages)
+        page_size, pages_per_seq, dtype = engine.page_size, engine.pages_per_seq, jnp.dtype(engine.dtype)
+        ops, max_num_seqs, cascade_rules = get_ops(engine.kernels, config), engine.max_num_seqs, engine.cascade_rules
         # Params given as ShapeDtypeStructs (a compile worker; or keys wanted before the weights are placed, the params'
         # sharding then given): the device state is shapes too, nothing allocated, placed as the params are.
         shapes_only = all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))
@@ -306,6 +289,7 @@ class ModelRunner:
             lambda make: make())
         self.ops = ops if tp is None else tp.ops(ops)
         self._inputs_sharding = None if tp is None else tp.replicated  # host inputs: on every device of the mesh
+        self.sharded = tp is not None  # not rebuilt from the params' shapes (rebuild_kwargs) by a compile worker
         self.params = params if shapes_only else jax.device_put(params) if tp is None else tp.place(params)
         self.cache = (build(functools.partial(KVCache.create, config, num_pages, page_size, dtype)) if tp is None
                       else tp.create_cache(num_pages, page_size, dtype))
@@ -313,8 +297,8 @@ class ModelRunner:
             TokenTables.create(max_num_seqs, config.vocab_size, self.vocab_limit), self._inputs_sharding))
         self.pages_per_seq = pages_per_seq
         self.decode_rows = pow2_buckets(1, max_num_seqs)
-        self.prefill_rows = pow2_buckets(1, -(-max_prefill_tokens // PREFILL_ROW))
-        self.decode_steps = decode_steps
+        self.prefill_rows = pow2_buckets(1, -(-engine.max_num_batched_tokens // PREFILL_ROW))
+        self.decode_steps = engine.decode_steps
         # The last tokens a dispatch returns (`last_tokens`): a prefill's R rows and mixed_rows decode rows at most.
         self.last = build(lambda: jax.device_put(np.zeros(self.prefill_rows[-1] + self.mixed_rows, np.int32),
                                                  self._inputs_sharding))
@@ -329,9 +313,10 @@ class ModelRunner:
         self._compiled: dict[Program, object] = {}
         self._layouts: dict[Program, tuple] = {}  # the host arrays each program was lowered for (pack's layout)
         self.executable_dir = executable_dir
-        self.compiles = self.loaded = 0  # programs compiled, and loaded from the executable cache
+        self.compiles = self.loaded = 0  # programs compiled, and loaded from the executable cache (`install`)
+        # Where the last nanojax.compilation.compile_all's time went, and each of its workers' (compile_workers.wait's).
         self.compile_seconds: dict[str, float] = {}
-        self.worker_seconds: list[dict] = []  # compile_workers.wait's seconds, per worker of the last compile_all
+        self.worker_seconds: list[dict] = []
 
     # ----- programs -----
     def programs(self) -> list:
@@ -348,137 +333,23 @@ class ModelRunner:
         per prefill bucket (padding rows cost their share of the projections, nothing in attention)."""
         return self.decode_rows[-1]
 
-    def compile_all(self, progress: bool = True, threads: int | None = None,
-                    workers: "int | list[compile_workers.Running] | None" = None) -> None:
-        """Compiles every program now. Those the executable cache holds (`executable_dir`, nanojax.executable_cache)
-        are loaded without tracing; the others are traced and lowered one by one, compiled on a thread pool (XLA
-        compiles outside the GIL) and stored. workers: processes that each take a share of them meanwhile
-        (nanojax.compile_workers; they need the executable cache and an unsharded runner), or a list of workers
-        already spawned: those handed this runner's programs (`hand_out`) are waited for, those handed another's
-        (keys it does not compute) are stopped and spawned anew, the others take shares of the rest, or are stopped;
-        None: compile_workers.WORKERS where they can run on a GPU, else none. Seconds spent lowering
-        here and in all go to `compile_seconds`."""
-        spawned = workers if isinstance(workers, list) else []
-        try:
-            self._compile_all(progress, threads, None if spawned else workers, spawned)
-        finally:
-            compile_workers.stop_all(spawned)
+    def missing(self, programs) -> list:
+        """Those of `programs` not compiled yet."""
+        return [p for p in programs if p not in self._compiled]
 
-    def hand_out(self, workers: list) -> None:
-        """Deals every program over the workers (`_shares`) and sends each its share: a runner built from the params'
-        shapes does it while this process reads and places the weights; the runner built on them then waits for
-        the workers and loads the programs in `compile_all(workers=workers)`."""
-        programs = self.programs()
-        keys = self._keys(programs)
-        for worker, share in zip(workers, self._shares(programs, len(workers))):
-            if share:
-                compile_workers.send(worker, self._job(share, keys))
-
-    def _compile_all(self, progress: bool, threads: int | None, workers: int | None, spawned: list) -> None:
-        start = time.perf_counter()
-        alone = self._inputs_sharding is None  # not tensor-parallel: a worker builds this runner from shapes
-        todo = [p for p in self.programs() if p not in self._compiled]
-        keys = self._keys(todo)
-        # Workers handed programs under keys other than this runner's (a runner of another config: LLM's hand-out
-        # from config.json as written, where transformers' defaults differ) are stopped, and as many spawned anew.
-        stale = [w for w in spawned if w.job is not None and any(keys.get(p) != key for p, key in w.job.programs)]
-        for worker in stale:
-            spawned.remove(worker)
-            compile_workers.stop(worker)
-        busy, idle = [w for w in spawned if w.job is not None], [w for w in spawned if w.job is None]
-        if spawned or stale:
-            workers = len(idle) + len(stale)
-        elif workers is None:
-            workers = compile_workers.WORKERS if jax.default_backend() == "gpu" and self.executable_dir and alone else 0
-        if (workers or spawned) and not self.executable_dir:
-            raise ValueError("compile workers store programs in the executable cache: executable_dir is None")
-        if (workers or spawned) and not alone:
-            raise ValueError("compile workers build unsharded runners: not for a tensor-parallel one")
-        in_flight = {p for w in busy for p, _ in w.job.programs}
-        with tqdm(total=len(todo), desc=f"compiling {len(todo)} programs", disable=not progress) as bar:
-            self.loaded += self._load([p for p in todo if p not in in_flight], keys, bar)
-            shares = self._shares([p for p in todo if p not in self._compiled and p not in in_flight], workers + 1)
-            running = busy + self._send(shares[1:], keys, idle)
-            try:
-                lowering = self.compile_programs(shares[0], keys, threads, bar)
-            except BaseException:  # an error here, or Ctrl-C: the workers stop too
-                compile_workers.stop_all(running)
-                raise
-            self.worker_seconds = [t for t in map(compile_workers.wait, running) if t is not None]
-            self.compiles += self._load([p for p in todo if p not in self._compiled], keys, bar)  # the workers'
-            # What a worker did not store (it failed, or could not start) is compiled here.
-            lowering += self.compile_programs([p for p in todo if p not in self._compiled], keys, threads, bar)
-        self.compile_seconds = {"lowering": lowering, "total": time.perf_counter() - start}
-
-    def _keys(self, programs) -> dict:
-        """{program: its executable-cache key} (executable_cache.program_key of `_key_parts`)."""
-        return {p: executable_cache.program_key(*self._key_parts(p)) for p in programs}
-
-    def _send(self, shares, keys: dict, idle: list) -> list:
-        """Each non-empty share sent to a worker of `idle` (spawned when none is left); the others in `idle` are
-        stopped. Returns the workers sent a share."""
-        running = [compile_workers.send(idle.pop() if idle else compile_workers.spawn(), self._job(share, keys))
-                   for share in shares if share]
-        compile_workers.stop_all(idle)  # spawned ahead for programs that were in the cache after all
-        return running
-
-    def _job(self, share, keys: dict) -> "compile_workers.Job":
-        return compile_workers.make_job(self.config, self.params, {
-            **self._worker_kwargs, "executable_dir": self.executable_dir}, [(p, keys[p]) for p in share])
-
-    def _load(self, programs, keys: dict, bar) -> int:
-        """Loads what the executable cache holds of `programs`; returns how many it held."""
-        with concurrent.futures.ThreadPoolExecutor(min(len(programs), os.cpu_count() or 1) or 1) as pool:
-            found = list(pool.map(lambda p: executable_cache.load(self.executable_dir, keys[p]), programs))
-        for p, compiled in zip(programs, found):
-            if compiled is not None:
-                self._compiled[p] = compiled
-                bar.update(1)
-        return sum(compiled is not None for compiled in found)
+    def install(self, p, executable, cached: bool = False) -> None:
+        """Keeps program p's executable for its dispatches, counted as compiled or (cached) as loaded from the
+        executable cache."""
+        self._compiled[p] = executable
+        if cached:
+            self.loaded += 1
+        else:
+            self.compiles += 1
 
     @staticmethod
-    def _twin(p):
+    def twin(p):
         """The program whose GEMMs a cascade decode shares (the plain decode of its rows), else None."""
         return dataclasses.replace(p, cascade=False) if isinstance(p, Program) and p.cascade else None
-
-    @classmethod
-    def _shares(cls, programs, n: int) -> list[list]:
-        """`programs` dealt round-robin into n lists, a cascade decode in its twin's, right after it (where XLA tunes
-        their GEMMs, FP8 weights' decodes, it then finds the twin's in the process's autotuning cache instead of
-        tuning them again)."""
-        chains = {}
-        for p in programs:
-            twin = cls._twin(p)
-            chains.setdefault(twin if twin in programs else p, []).append(p)
-        chains = list(chains.values())
-        return [[p for chain in chains[i::n] for p in chain] for i in range(n)]
-
-    def compile_programs(self, programs, keys: dict, threads: int | None = None, bar=None) -> float:
-        """Traces and lowers `programs` one by one and compiles them on a pool of `threads` (default: a thread per
-        core), storing each under keys[p] in the executable cache; a cascade decode's compile waits for its twin's,
-        when both are here (`_shares`). Returns the seconds spent lowering."""
-        lowering = 0.0
-        threads = threads or min(len(programs), os.cpu_count() or 1) or 1
-
-        def compile_after(twin, p, lowered):
-            if twin is not None:  # submitted earlier to this first-in first-out pool: running or done
-                concurrent.futures.wait([twin])
-            return executable_cache.compile_and_store(self.executable_dir, keys[p], lowered, self._compiler_options(p))
-
-        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-            of = {}
-            for p in programs:
-                t = time.perf_counter()
-                lowered = self._lower(p)
-                lowering += time.perf_counter() - t
-                of[p] = pool.submit(compile_after, of.get(self._twin(p)), p, lowered)
-            futures = {f: p for p, f in of.items()}
-            for f in concurrent.futures.as_completed(futures):
-                self._compiled[futures[f]] = f.result()
-                self.compiles += 1
-                if bar is not None:
-                    bar.update(1)
-        return lowering
 
     def _call(self, p) -> tuple:
         """(jitted step, its arguments, its static keywords) of program p; arguments as arrays or shapes."""
@@ -502,7 +373,7 @@ class ModelRunner:
         decode = self._decode_segment(p, [], [], [], []) if p.decode_rows else None
         return prefill_step, (*args, decode), {**kw, "hidden_rows": self.prefill_rows[-1]}
 
-    def _key_parts(self, p) -> tuple:
+    def key_parts(self, p) -> tuple:
         """What program p's executable depends on besides the environment, read without tracing; records the layout
         of its host arrays (pack's), which _run checks every dispatch against."""
         fn, args, kw = self._call(p)
@@ -516,10 +387,10 @@ class ModelRunner:
         self._layouts[p] = layout_of(args[4:])
         return self._layouts[p]
 
-    def _lower(self, p):
-        return self._trace(p).lower()
+    def lower(self, p) -> jax.stages.Lowered:
+        return self.trace(p).lower()
 
-    def _trace(self, p) -> jax.stages.Traced:
+    def trace(self, p) -> jax.stages.Traced:
         """Program p traced as it is dispatched: a Program through packed_step (its host arrays as one buffer, their
         layout recorded for _run), the others with their arguments as they are."""
         fn, args, kw = self._call(p)
@@ -530,7 +401,7 @@ class ModelRunner:
         return packed_step.trace(*args[:4], jax.ShapeDtypeStruct((nbytes,), jnp.uint8), step=fn, layout=layout,
                                  static=tuple(sorted(kw.items())))
 
-    def _compiler_options(self, p) -> dict:
+    def compiler_options(self, p) -> dict:
         """XLA options for compiling program p on a GPU (CUBLAS_GEMMS, COST_MODEL_TILING, decode_tiling); none on the
         CPU."""
         if jax.default_backend() != "gpu" or not isinstance(p, Program):
@@ -543,9 +414,8 @@ class ModelRunner:
         return {} if quantized else decode_tiling(p.rows)
 
     def _program(self, p):
-        if p not in self._compiled:  # lazily, when compile_all was not called (CPU tests): no executable cache
-            self._compiled[p] = self._lower(p).compile(compiler_options=self._compiler_options(p))
-            self.compiles += 1
+        if p not in self._compiled:  # lazily, when nanojax.compilation did not compile it ahead (CPU tests)
+            self.install(p, self.lower(p).compile(compiler_options=self.compiler_options(p)))
         return self._compiled[p]
 
     def _run(self, p: Program, tokens: np.ndarray, table: np.ndarray, seq_lens, q_lens, sampling: dict,
@@ -555,7 +425,7 @@ class ModelRunner:
         its last tokens become `last`, the next dispatch's prev."""
         packed, layout = pack((tokens, *self._inputs(p, table, seq_lens, q_lens, sampling, plan), *extra))
         program = self._program(p)
-        if layout != self._layouts[p]:  # recorded when p was keyed (compile_all) or lowered (lazily)
+        if layout != self._layouts[p]:  # recorded when p was keyed (`key_parts`) or traced
             raise AssertionError(f"program {p} was compiled for other host arrays: {self._layouts[p]} != {layout}")
         *outs, self.last, self.cache, self.tables = program(self.params, self.cache, self.tables, self.last,
                                                             jax.device_put(packed, self._inputs_sharding))
@@ -684,9 +554,11 @@ class ModelRunner:
     def release(self, keep: frozenset[int] = frozenset()) -> None:
         """Deletes the device state, the params but those whose buffers are in `keep` (addresses), and the compiled
         programs: the runner runs nothing after."""
-        for x in jax.tree.leaves((self.cache, self.tables, self.last, self.params)):
-            if isinstance(x, jax.Array) and not x.is_deleted() and not any(
-                    shard.data.unsafe_buffer_pointer() in keep for shard in x.addressable_shards):
+        arrays = [x for x in jax.tree.leaves((self.cache, self.tables, self.last, self.params))
+                  if isinstance(x, jax.Array) and not x.is_deleted()]
+        jax.block_until_ready(arrays)  # a step still running holds them: their memory is free once this returns
+        for x in arrays:
+            if not any(shard.data.unsafe_buffer_pointer() in keep for shard in x.addressable_shards):
                 x.delete()
         self._compiled.clear()
 

@@ -1,16 +1,15 @@
 """Token sampling on device, inside the compiled step: one program for any mix of sampling parameters.
 
 Every row carries its own parameters as data, so greedy, random, filtered, biased and penalized rows share one
-compiled program. What each costs on the H100 decided the shape (docs/perf_notes.md, "Sampling"):
+compiled program. What each costs decided the shape (docs/perf_notes.md, "Sampling"):
 - Random rows add Gumbel noise from a counter-based hash of (seed, counter, token id), computed inside the argmax
   fusion: no [B, V] noise array, and a seeded row draws the same numbers whatever else shares its batch.
 - logit_bias, the penalties and the min_tokens ban read per-request token tables (`TokenTables`, one row per slot,
   kept on the device and updated in the step); rows that use none of them read the shared all-zero row, which stays
   in L2.
 - Top-k / top-p / min-p keep a prefix of a row's descending order, and top-N logprobs read one: `Ops.sampling_filters`
-  describes it per row (pallas_kernels.sampling_filters: a Pallas kernel whose rows without filters or logprobs
-  return at once, with no sort and no branch on the host; the jnp reference sorts, under a `lax.cond` taken when some
-  row needs it), and the draw masks the tokens outside it.
+  describes it per row (the Pallas kernel's rows without filters or logprobs return at once, with no sort and no
+  branch on the host; the jnp reference sorts under a `lax.cond`), and the draw masks the tokens outside it.
 """
 import flax.struct
 import jax
@@ -64,7 +63,7 @@ class TokenTables:
     def create(cls, num_slots: int, vocab: int, vocab_limit: int) -> "TokenTables":
         shape = (num_slots + 1, vocab)
         row = limited_bias(np.zeros(vocab, np.float32), vocab_limit)
-        # Broadcast on the device: from a host array of `shape` it took 1.3 s on the CPU machine, this 0.2 s.
+        # Broadcast on the device, not built whole on the host and copied (docs/perf_notes.md, "Sampling").
         return cls(jnp.zeros(shape, jnp.int32), jnp.zeros(shape, jnp.int8), jnp.broadcast_to(jnp.asarray(row), shape))
 
     @property

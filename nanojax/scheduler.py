@@ -12,59 +12,40 @@ Engine contract (one engine step)::
             if stop(c.seq):                          # eos / max_tokens / stop string /
                 scheduler.finish(c.seq)              # c.seq.num_tokens >= max_model_len
 
-``scheduler.update(chunks, sampled)`` is advance then fill, for an engine that reads every step back
-before the next.  ``scheduler.finish(seq)`` also aborts a request at any time, waiting or running
-(mid-prefill included): its pages are freed and a chunk of it still in flight is skipped.  A step
-scheduled while another is in flight sees its sequences as if every scheduled token had been sampled
-(``Sequence.num_pending`` placeholders); a sequence that ends early wastes its row of that step.  No
-step goes past a sequence's ``max_num_tokens``.
+``update(chunks, sampled)`` is advance then fill. ``finish(seq)`` also aborts a request at any time (mid-prefill
+included): its pages are freed and a chunk of it still in flight is skipped. A step scheduled while another is in
+flight sees every scheduled token as sampled (``Sequence.num_pending`` placeholders); a sequence that ends early
+wastes its row of that step. No step goes past a sequence's ``max_num_tokens``.
 
-For every :class:`ScheduledChunk` ``c`` the engine computes the tokens
-``c.seq.token_ids[c.start : c.start + c.num_tokens]`` at positions ``c.start .. c.end - 1``,
-attending to the KV of all earlier positions, and writes their KV to slot
-``page_table[p // page_size] * page_size + p % page_size``.  If ``c.sample`` the chunk ends at the
-last token and the engine samples the next token from the last position's logits.
+For every :class:`ScheduledChunk` ``c`` the engine computes ``c.seq.token_ids[c.start : c.end]`` at positions
+``c.start .. c.end - 1``, attending to the KV of all earlier positions, and writes their KV to slot
+``page_table[p // page_size] * page_size + p % page_size``; if ``c.sample`` the chunk ends at the last token and the
+engine samples the next one. In a pure-decode step (every chunk one token, sampled) a chunk may get
+``c.num_steps = n`` in 1..K: n decode steps in one dispatch, step j feeding position ``c.start + j``, with pages
+reserved for n new KV slots; the engine passes the n sampled tokens (or a prefix, e.g. cut after a stop token) to
+:meth:`Scheduler.fill`. No KV position reaches max_model_len, so ``len(page_table)`` stays within
+``ceil(max_model_len / page_size)`` (the engine's page-table width) while the engine finishes sequences there.
 
-Multi-step decode: in a pure-decode step (every chunk has ``num_tokens == 1`` and ``sample`` True)
-chunk ``c`` may get ``c.num_steps = n`` in 1..K: the engine runs its n decode steps in one dispatch
-(one for the whole step, its rows taking their own n): step j feeds the token at position
-``c.start + j`` (the sequence's last token for j == 0, then the token sampled at step j-1) and
-samples one token.  Pages are reserved for positions ``c.start .. c.start + n - 1`` (n new KV
-slots).  The engine passes the n sampled tokens (or only a prefix of them, e.g. cut after a stop
-token) as a list to :meth:`Scheduler.fill`.
+Policy (as nano-vllm / vLLM v1), one phase after the other within ``max_num_seqs``, the per-step token budget
+``max_num_batched_tokens`` and the free pages:
 
-The scheduler never schedules a KV position >= max_model_len; as long as the engine finishes
-sequences once ``num_tokens >= max_model_len``, ``len(page_table)`` never exceeds
-``ceil(max_model_len / page_size)`` (the engine's page-table width).
+1. decodes: one token for each running sequence whose prompt is computed, in admission order;
+2. running partial prefills: the next chunk of each;
+3. admissions: waiting sequences in FIFO order, none in a step that had to preempt, each allocating its whole
+   prompt's pages (prefix-cache hits shared);
+4. multi-step decode: in a pure-decode step each sequence gets ``num_steps`` = as many of K as it has room for
+   (``max_model_len``, its ``max_num_tokens``, free pages given in admission order, no preemption), at least 1.
 
-Policy (as nano-vllm / vLLM v1), one phase after the other within ``max_num_seqs``, the per-step
-token budget ``max_num_batched_tokens`` and the free pages:
+A prefill chunk is at most ``chunk_size`` tokens and what is left of the budget, and costs its length rounded up to
+whole ``prefill_row``s, the rows the runner packs it into, so that a step's chunks fill one packed dispatch
+(docs/perf_notes.md, "Prefill"). A decode costs one token. With ``chunk_size=None`` a prompt is never split: it is
+admitted only when all its uncached tokens fit the budget left by the step's decodes (``max_num_batched_tokens >=
+max_model_len + max_num_seqs`` never delays one).
 
-1. decodes: one token for each running sequence whose prompt is computed, in admission order; a
-   decode grows the page table by one page when needed;
-2. running partial prefills: the next chunk of each running sequence still prefilling;
-3. admissions: waiting sequences in FIFO order, none in a step that had to preempt.  Admission
-   allocates the pages of the whole prompt (prefix-cache hits shared);
-4. multi-step decode: in a pure-decode step each sequence gets ``num_steps`` = as many of K as it
-   has room for (``max_model_len``, its ``max_num_tokens``, and free pages for its new KV slots,
-   given in admission order, without preempting anyone), at least 1.
-
-A prefill chunk is at most ``chunk_size`` tokens and what is left of the budget, and costs the budget its
-length rounded up to whole ``prefill_row``s (at most what is left): the runner packs each chunk into rows
-of that many tokens, so a step's chunks fill one packed dispatch of ``max_num_batched_tokens`` tokens
-instead of spilling into a second, mostly padded one (256 prompts of 100 tokens: 8 dispatches and 39,040
-token slots counted by length, 5 and 32,896 by rows).  A decode costs one token.  With
-``chunk_size=None`` a prompt is never split: a waiting prompt is admitted only when all its
-uncached tokens fit in the budget left by that step's decodes (set ``max_num_batched_tokens >=
-max_model_len + max_num_seqs`` to never delay admissions because of decodes); with a
-``chunk_size`` the budget may be smaller than ``max_model_len``.
-
-When a decode needs a page and none is free, the most recently admitted running sequence is
-preempted by recompute: its pages are freed, it goes back to the FRONT of the waiting queue with
-``num_computed_tokens = 0`` keeping its generated tokens (which it recomputes like a prompt,
-usually hitting its own still-cached pages).  The oldest running sequence is never preempted, so
-the system always makes progress; a sequence that cannot proceed even alone raises
-:class:`CapacityError`.
+When a decode needs a page and none is free, the most recently admitted running sequence is preempted by recompute:
+its pages are freed and it goes back to the FRONT of the waiting queue with ``num_computed_tokens = 0``, keeping its
+generated tokens. The oldest running sequence is never preempted, so the system always makes progress; one that
+cannot proceed even alone raises :class:`CapacityError`.
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ A :class:`Sequence` is created by the engine from a tokenized prompt, handed to
 * ``page_table``           physical KV page ids; token position ``p`` lives in page
                            ``page_table[p // page_size]`` at offset ``p % page_size``.
 * ``status``               :class:`SequenceStatus`.
-* ``params``               opaque object for the engine (sampling params, stop strings,
-                           ...); the scheduler never looks inside.
+* ``request``              the engine's state of the request (nanojax.engine.Request); the
+                           scheduler never looks inside.
 * ``reads_prefix_cache``   False: admission computes the whole prompt, whatever the cache
                            holds (a request that wants every prompt position's logits).
 * ``max_num_tokens``       the length at which the engine ends it (prompt + max_tokens, at most
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import enum
 import itertools
-from typing import Any, Iterable
+from typing import Generic, Iterable, TypeVar
 
 PLACEHOLDER = -1  # a token sampled on the device and not read back yet
 
@@ -38,10 +38,13 @@ class SequenceStatus(enum.Enum):
     FINISHED = enum.auto()
 
 
-class Sequence:
+R = TypeVar("R")
+
+
+class Sequence(Generic[R]):
     _next_id = itertools.count()
 
-    def __init__(self, token_ids: Iterable[int], params: Any = None, reads_prefix_cache: bool = True,
+    def __init__(self, token_ids: Iterable[int], request: R | None = None, reads_prefix_cache: bool = True,
                  max_num_tokens: int | None = None):
         self.token_ids: list[int] = [int(t) for t in token_ids]
         if not self.token_ids:
@@ -52,7 +55,7 @@ class Sequence:
         self.num_cached_tokens: int = 0
         self.page_table: list[int] = []
         self.status: SequenceStatus = SequenceStatus.WAITING
-        self.params: Any = params
+        self.request: R | None = request
         self.reads_prefix_cache = reads_prefix_cache
         self.max_num_tokens = max_num_tokens
         self.num_pending: int = 0

@@ -25,8 +25,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from convert.cache import MODEL_NAME
+from nanojax.config import EngineConfig
 from nanojax.engine_io import RequestOutput, RequestStream
+from nanojax.engine_process import EngineProcess, freeze_startup_heap
 from nanojax.front import EngineStats
+from nanojax.llm import LLM
 from nanojax.sampling_params import SamplingParams
 from nanojax.scheduler import CapacityError
 from nanojax.serve_metrics import ServeMetrics
@@ -88,12 +92,11 @@ def _sampling_params(body, max_tokens: int, logprobs: int | None, limits: Server
         raise RequestError(400, "logit_bias keys must be token ids (integers as strings)", "logit_bias") from None
     if any(not -100 <= b <= 100 for b in bias.values()):
         raise RequestError(400, "logit_bias values must be in [-100, 100]", "logit_bias")
-    return SamplingParams(
-        temperature=body.temperature, top_p=body.top_p, top_k=0 if body.top_k == -1 else body.top_k,
-        min_p=body.min_p, max_tokens=max_tokens, min_tokens=body.min_tokens, ignore_eos=body.ignore_eos,
-        seed=body.seed, stop_token_ids=tuple(body.stop_token_ids or ()), stop=body.stop or (), logit_bias=bias or None,
-        repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
-        frequency_penalty=body.frequency_penalty, n=body.n, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+    # Every body field named as a SamplingParams field goes through as given (SamplingParams checks it); these differ.
+    given = {name: getattr(body, name) for name in _SAMPLING_FIELDS if getattr(body, name, None) is not None}
+    return SamplingParams(**{**given, "top_k": 0 if body.top_k == -1 else body.top_k, "max_tokens": max_tokens,
+                             "stop_token_ids": tuple(body.stop_token_ids or ()), "stop": body.stop or (),
+                             "logit_bias": bias or None, "logprobs": logprobs, "prompt_logprobs": prompt_logprobs})
 
 
 def _completion_prompts(llm, prompt, limits: ServerLimits) -> tuple[list[list[int]], list[str | None]]:
@@ -622,8 +625,6 @@ def served_names(model: str | None, served_model_name: str | None = None) -> tup
     if served_model_name is not None:
         return (served_model_name,)
     if model is None:
-        from nanojax.default_model import MODEL_NAME
-
         return (MODEL_NAME,)
     path = Path(model)
     alias = path.stem if path.suffix == ".gguf" else path.name if path.exists() else model
@@ -645,8 +646,8 @@ def parse_args(argv=None):
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--num-pages", type=int, default=None)
-    # 8, not LLM's offline 32: on the H100 (Qwen3-0.6B, docs/benchmarks.md "Serving") 8 gave a TTFT of 21 ms against
-    # 51 and an ITL of 13 ms against 42 at concurrency 1, and more throughput under load; 32 only a lower TPOT alone.
+    # 8, not LLM's offline 32: shorter bursts give a lower time to first token and inter-token latency, and more
+    # throughput under load (docs/perf_notes.md, "Serving").
     p.add_argument("--decode-steps", type=int, default=8, help="decode steps per dispatch (tokens stream in "
                    "bursts of this many; default 8)")
     p.add_argument("--kernels", default="auto", choices=["auto", "pallas", "reference", "interpret"])
@@ -665,22 +666,19 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def engine_options(args) -> dict:
-    """The LLM keywords the command line sets."""
-    return dict(dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens, num_pages=args.num_pages,
-                decode_steps=args.decode_steps, kernels=args.kernels, quantization=args.quantization,
-                tensor_parallel_size=args.tensor_parallel_size)
+def engine_options(args) -> EngineConfig:
+    """The engine's knobs the command line sets."""
+    return EngineConfig(dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens, num_pages=args.num_pages,
+                        decode_steps=args.decode_steps, kernels=args.kernels, quantization=args.quantization,
+                        tensor_parallel_size=args.tensor_parallel_size)
 
 
 def main(argv=None) -> None:
     import uvicorn
 
-    from nanojax.engine_process import EngineProcess, freeze_startup_heap
-    from nanojax.llm import LLM
-
     args = parse_args(argv)
-    engine = (LLM if args.engine_in_process else EngineProcess)(args.model, **engine_options(args))
+    engine = (LLM if args.engine_in_process else EngineProcess)(args.model, config=engine_options(args))
     limits = ServerLimits(args.max_body_bytes, args.max_n, args.max_tokens_limit, args.max_prompts)
     name, *aliases = served_names(args.model, args.served_model_name)
     app = build_app(engine, name, aliases=tuple(aliases), api_key=args.api_key, limits=limits,

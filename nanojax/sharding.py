@@ -9,7 +9,7 @@ KV head is replicated, so that every device holds the KV head its q heads read (
 heads). The embedding and the LM head are split by vocabulary (padded to a multiple of N with zero rows), and run
 under `shard_map` too: each device looks up the ids it holds (one all-reduce of the rows) and computes the logits of
 its shard (one all-gather of the logits before sampling), so the sampler sees the logits a single device computes.
-Left to XLA's SPMD partitioner, both all-gathered the weights every step (perf_notes, "Tensor parallelism").
+Left to XLA's SPMD partitioner, both all-gathered the weights every step (docs/perf_notes.md, "Tensor parallelism").
 """
 import dataclasses
 import functools
@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
-from nanojax.config import ModelConfig
+from convert.config import ModelConfig
 from nanojax.kv_cache import KVCache
 from nanojax.ops import Ops
 
@@ -38,7 +38,7 @@ def split_axis(names: tuple[str, ...], ndim: int) -> int | None:
     over the devices; None: replicated."""
     if names[0] == "embed":
         return 0  # [V, H]
-    fp8 = names[-1] == "w_t"  # FP8 weights are [N, K] (nanojax/quantize.py)
+    fp8 = names[-1] == "w_t"  # FP8 weights are [N, K] (convert/quantize.py)
     if names[0] == "lm_head":
         return 0 if fp8 else ndim - 1  # w [H, V], an FP8 head's w_t [V, H] and scale [V]: by vocabulary
     group = names[-2] if len(names) > 1 else None
@@ -226,7 +226,7 @@ class TensorParallelOps(Ops):
     def embed(self, table, ids):
         """Each device looks up the ids in its vocabulary rows (zeros for the others); one all-reduce of the [N, H]
         rows sums them (exactly: one device's rows are not zero). Sharding the lookup itself, XLA all-gathered the
-        whole table every step (1 ms per step for Qwen3-8B at size 2 on the H100)."""
+        whole table every step (docs/perf_notes.md, "Tensor parallelism")."""
         def local(table, ids):
             rows = table.shape[0]
             local_ids = ids - jax.lax.axis_index(AXIS) * rows

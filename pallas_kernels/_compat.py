@@ -20,9 +20,8 @@ store = plgpu.store
 def _name_the_triton_dialect_module() -> None:
     """MLIR's Python bindings import a dialect's module (under each of their search prefixes) whenever they wrap a
     value or an op of that dialect, until one import succeeds. jaxlib ships the Triton dialect's module as
-    `jaxlib.triton.dialect`, a name they do not search, so every wrap in JAX's Triton lowering failed an import
-    through the whole path: ~3,000 failed imports per program, ~18% of the programs' lowering on the CPU and more on
-    the GPU machine (docs/perf_notes.md, "Start-up"). Under the name they search, the first lookup succeeds and is
+    `jaxlib.triton.dialect`, a name they do not search, so every wrap in JAX's Triton lowering walked sys.path in
+    vain (docs/perf_notes.md, "Where the compile goes"). Under the name they search, the first lookup succeeds and is
     remembered; the ops' classes were registered when the module was imported, so the lowering is unchanged."""
     try:
         from jaxlib.triton import dialect
@@ -33,15 +32,15 @@ def _name_the_triton_dialect_module() -> None:
 
 _name_the_triton_dialect_module()
 
-# SMs of an H100 (and H200), the GPU the tilings were measured on.
+# SMs of the GPU the tilings were tuned on.
 H100_SMS = 132
 
 
 @functools.cache
 def num_sms() -> int:
     """Streaming multiprocessors of the GPU the kernels run on: the automatic tilings size memory-bound grids to
-    about one program per SM, at trace time. Without a GPU (interpret mode on CPU) there is none to ask, and the
-    H100's count stands in, so that CPU runs trace the tilings the H100 gets."""
+    about one program per SM, at trace time. Without a GPU (interpret mode on CPU) H100_SMS stands in, so that CPU
+    runs trace the tilings that GPU gets."""
     if jax.default_backend() != "gpu":
         return H100_SMS
     return jax.devices()[0].core_count

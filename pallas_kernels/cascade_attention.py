@@ -55,9 +55,8 @@ class CascadeConfig:
 
 
 # A shared prefix is long and its items have many rows: compute per tile is prefill-like, and the loop streams KV as
-# decode's does. Measured on the H100 (Qwen3-0.6B, batch 64, docs/perf_notes.md "Cascade attention"): 64 rows and 4
-# warps, with two waves of items (nanojax/runner.py), beat 128 rows and 8 warps by 3% over a 4,000-token prefix and
-# 11% over 16,000; 32 rows, block_k 32 or 128, and 2 or 4 stages were slower.
+# decode's does. 64 rows and 4 warps, with two waves of items (nanojax/runner.py), won the sweep (docs/perf_notes.md,
+# "Cascade attention").
 CASCADE_CONFIG = CascadeConfig()
 
 
@@ -161,10 +160,9 @@ def _cascade_kernel(item_row_ref, item_start_ref, item_end_ref, members_ref, slo
 
 def _pieces_dtype(dtype):
     """The dtype of the items' unnormalized outputs: bf16 for bf16 q, else f32. Every row reads its pieces in the
-    merge, so their bytes are a step's second largest read after the shared KV (Qwen3-0.6B, batch 64, a 4,000-token
-    prefix: ~9 MB of f32 pieces per layer against 16 MB of KV); a piece in bf16 rounds each output once more, by
-    2^-9 relative, as the merged output is rounded to bf16 anyway. Not f16: an unnormalized piece sums up to a
-    piece's length of values (1,024 tokens), past f16's range for values above 64."""
+    merge, so their bytes are a step's second largest read after the shared KV (docs/perf_notes.md, "Cascade
+    attention"); bf16 rounds each output once more, by 2^-9 relative, as the merged output is anyway. Not f16: a
+    piece sums up to 1,024 tokens' values, past f16's range for values above 64."""
     return jnp.bfloat16 if jnp.dtype(dtype) == jnp.bfloat16 else jnp.float32
 
 

@@ -72,11 +72,8 @@ _LOG2E = math.log2(math.e)
 # Finite "minus infinity": exp2(_MASK - m) == 0 for any real m and _MASK - _MASK == 0, so fully masked rows and empty
 # splits never produce inf - inf = NaN.
 _MASK = -1e30
-# A grid that fills the GPU only 2-4 programs per SM with long sequences streams them in 2x deeper KV tiles, unsplit:
-# its last, partly filled wave then takes half the loop steps. Measured on the H100 (B=64, 8 KV heads, 512 programs;
-# docs/perf_notes.md, "Decode attention: splits and tile sizes"): 8% faster than block_k 64 at 4096 tokens, 11% at
-# 16384, and 1-3% faster than the 4 splits used before (a 2.6% faster batch-64 step at 4096 tokens), the same at 512
-# tokens.
+# A grid of 2-4 programs per SM over long sequences streams them in 2x deeper KV tiles, unsplit: its last, partly
+# filled wave then takes half the loop steps (docs/perf_notes.md, "Decode attention: splits and tile sizes").
 _LONG_KV_TOKENS = 4096
 
 
@@ -182,10 +179,8 @@ def _attend(q, q_pos, row_ok, k_ref, v_ref, page_table_ref, split, k_splits, kv_
     Prefill: tiles that end by full_end hold only positions every row sees, so they run without the mask (no compare
     or select on the [M, block_k] scores); rows that are not row_ok get garbage there, which the caller zeroes.
     Decode (block_m 16, little compute per tile): one loop of masked tiles loaded as _load_kv_tile's decode, at least
-    one step, so that the first tile's loads need not wait for the length to know whether there is one. Measured
-    against unmasked and masked loops of masked loads (docs/perf_notes.md, "Decode attention: loads, and the split
-    merge"): kernel 4.85 -> 4.27 us at B=1 ctx=128, 6.62 -> 6.28 us at ctx=1024 (Qwen3-0.6B heads), no change where
-    bandwidth-bound.
+    one step, so that the first tile's loads need not wait for the length to know whether there is one
+    (docs/perf_notes.md, "Decode attention: loads, and the split merge").
     -> o [M, D] f32 unnormalized, m [M] running max (log2 units), l [M] softmax denominator.
     """
     def body(j, carry, masked):
@@ -315,10 +310,8 @@ def _combine_splits_kernel(o_ref, m_ref, l_ref, out_ref):
 
 
 def _combine_splits(o, m, l, dtype, interpret):
-    """combine_splits_reference as one kernel, a program per (sequence, token, query head). XLA emitted the
-    reference's reductions over the split axis as one kernel up to 8 splits and as two or three above (a max, the
-    weights, the weighted sums), ~1.2 us each at decode sizes (docs/perf_notes.md,
-    "Decode attention: loads, and the split merge").
+    """combine_splits_reference as one kernel, a program per (sequence, token, query head), where XLA emits up to
+    three (docs/perf_notes.md, "Decode attention: loads, and the split merge").
     o: [k_splits, B, T, Hq, D] f32; m, l: [k_splits, B, T, Hq] f32 -> [B, T, Hq, D] in dtype."""
     k_splits, batch, num_tokens, num_q_heads, head_dim = o.shape
     stat_spec = pl.BlockSpec((k_splits, None, None, None), lambda b, t, h: (0, b, t, h))
@@ -340,29 +333,23 @@ def _kv_tiling(config, programs, max_kv_tokens, itemsize):
     max_kv_tokens, for KV of itemsize bytes; config's own when it sets k_splits."""
     if config.k_splits is not None:
         return config.block_k, config.k_splits
-    # Doubled tiles, unsplit, for 2-byte KV only: f32's need more shared memory than an SM has (279 KiB at D=128, 5
-    # stages). A table of two tiles under one wave takes one doubled tile: it beats two one-tile splits and their
-    # merge kernel, whose launch costs more than the second tile's loads (B=1 / 8 / 16 at 128 tokens: -9% / -8% /
-    # -1% per call; at B=64, 512 programs, doubled tiles were 17% slower; docs/perf_notes.md,
-    # "Decode attention: splits and tile sizes").
+    # Doubled tiles, unsplit, for 2-byte KV only (f32's do not fit in shared memory). A table of two tiles under one
+    # wave takes one doubled tile: the split merge's launch costs more than the second tile's loads
+    # (docs/perf_notes.md, "Decode attention: splits and tile sizes").
     sms = num_sms()
     long_grid = 2 * sms <= programs < 4 * sms and max_kv_tokens >= _LONG_KV_TOKENS
     two_tiles = programs < sms and config.block_k < max_kv_tokens <= 2 * config.block_k
     if itemsize <= 2 and (long_grid or two_tiles):
         return 2 * config.block_k, 1
-    # One program per SM, and at most one split per KV tile of the table: at batch 1-8 (8 KV heads) that measured
-    # faster than half or twice as many splits (the same subject in docs/perf_notes.md).
+    # One program per SM, and at most one split per KV tile of the table (the same subject).
     return config.block_k, max(1, min(sms // programs, max_kv_tokens // config.block_k))
 
 
 def _num_stages(config, block_k, k_splits, max_kv_tokens):
     """-> the pipeline depth for a tiling (block_k, k_splits) over page tables of max_kv_tokens: config's, and for the
-    automatic tiling at most one more than the steps of the loop. A deeper pipeline than the loop has steps only
-    costs: prologue loads that are masked off, and shared memory that keeps other programs off the SM. Measured on
-    the H100 (docs/perf_notes.md, "Decode attention: pipeline depth and warps"; bf16, us per call, 8 KV heads):
-    one-step loops -2% to -13% at 2 stages (64- and 128-token tables at B=1, 8 and 16; one-tile splits at B=1
-    ctx=1024 and B=2 ctx=512 the same), two steps -8% at 3 (B=64 at 128 tokens); at four steps 5 stages stay (B=1 at
-    4096 tokens: 4 stages +16%)."""
+    automatic tiling at most one more than the loop's steps: deeper stages only add masked-off prologue loads and
+    shared memory that keeps other programs off the SM (docs/perf_notes.md, "Decode attention: pipeline depth and
+    warps")."""
     if config.k_splits is not None:
         return config.num_stages
     steps = pl.cdiv(pl.cdiv(max_kv_tokens, block_k), k_splits)

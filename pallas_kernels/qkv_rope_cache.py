@@ -20,22 +20,15 @@ Semantics (qkv_rope_cache_reference, which is also the model's reference path fo
     returns q [N, Hq, D] in qkv.dtype, zero on padding tokens, and the updated k_pages, v_pages.
 A token with position >= 0 and slot -1 gets its q but writes no KV.
 
-Rounding (dtype = qkv.dtype), step by step as the model's XLA ops:
-    rms_norm: x is upcast to f32; mean of squares, rsqrt and the product in f32; rounded to dtype; then times
-              weight.astype(dtype), a product in dtype.
-    rope:     the table: freqs = f32(position) * inv_freq in f32 (exact positions up to 2**24), cos and sin in f32,
-              rounded to dtype (rope_cos_sin, computed once per forward for all layers and heads); then
-              x1 * cos - x2 * sin and x2 * cos + x1 * sin as products and sums in dtype (rotate_half on the two halves
-              of D).
-In f32 the kernel matches the reference to a few ulps (sum order of the mean of squares; the GPU's __nv_rsqrtf is the
-libdevice call XLA:GPU makes). In bf16 each step rounds once, as written; a
-compiler may contract a product and a sum into one fma (Triton does by default, and XLA:GPU, allowed excess precision,
-may keep a fusion's intermediates in f32), so results can differ from the reference by one bf16 ulp.
+Rounding (dtype = qkv.dtype), as the model's XLA ops: rms_norm in f32, rounded to dtype, then times
+weight.astype(dtype); the RoPE table in f32 from f32(position) * inv_freq (exact positions up to 2**24), rounded to
+dtype; the rotation's products and sums in dtype. In f32 the kernel matches the reference to a few ulps; in bf16 a
+compiler may contract a product and a sum into one fma (Triton does; XLA:GPU may keep a fusion's intermediates in
+f32), so results can differ by one bf16 ulp.
 
-In place: k_pages and v_pages are aliased to the kernel's second and third outputs (pallas_call input_output_aliases,
-lowered to the custom call's output_operand_aliases). The kernel stores only the tokens' slots; every other byte of
-the pools is the input's. The pools are copied only if XLA must keep the inputs alive: to update them in place, the
-caller must donate them (as nanojax.runner's steps donate the KV cache) and not use the old arrays afterwards.
+In place: k_pages and v_pages are aliased to the kernel's second and third outputs (input_output_aliases), and only
+the tokens' slots are stored. The pools are copied unless the caller donates them (as nanojax.runner's steps donate
+the KV cache) and drops the old arrays.
 """
 import dataclasses
 import functools

@@ -5,21 +5,18 @@
     gate/up:  rmsnorm_matmul(x, w_gate_up, b_gate_up, norm_eps=eps, activation="silu_mul")
     down:     rmsnorm_matmul(h, w_down, b_down, residual=x)                            # x + h @ w_down
 
-The RMSNorm is split in two. Its scale is folded into the rows of the projection after it, once, by convert/
-(convert/keys.py, fold_norm_scale); its statistic stays here. Per row, (scale * x * rstd) @ w equals
-rstd * (x @ (scale[:, None] * w)) with rstd = rsqrt(mean(x^2) + eps), so the kernel streams raw x against the folded
-w and scales its f32 accumulator by rstd at the end. A norm applied to each x tile inside the loop (a pre-pass over x
-for rstd, then a scale gather per tile) cost 1 us at M = 1 and 11 us at M = 64, up to twice the matmul itself
-(docs/perf_notes.md, "The RMSNorm statistic in the fused projections").
+The RMSNorm is split in two: its scale is folded into the rows of the next projection by convert/ (convert/keys.py,
+fold_norm_scale), its statistic stays here. Per row, (scale * x * rstd) @ w equals rstd * (x @ (scale[:, None] * w)),
+so the kernel streams raw x against the folded w and scales its f32 accumulator by rstd at the end instead of
+normalizing every x tile (docs/perf_notes.md, "The RMSNorm statistic in the fused projections").
 
-FP8 weights (nanojax/quantize.py: float8_e4m3fn [N, K], one row per output channel, with f32 scales [N]) are read
-as [block_n, block_k] tiles that are the dot's left operand ("swap AB": x's few rows are the narrow side of the
-tensor-core tile), upcast in registers to f16 with x: E4M3 -> f16 is one hardware conversion, where bf16 takes more
-and read the same weights 20% slower (docs/perf_notes.md, "FP8 weights"). x enters f16 times FP8_X_SCALE = 2^-4,
-which f16 holds exactly for every bf16 value with 2^-13 <= |x| < 2^20 (1.2e-4 .. 1.05e6; smaller ones round by at
-most 2^-21, far below what bf16's own rounding does to the output). Unscaled, f16's 65504 would be within 2.6x of
-the embedded SmolLM2-135M's largest activation into a projection (25,216, its residual stream). f32 x keeps f32.
-The channel scales (over FP8_X_SCALE) multiply the f32 accumulator before the epilogue.
+FP8 weights (convert/quantize.py: float8_e4m3fn [N, K], one row per output channel, f32 scales [N]) are read as
+[block_n, block_k] tiles that are the dot's left operand ("swap AB": x's few rows are the narrow side of the
+tensor-core tile), upcast in registers to f16 with x, as E4M3 -> f16 is one hardware conversion and -> bf16 is not
+(docs/perf_notes.md, "FP8 weights"). x enters f16 times FP8_X_SCALE = 2^-4, exact for bf16 values with
+2^-13 <= |x| < 2^20 (smaller ones round by at most 2^-21); unscaled, f16's 65504 would be within 2.6x of the embedded
+SmolLM2-135M's largest activation into a projection. f32 x keeps f32. The channel scales (over FP8_X_SCALE) multiply
+the f32 accumulator before the epilogue.
 """
 import dataclasses
 import functools
@@ -51,9 +48,9 @@ def rmsnorm_matmul_reference(x, w, bias=None, *, w_scale=None, norm_eps=None, re
     RMSNorm(x) @ w_hf up to where the scale is rounded (once, into w, instead of onto each normalized x).
     x: [..., K]; w: [K, N] in x.dtype, or float8_e4m3fn [N, K] (a row per output channel) with w_scale [N] float32
     its per-channel scales (upcast to x.dtype for the dot, scaled in f32 after it: dequantize-then-dot); bias: [N] or
-    None; residual: [..., N] ([..., N/2] with silu_mul) -> x.dtype. The kernel
-    scales the f32 dot of raw x by rstd, keeps the activation and the residual add in f32 and rounds once at the end,
-    so it can differ from this by about one rounding of x.dtype (nothing for f32).
+    None; residual: [..., N] ([..., N/2] with silu_mul) -> x.dtype. The kernel scales the f32 dot of raw x by rstd,
+    keeps the activation and the residual add in f32 and rounds once at the end: it can differ from this by about one
+    rounding of x.dtype (nothing for f32).
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
@@ -86,9 +83,8 @@ def rmsnorm_matmul_reference(x, w, bias=None, *, w_scale=None, norm_eps=None, re
 # - "gram": a second tensor-core dot per K slice, gram += x @ x^T ([block_m, block_m], both operands the x slice
 #   already loaded for the projection), whose diagonal is the sum of squares. With split K each split's partial sum
 #   goes out next to its partial accumulators.
-# A per-iteration row reduction instead measured 1.8x slower (it breaks the software pipeline), a pre-pass before the
-# loop 0.4 us at M = 1 and 4.3 us at M = 64 (every program re-reads all of x first); docs/perf_notes.md,
-# "The RMSNorm statistic in the fused projections".
+# Not a row reduction inside the loop (it breaks the software pipeline), nor a pre-pass (every program would re-read
+# all of x first): docs/perf_notes.md, "The RMSNorm statistic in the fused projections".
 # The epilogue (rstd, bias, SiLU * up, residual) runs on the f32 accumulators and the tile is rounded to x.dtype
 # once. At decode sizes (M <= 64) the cost is streaming w once, and num_stages keeps several w slices in flight per
 # program. With k_splits > 1 (split K), k_splits programs share an output tile's K range and store f32 partial sums;
@@ -118,21 +114,20 @@ class RmsNormMatmulConfig:
             raise ValueError(f"norm_stat must be one of {NORM_STATS}, got {self.norm_stat!r}")
 
 
-# Measured on an H100 (scripts/tune_projections.py and scripts/bench_kernels.py, Qwen3-0.6B projections,
-# docs/perf_notes.md, "Fused projections: tiling and split K" and "The RMSNorm statistic in the fused projections").
+# Tilings from scripts/tune_projections.py on Qwen3-0.6B's projections (docs/perf_notes.md, "Fused projections: tiling
+# and split K" and "The RMSNorm statistic in the fused projections").
 # Decode (M <= 16): memory-bound on w. Tiles 64 columns wide (128 contiguous bytes of each w row) and 128 deep, with
-# split K giving the grid about one program per SM (k_splits is set per shape by _default_config); narrower tiles
-# without split K ran 1.1-2.2x slower.
+# split K giving the grid about one program per SM (k_splits is set per shape by _default_config).
 DECODE_CONFIG = RmsNormMatmulConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)
-# Batched decode (16 < M <= 64): 32 columns give QKV and gate/up 128 and 96 programs without split K, no slower than
-# 64 columns with 2 splits (QKV with a norm: 6.0 vs 5.8 us) and without the split-K epilogue's kernel.
+# Batched decode (16 < M <= 64): 32 columns give QKV and gate/up 128 and 96 programs without split K, as fast as 64
+# columns with 2 splits, and no split-K epilogue kernel.
 BATCHED_DECODE_CONFIG = RmsNormMatmulConfig(block_m=64, block_n=32, block_k=128, num_warps=4, num_stages=4)
 # Prefill: compute-bound tiles.
 PREFILL_CONFIG = RmsNormMatmulConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
 # FP8 weights [N, K] at decode sizes (M <= 16; nanojax.ops sends one row of a small weight here): 32 rows of 256
 # bytes per tile, 64 x 128 for gate/up (two tiles per step already), with split K up to FP8_SPLIT_PROGRAMS programs
-# per SM and two K blocks per split; within 3% of the best of an 18-tiling sweep on every Qwen3-0.6B and Qwen3-8B
-# projection at M = 1 (scripts/tune_projections.py --fp8; docs/perf_notes.md, "FP8 weights").
+# per SM and two K blocks per split: the sweep's choice (scripts/tune_projections.py --fp8; docs/perf_notes.md, "FP8
+# weights").
 FP8_DECODE_CONFIG = RmsNormMatmulConfig(block_m=16, block_n=32, block_k=256, num_warps=4, num_stages=3)
 FP8_GATE_UP_DECODE_CONFIG = RmsNormMatmulConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
 FP8_SPLIT_PROGRAMS = 4
@@ -140,7 +135,7 @@ FP8_SPLIT_PROGRAMS = 4
 # docstring.
 FP8_X_SCALE = 2.0 ** -4
 
-# Shared memory of one pipeline stage that compiled and ran with 4 stages on the H100 (48 KiB did, 64 KiB did not).
+# Shared memory of one pipeline stage: at 4 stages, 48 KiB compiled and ran on sm_90, 64 KiB did not.
 STAGE_BYTES = 56 << 10
 # The "rows" statistic keeps this many bytes of x per program in registers across the loop: 64 registers of a
 # 128-thread program (16 rows of K = 1024 in bf16).
@@ -346,7 +341,7 @@ def rmsnorm_matmul(x, w, bias=None, *, w_scale=None, norm_eps=None, residual=Non
     before the activation / residual add; the kernel rounds once at the end).
 
     x: [M, K]; w: [K, N] in x.dtype, with the norm's scale folded into its rows when norm_eps is given, or
-    float8_e4m3fn [N, K] (a row per output channel, nanojax/quantize.py) with w_scale [N] float32 its channel scales;
+    float8_e4m3fn [N, K] (a row per output channel, convert/quantize.py) with w_scale [N] float32 its channel scales;
     bias: [N] or None; norm_eps: the RMSNorm's epsilon, or None for no norm; residual: [M, N_out] (x.dtype) or None;
     activation: None, or "silu_mul" with w's N holding the gate columns then the up columns (N_out = N / 2) ->
     [M, N_out] in x.dtype. config None picks DECODE_CONFIG for M <= 16, BATCHED_DECODE_CONFIG for M <= 64 and

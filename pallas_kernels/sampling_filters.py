@@ -5,20 +5,19 @@ sort gives). That prefix is described by its last token: a row keeps every token
 above `cut_key`, and those at `cut_key` up to id `cut_id`. A plain row (greedy, or no filter) gets cut_key =
 INT32_MIN and cut_id = V: it keeps everything, so the draw that follows is one elementwise mask for every row.
 
-A row that needs no filter and no logprobs returns at once, so the step has no host-side branch (a `lax.cond` would
-read its predicate on the host every step and make a multi-step dispatch synchronous) and a batch pays only for its
-filtered rows. A filtered row finds its cuts by searches over the 32-bit keys, two bits a pass over the row (16
-passes, each weighing four candidates at once), the way a radix select does: the k-th largest key for top-k, the
-largest key whose tokens and those above reach the top-p mass, then the k-th largest again for the tightest of the
-three filters; top logprobs take one more search and a pass that writes the tokens out.
+A row that needs no filter and no logprobs returns at once, so the step has no host-side branch (a `lax.cond` reads
+its predicate on the host and would make a multi-step dispatch synchronous) and a batch pays only for its filtered
+rows. A filtered row finds its cuts as a radix select does, by searches over the 32-bit keys, two bits a pass (16
+passes of four candidates): the k-th largest key for top-k, the largest key whose tokens and those above reach the
+top-p mass, then the k-th largest again for the tightest of the three; top logprobs take one more search and a pass
+that writes the tokens out.
 
-A pass over one row (608 KB at Qwen3's vocabulary) is too little work for one SM: one program per row took 0.85 ms
-for a top-p row on the H100. So `splits` programs share a row, each reading its slice, and after every pass they
-exchange partial sums through global memory: each writes its slot, adds itself to the row's arrival count (an
-acquire-release atomic) and spins until every program of the row has arrived. That is safe because a row's programs
-are adjacent in launch order (the split is the grid's fastest axis) and the GPU runs far more than `splits` programs
-at once, so the programs a row waits for are running or about to. Partials are summed in a fixed order: the cut is
-the same in every run.
+A pass over one row is too little work for one SM (docs/perf_notes.md, "Sampling"), so `splits` programs share a
+row, each reading its slice, and after every pass exchange partial sums through global memory: each writes its slot,
+adds itself to the row's arrival count (an acquire-release atomic) and spins until the row's programs have all
+arrived. That is safe because a row's programs are adjacent in launch order (the split is the grid's fastest axis)
+and the GPU runs far more than `splits` programs at once. Partials are summed in a fixed order: the cut is the same
+in every run.
 """
 import dataclasses
 import functools

@@ -28,11 +28,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from random_model import loaded_model, model_config, random_array, random_hf_model, random_params, weight_bytes  # noqa: E402
 
+from convert.quantize import quantize_params  # noqa: E402
 from nanojax import LLM, SamplingParams  # noqa: E402
 from nanojax.cascade import CascadeRules  # noqa: E402
+from nanojax.config import EngineConfig  # noqa: E402
 from nanojax.kv_cache import KVCache  # noqa: E402
-from nanojax.ops import get_ops  # noqa: E402
-from nanojax.quantize import quantize_params  # noqa: E402
 from nanojax.runner import ModelRunner, greedy_sampling  # noqa: E402
 from nanojax.sharding import TensorParallel  # noqa: E402
 
@@ -189,7 +189,7 @@ def parse_args():
     ap.add_argument("--contexts", type=int, nargs="*", default=[512, 4096])
     ap.add_argument("--kernels", nargs="+", default=["pallas", "reference"])
     ap.add_argument("--quantization", nargs="+", default=["none"], choices=["none", "fp8"],
-                    help="weights: none (the dtype) and/or fp8 (nanojax.quantize, LM head in bf16), each a variant")
+                    help="weights: none (the dtype) and/or fp8 (convert.quantize, LM head in bf16), each a variant")
     ap.add_argument("--steps", type=int, nargs="+", default=[32], help="decode steps per dispatch (each is a point)")
     ap.add_argument("--ttft", type=int, nargs="*", default=[128, 512, 2048])
     ap.add_argument("--skip-parity", action="store_true")
@@ -251,10 +251,9 @@ def main():
 
 def make_runner(c, params, tp, kern: str, *, batch: int, num_pages: int, pages_per_seq: int, prefill: int,
                 steps: int, cascade: bool = False) -> ModelRunner:
-    return ModelRunner(c, params, num_pages=num_pages, page_size=PAGE, pages_per_seq=pages_per_seq,
-                       dtype=jnp.bfloat16, ops=get_ops(kern, c), vocab_limit=c.vocab_size, max_num_seqs=batch,
-                       max_prefill_tokens=prefill, decode_steps=steps, tensor_parallel=tp,
-                       cascade_rules=CascadeRules() if cascade else None)
+    engine = EngineConfig(dtype="bfloat16", max_model_len=pages_per_seq * PAGE, page_size=PAGE, kernels=kern,
+                          max_num_seqs=batch, max_num_batched_tokens=prefill, decode_steps=steps, cascade=cascade)
+    return ModelRunner(c, engine, params, num_pages=num_pages, vocab_limit=c.vocab_size, tensor_parallel=tp)
 
 
 def run_variant(args, name, kern, c, params, tp, wbytes, kv_token_bytes, results, save):

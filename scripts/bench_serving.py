@@ -6,8 +6,8 @@ Against a running server (nanojax's, or any that takes token-id prompts):
 With the random-weight model built in this process and served on a free port, once per --decode-steps value (each
 compiles once and runs every scenario), beside offline `LLM.generate` on the same engine, then `transformers serve`
 on the same weights. The client always runs in a process of its own (as `vllm bench serve`'s does), so the served
-rows' host work is the server's alone, and the offline rows run on the same LLM with no client beside it. Issue 24's
-rows on the H100, from the repository root, the git-ignored .whl/ carried (fastapi, uvicorn, pydantic, openai 2.x
+rows' host work is the server's alone, and the offline rows run on the same LLM with no client beside it. The H100
+rows of docs/benchmarks.md "Serving", from the repository root, the git-ignored .whl/ carried (fastapi, uvicorn, pydantic, openai 2.x
 (httpx-based), accelerate and their dependencies missing there); about 7 minutes:
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && PYTHONPATH=/tmp/site:$PWD \\
     PYTHONUNBUFFERED=1 python3 scripts/bench_serving.py --launch qwen3-0.6b --scenario 512,128,1000,- \\
@@ -230,7 +230,7 @@ def serve_scenario(url: str, scenario: Scenario, index: int, args, *, as_text: b
                    time_limit: float | None = None, client_processes: int = 1, after_warmup=lambda: None) -> dict:
     """The scenario's requests (at most `cap`) after --warmup-requests of its shape -> summarize's metrics. The
     client runs in processes of its own, as `vllm bench serve` does: in this one it would share the GIL with a
-    launched server and its engine loop (issue 24: a quarter of the engine's throughput on the H100). Without a
+    launched server and its engine loop (docs/perf_notes.md, "Serving"). Without a
     concurrency cap the requests are dealt round-robin to client_processes processes, which start together.
     after_warmup() is called once the warm-up requests have finished."""
     num = min(scenario.num_prompts, cap or scenario.num_prompts)

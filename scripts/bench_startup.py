@@ -15,8 +15,7 @@ times each, and 256 prompts of 100 tokens prefilled (`max_tokens=1`) against one
 programs compiled after `LLM()` returned. The empty start's CPU seconds, its own and its compile workers' (with the
 ptxas runs they start), tell whether the compile work fills the cores; when the workers were ready (imports and
 backend), handed their programs and done (the last of each) tell what the start waited for. The figures of the build
-before this benchmark
-existed (issue 19's table, same machine type) are printed beside.
+before this benchmark existed (`BEFORE`, same machine type) are printed beside.
 """
 import argparse
 import json

@@ -47,7 +47,7 @@ def weights(hf_model, args):
         return loaded_model(hf_model, "bfloat16")
     import jax
 
-    from nanojax.quantize import quantize_params
+    from convert.quantize import quantize_params
     from nanojax.sharding import TensorParallel
 
     size = args.tensor_parallel_size

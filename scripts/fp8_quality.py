@@ -1,6 +1,6 @@
 """FP8 weight quality on real weights: the embedded SmolLM2-135M-Instruct on CPU, bf16 against
 - "f32": the same weights in float32 with float32 activations, the noise floor (how far rounding alone moves bf16);
-- "fp8": nanojax.quantize.quantize_params, the projections and the LM head in FP8;
+- "fp8": convert.quantize.quantize_params, the projections and the LM head in FP8;
 - "fp8_bf16_head": the projections only (what LLM(quantization="fp8") serves).
 Activations, KV cache, embeddings and norms are bf16 in the bf16 and FP8 models.
 
@@ -18,7 +18,7 @@ ignored, so every prompt gives the same count). Reported over all prompts, for e
 - KL(bf16 || model) of the next-token distributions on the teacher-forced positions: the mean over the positions
   that predict the continuation, over all positions, and the largest;
 - the answer to the first prompt, "What is the capital of France?", up to its EOS.
-Issue 23's bar ("greedy agreement of the first 32 tokens of 50 prompts") is read as agreement_teacher_forced: it is
+The quality check ("greedy agreement of the first 32 tokens of 50 prompts") is read as agreement_teacher_forced: it is
 a property of the two models' next-token choices, where the free-running share mostly counts where the first
 near-tie falls (docs/benchmarks.md, "FP8 weights").
 
@@ -34,11 +34,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from convert.quantize import quantize_params
 from nanojax.kv_cache import Batch, KVCache
 from nanojax.loader import load_model
 from nanojax.model import forward, lm_logits
 from nanojax.ops import Ops
-from nanojax.quantize import quantize_params
 
 PROMPTS = [
     "What is the capital of France?",

@@ -1,9 +1,9 @@
-"""Every way of reading FP8 weights tried for issue 23, on Qwen3-8B's projection shapes: which reads E4M3 fastest?
+"""Every way of reading FP8 weights tried for the FP8 projections, on Qwen3-8B's projection shapes: which reads E4M3 fastest?
 
     PYTHONPATH=$PWD python3 scripts/probe_fp8_readers.py --m 1 8 64 [--shapes qkv o gate_up down] [--only xla_deq ...]
 
 Variants (x @ w for x [M, K] bf16, w [K, N] E4M3 with one f32 scale per column, or bf16 as the peer; "T": the
-weight held as [N, K], a row per output channel, the layout nanojax.quantize stores):
+weight held as [N, K], a row per output channel, the layout convert.quantize stores):
 - kern_bf16 / kern_fp8: the fused projection kernel (pallas_kernels.rmsnorm_matmul) on bf16 weights / on the [N, K]
   E4M3 weight (swap AB, x in f16: c41ab5d), its default tiles. (An FP8 path on [K, N] E4M3 tiles read them at 23-55%
   of the copy ceiling here; it went with the [N, K] layout.)
@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from bench_kernels import normal, time_per_call  # noqa: E402
 
-from nanojax.quantize import quantize_weight  # noqa: E402
+from convert.quantize import quantize_weight  # noqa: E402
 from pallas_kernels._compat import dot, load, num_sms, store, triton_params  # noqa: E402
 from pallas_kernels.rmsnorm_matmul import rmsnorm_matmul  # noqa: E402
 

@@ -8,14 +8,14 @@
 A random-weight model saved as an HF folder, `LLM(folder, warmup=False)`, then every program of
 `runner.programs()`: `serial` traces, lowers and compiles each in turn (seconds, and CPU seconds with ptxas's, per
 program); `pool` lowers all, then compiles them on --threads threads; both compile each program with the engine's XLA
-options for it (`ModelRunner._compiler_options`) updated by --compiler-options, and keep what they compiled as the
-engine's programs. `compile_all` runs the engine's own `compile_all` (lowering one by one, compiling on a thread per
-core, shares of the programs in --workers compile workers; CPU seconds this process's and its children's: the
-workers, ptxas). JAX's persistent compilation cache is off in the first two and empty in the third (give a fresh
-NANOJAX_CACHE). `--timings` then times, on the programs just compiled, decode at batch 1 and 64 (256 tokens over
-32-token prompts, a 1-token run subtracted), prefill (256 prompts of 100 tokens; one of 4,000) and nano-vllm's
-workload (bench_throughput's, in the 8,192 pages given here: prefills mixed with decodes); `--steps` each decode and
-prefill program's own step, run on the runner (to compare options program by program, run it once per
+options for it (`ModelRunner.compiler_options`) updated by --compiler-options, and keep what they compiled as the
+engine's programs. `compile_all` runs the engine's own (nanojax.compilation.compile_all: lowering one by one,
+compiling on a thread per core, shares of the programs in --workers compile workers; CPU seconds this process's and
+its children's: the workers, ptxas). JAX's persistent compilation cache is off in the first two and empty in the
+third (give a fresh NANOJAX_CACHE). `--timings` then times, on the programs just compiled, decode at batch 1 and 64
+(256 tokens over 32-token prompts, a 1-token run subtracted), prefill (256 prompts of 100 tokens; one of 4,000) and
+nano-vllm's workload (bench_throughput's, in the 8,192 pages given here: prefills mixed with decodes); `--steps` each
+decode and prefill program's own step, run on the runner (to compare options program by program, run it once per
 tree).
 """
 import argparse
@@ -41,7 +41,7 @@ def cpu_seconds(who=(resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)) -> float:
 
 def options_for(runner, p, compiler_options: dict) -> dict:
     """The engine's XLA options for program p, updated by compiler_options."""
-    return {**runner._compiler_options(p), **compiler_options}
+    return {**runner.compiler_options(p), **compiler_options}
 
 
 def serial(runner, compiler_options: dict) -> dict:
@@ -50,11 +50,11 @@ def serial(runner, compiler_options: dict) -> dict:
     rows = []
     for p in runner.programs():
         t0 = time.perf_counter()
-        traced = runner._trace(p)
+        traced = runner.trace(p)
         t1 = time.perf_counter()
         lowered = traced.lower()
         t2, c0 = time.perf_counter(), cpu_seconds()
-        runner._compiled[p] = lowered.compile(compiler_options=options_for(runner, p, compiler_options))
+        runner.install(p, lowered.compile(compiler_options=options_for(runner, p, compiler_options)))
         rows.append({"program": str(p), "trace_s": t1 - t0, "lower_s": t2 - t1, "compile_s": time.perf_counter() - t2,
                      "compile_cpu_s": cpu_seconds() - c0})
         print(json.dumps(rows[-1]), flush=True)
@@ -66,12 +66,13 @@ def pool(runner, threads: int, compiler_options: dict) -> dict:
     """Every program lowered, then compiled on `threads` threads (options as in `serial`), kept as the runner's."""
     t0 = time.perf_counter()
     programs = runner.programs()
-    lowered = [runner._lower(p) for p in programs]
+    lowered = [runner.lower(p) for p in programs]
     t1, c0 = time.perf_counter(), cpu_seconds()
     with concurrent.futures.ThreadPoolExecutor(threads) as executor:
         compiled = list(executor.map(lambda p, x: x.compile(compiler_options=options_for(runner, p, compiler_options)),
                                      programs, lowered))
-    runner._compiled.update(zip(programs, compiled))
+    for p, executable in zip(programs, compiled):
+        runner.install(p, executable)
     return {"programs": len(lowered), "lower_s": t1 - t0, "compile_s": time.perf_counter() - t1,
             "compile_cpu_s": cpu_seconds() - c0, "threads": threads}
 
@@ -162,7 +163,7 @@ def main():
     import jax
     from random_model import random_hf_model
 
-    from nanojax import LLM
+    from nanojax import LLM, compilation
 
     with tempfile.TemporaryDirectory() as tmp:
         random_hf_model(args.model, "bfloat16").save_pretrained(tmp)
@@ -170,7 +171,7 @@ def main():
     if args.mode == "compile_all":
         own, children = (resource.RUSAGE_SELF,), (resource.RUSAGE_CHILDREN,)
         c0, w0 = cpu_seconds(own), cpu_seconds(children)
-        llm.runner.compile_all(progress=False, workers=args.workers)
+        compilation.compile_all(llm.runner, progress=False, workers=args.workers)
         result = {**llm.runner.compile_seconds, "cpu_s": cpu_seconds(own) - c0,
                   "workers_cpu_s": cpu_seconds(children) - w0, "programs": llm.runner.compiles}
     else:

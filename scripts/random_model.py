@@ -47,8 +47,8 @@ def random_hf_model(name: str, torch_dtype="float32", seed: int = 0, device: str
 def loaded_model(hf_model, dtype: str = "bfloat16"):
     """nanojax's LoadedModel holding the HF model's weights (no tokenizer)."""
     from convert.checkpoint import DTYPES
+    from convert.config import ModelConfig
     from convert.keys import hf_to_params
-    from nanojax.config import ModelConfig
     from nanojax.loader import LoadedModel
 
     hf_config = hf_model.config.to_dict()
@@ -66,7 +66,7 @@ def weight_bytes(params) -> int:
 
 
 def model_config(name: str):
-    from nanojax.config import ModelConfig
+    from convert.config import ModelConfig
 
     return ModelConfig.from_hf_config(hf_config(name).to_dict())
 

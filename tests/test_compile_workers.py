@@ -1,5 +1,6 @@
-"""Compile workers (nanojax.compile_workers): processes that lower and compile shares of the programs beside the
-engine's own share, store them in the executable cache, and leave the tokens as they were."""
+"""Compiling the programs ahead (nanojax.compilation) and its workers (nanojax.compile_workers): processes that lower
+and compile shares of the programs beside the engine's own share, store them in the executable cache, and leave the
+tokens as they were."""
 import logging
 import threading
 import time
@@ -8,7 +9,7 @@ import jax
 import pytest
 from conftest import random_prompts
 
-from nanojax import LLM, SamplingParams, compile_workers
+from nanojax import LLM, SamplingParams, compilation, compile_workers
 from nanojax.runner import Program
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -30,9 +31,9 @@ def _compile_with_workers(folder, directory, monkeypatch):
     llm = LLM(folder, **SMALL)
     runner = llm.runner
     runner.executable_dir = directory
-    lowered_here, lower = [], runner._lower
-    monkeypatch.setattr(runner, "_lower", lambda p: lowered_here.append(p) or lower(p))
-    runner.compile_all(progress=False, workers=2)
+    lowered_here, lower = [], runner.lower
+    monkeypatch.setattr(runner, "lower", lambda p: lowered_here.append(p) or lower(p))
+    compilation.compile_all(runner, progress=False, workers=2)
     return llm, lowered_here
 
 
@@ -40,7 +41,7 @@ def test_workers_compile_their_shares_with_the_same_tokens(hf_model_dir, tmp_pat
     folder, _ = hf_model_dir("qwen3")
     llm, lowered_here = _compile_with_workers(folder, tmp_path, monkeypatch)
     runner = llm.runner
-    shares = runner._shares(runner.programs(), 3)
+    shares = compilation.shares(runner, runner.programs(), 3)
     assert lowered_here == shares[0] and all(shares[1:])  # the engine lowered its own share only
     assert runner.compiles == len(runner.programs()) and runner.loaded == 0
     assert len(runner.worker_seconds) == 2  # each worker's times, from its spawn
@@ -60,11 +61,11 @@ def test_a_cascade_decode_is_dealt_and_compiled_after_its_twin(hf_model_dir, tmp
     cascades = [p for p in programs if isinstance(p, Program) and p.cascade]
     assert len(cascades) == 2
     for n in (1, 2, 3, 5):
-        shares = runner._shares(programs, n)
+        shares = compilation.shares(runner, programs, n)
         assert sorted(map(str, sum(shares, []))) == sorted(map(str, programs))
         for p in cascades:
             share = next(s for s in shares if p in s)
-            assert share[share.index(p) - 1] == runner._twin(p)
+            assert share[share.index(p) - 1] == runner.twin(p)
     spans, lock = {}, threading.Lock()
 
     def compile_and_store(directory, key, lowered, options):
@@ -73,12 +74,12 @@ def test_a_cascade_decode_is_dealt_and_compiled_after_its_twin(hf_model_dir, tmp
         with lock:
             spans[lowered] = (start, time.perf_counter())
 
-    monkeypatch.setattr(runner, "_lower", lambda p: p)  # the "lowered" program is the program itself
+    monkeypatch.setattr(runner, "lower", lambda p: p)  # the "lowered" program is the program itself
     monkeypatch.setattr("nanojax.executable_cache.compile_and_store", compile_and_store)
-    runner.compile_programs(programs, dict.fromkeys(programs, "key"), threads=8)
+    compilation.compile_programs(runner, programs, dict.fromkeys(programs, "key"), threads=8)
     assert len(spans) == len(programs)
     for p in cascades:
-        assert spans[p][0] >= spans[runner._twin(p)][1]
+        assert spans[p][0] >= spans[runner.twin(p)][1]
 
 
 def test_a_failed_worker_leaves_its_programs_to_the_engine(hf_model_dir, tmp_path, monkeypatch, caplog):
@@ -98,7 +99,7 @@ def test_a_failed_worker_leaves_its_programs_to_the_engine(hf_model_dir, tmp_pat
 def test_workers_need_the_executable_cache(hf_model_dir):
     folder, _ = hf_model_dir("qwen3")
     with pytest.raises(ValueError, match="executable_dir is None"):
-        LLM(folder, **SMALL).runner.compile_all(progress=False, workers=2)
+        compilation.compile_all(LLM(folder, **SMALL).runner, progress=False, workers=2)
 
 
 def test_an_error_in_the_engines_compile_stops_the_workers(hf_model_dir, tmp_path, monkeypatch):
@@ -112,9 +113,9 @@ def test_an_error_in_the_engines_compile_stops_the_workers(hf_model_dir, tmp_pat
     def fail(p):
         raise RuntimeError("lowering failed")
 
-    monkeypatch.setattr(runner, "_lower", fail)
+    monkeypatch.setattr(runner, "lower", fail)
     with pytest.raises(RuntimeError, match="lowering failed"):
-        runner.compile_all(progress=False, workers=2)
+        compilation.compile_all(runner, progress=False, workers=2)
     assert len(started) == 2 and all(w.process.returncode is not None for w in started)
     assert not any(tmp_path.rglob("*.jaxexe"))  # killed before they stored anything
 
@@ -126,13 +127,13 @@ def test_workers_spawned_ahead_take_the_shares_or_are_stopped(hf_model_dir, tmp_
     first = LLM(folder, **SMALL).runner
     first.executable_dir = tmp_path
     ahead = [compile_workers.spawn() for _ in range(2)]
-    first.compile_all(progress=False, workers=ahead)
+    compilation.compile_all(first, progress=False, workers=ahead)
     assert not ahead and first.compiles == len(first.programs()) and first.loaded == 0
     second = LLM(folder, **SMALL).runner
     second.executable_dir = tmp_path
     ahead = [compile_workers.spawn() for _ in range(2)]
     processes = [w.process for w in ahead]
-    second.compile_all(progress=False, workers=ahead)
+    compilation.compile_all(second, progress=False, workers=ahead)
     assert not ahead and all(p.returncode is not None for p in processes)
     assert second.loaded == len(second.programs()) and second.compiles == 0
 
@@ -155,35 +156,27 @@ def _runner_from_shapes(runner, config=None, **changes):
 
     config = config or runner.config
     shapes = _placed_shapes(config, runner.params["embed"].dtype)
-    return ModelRunner(config, shapes, **{**runner._worker_kwargs, "executable_dir": runner.executable_dir,
+    return ModelRunner(config, params=shapes, **{**runner.rebuild_kwargs, "executable_dir": runner.executable_dir,
                                                  **changes})
 
 
 def test_a_runner_from_placed_shapes_has_the_programs_keys(hf_model_dir):
     """Keys computed before the weights exist (the params' shapes from the config, placed on the device) equal those
     of the runner built on the converted weights: what lets workers start compiling while the weights convert."""
-    from nanojax import executable_cache
-
     folder, _ = hf_model_dir("qwen3")
     runner = LLM(folder, **{**SMALL, "max_num_seqs": 16}).runner
     early = _runner_from_shapes(runner)
-    for p in runner.programs():
-        assert executable_cache.program_key(*early._key_parts(p)) == executable_cache.program_key(
-            *runner._key_parts(p)), p
+    assert compilation.program_keys(early, runner.programs()) == compilation.program_keys(runner, runner.programs())
 
 
 def test_the_programs_keys_do_not_depend_on_the_tokenizer(hf_model_dir):
     """The vocabulary limit (the tokenizer's length) is data in the token tables: a runner built before the tokenizer
     is read computes the programs' keys of the runner that knows it, so that the hand-out need not wait for it."""
-    from nanojax import executable_cache
-
     folder, _ = hf_model_dir("qwen3")
     runner = LLM(folder, **SMALL).runner
     limited = _runner_from_shapes(runner, vocab_limit=50)
     assert limited.vocab_limit == 50 and runner.vocab_limit == runner.config.vocab_size
-    for p in runner.programs():
-        assert executable_cache.program_key(*limited._key_parts(p)) == executable_cache.program_key(
-            *runner._key_parts(p)), p
+    assert compilation.program_keys(limited, runner.programs()) == compilation.program_keys(runner, runner.programs())
 
 
 def test_programs_handed_out_before_the_weights_are_waited_for(hf_model_dir, tmp_path, monkeypatch):
@@ -194,11 +187,11 @@ def test_programs_handed_out_before_the_weights_are_waited_for(hf_model_dir, tmp
     runner = llm.runner
     runner.executable_dir = tmp_path
     ahead = [compile_workers.spawn() for _ in range(2)]
-    _runner_from_shapes(runner).hand_out(ahead)
+    compilation.hand_out(_runner_from_shapes(runner), ahead)
     assert all(w.job for w in ahead)
-    lowered_here, lower = [], runner._lower
-    monkeypatch.setattr(runner, "_lower", lambda p: lowered_here.append(p) or lower(p))
-    runner.compile_all(progress=False, workers=ahead)
+    lowered_here, lower = [], runner.lower
+    monkeypatch.setattr(runner, "lower", lambda p: lowered_here.append(p) or lower(p))
+    compilation.compile_all(runner, progress=False, workers=ahead)
     assert not lowered_here
     assert runner.compiles == len(runner.programs()) and runner.loaded == 0
     prompts = random_prompts(97, [3, 21, 9], seed=4)
@@ -219,10 +212,10 @@ def test_programs_handed_out_for_another_config_are_compiled_anew(hf_model_dir, 
     ahead = [compile_workers.spawn()]
     stale = ahead[0].process
     other = dataclasses.replace(runner.config, eos_token_ids=(*runner.config.eos_token_ids, 3))
-    _runner_from_shapes(runner, config=other).hand_out(ahead)
+    compilation.hand_out(_runner_from_shapes(runner, config=other), ahead)
     spawned, spawn = [], compile_workers.spawn
     monkeypatch.setattr(compile_workers, "spawn", lambda: spawned.append(spawn()) or spawned[-1])
-    runner.compile_all(progress=False, workers=ahead)
+    compilation.compile_all(runner, progress=False, workers=ahead)
     assert stale.returncode is not None and not ahead and len(spawned) == 1
     assert runner.compiles == len(runner.programs()) and runner.loaded == 0
     prompts = random_prompts(97, [3, 21, 9], seed=5)
@@ -234,7 +227,7 @@ _FORKED = r"""
 import os
 import select
 import sys
-from nanojax import LLM, SamplingParams, compile_workers
+from nanojax import LLM, SamplingParams, compilation, compile_workers
 
 folder, directory = sys.argv[1:]
 import threading
@@ -260,9 +253,9 @@ llm = LLM(folder, dtype="float32", page_size=4, max_model_len=32, max_num_seqs=2
 assert compile_workers.fork_ahead(1) == []  # the backend is up now
 runner = llm.runner
 runner.executable_dir = directory
-lowered_here, lower = [], runner._lower
-runner._lower = lambda p: lowered_here.append(p) or lower(p)
-runner.compile_all(progress=False, workers=[busy])
+lowered_here, lower = [], runner.lower
+runner.lower = lambda p: lowered_here.append(p) or lower(p)
+compilation.compile_all(runner, progress=False, workers=[busy])
 assert runner.compiles == len(runner.programs()) and busy.process.returncode == 0, runner.worker_seconds
 assert len(runner.worker_seconds) == 1 and 0 < len(lowered_here) < len(runner.programs())
 greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)

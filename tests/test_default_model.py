@@ -6,8 +6,10 @@ import jax
 import pytest
 
 import nanojax.cache
+import nanojax.llm
 import torch
 
+from convert.cache import MODEL_NAME
 from nanojax import LLM, SamplingParams, default_model
 from nanojax import generate as generate_cli
 
@@ -55,7 +57,7 @@ def test_stale_cached_checkpoint_is_converted_again(gguf_path, tmp_path, monkeyp
     import json
 
     monkeypatch.setenv("NANOJAX_CACHE", str(tmp_path))
-    stale = tmp_path / default_model.MODEL_NAME
+    stale = tmp_path / MODEL_NAME
     stale.mkdir()
     (stale / "manifest.json").write_text(json.dumps({"source": str(gguf_path)}))
     monkeypatch.setattr(default_model, "smollm2_gguf", lambda: gguf_path)
@@ -67,9 +69,9 @@ def test_stale_cached_checkpoint_is_converted_again(gguf_path, tmp_path, monkeyp
 
 @pytest.mark.parametrize("options", [[], ["--quantization", "fp8"]])
 def test_cli_streams_the_answer(gguf_path, capsys, monkeypatch, options):
-    """The CLI's answer, with the checkpoint's weights and quantized to FP8 at load (issue 23's quality check: the
+    """The CLI's answer, with the checkpoint's weights and quantized to FP8 at load (FP8's quality check: the
     capital answer unchanged)."""
-    monkeypatch.setattr(nanojax.cache, "use_compilation_cache", lambda: None)  # global jax state: its own test
+    monkeypatch.setattr(nanojax.llm, "use_compilation_cache", lambda: None)  # global jax state: its own test
     assert generate_cli.main(["--prompt", "What is the capital of France?", "--max-tokens", "24", *options]) == 0
     captured = capsys.readouterr()
     assert "Paris" in captured.out

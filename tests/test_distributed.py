@@ -55,9 +55,14 @@ def worker(folder: str, coordinator: str, process_id: int, io: str) -> None:
         TensorParallel.create(llm.config, 2)
     if process_id:
         llm.follow()
+        write_tables(llm, io, process_id)
     else:
         drive(llm, io)
-    with open(f"{io}/tables{process_id}.txt", "w") as f:  # the replicated token tables, as this process holds them
+
+
+def write_tables(llm: LLM, io: str, process_id: int) -> None:
+    """The replicated token tables, as this process holds them (before close() frees them)."""
+    with open(f"{io}/tables{process_id}.txt", "w") as f:
         f.write(hashlib.sha256(b"".join(np.asarray(x.addressable_data(0)).tobytes()
                                         for x in jax.tree.leaves(llm.runner.tables))).hexdigest())
 
@@ -69,6 +74,7 @@ def drive(llm: LLM, io: str) -> None:
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)  # the shared prefix now cached
     result = dict(greedy=[first.token_ids] + [o.token_ids for o in outs], adjusted=adjusted(llm, prompts),
                   cached=outs[0].num_cached_tokens, preemptions=llm.scheduler.num_preemptions)
+    write_tables(llm, io, 0)
     llm.close()
     with open(f"{io}/result.json", "w") as f:
         json.dump(result, f)

@@ -189,8 +189,8 @@ def test_a_row_fed_from_the_previous_dispatch_equals_its_token_sent_from_the_hos
     from nanojax.runner import greedy_sampling
 
     folder, prompts, _ = qwen3
-    chained, host = (LLM(folder, dtype="float32", page_size=4, max_model_len=96, warmup=False).runner
-                     for _ in range(2))
+    llms = [LLM(folder, dtype="float32", page_size=4, max_model_len=96, warmup=False) for _ in range(2)]
+    chained, host = (llm.runner for llm in llms)  # (an LLM collected frees its runner's arrays)
     tables = [list(range(12)), list(range(12, 24)), list(range(24, 36))]
     # sampled with seeds: the tokens fed differ from row to row and step to step (greedy ones on this model repeat)
     one = {**{name: values[0] for name, values in greedy_sampling(1, host.neutral_slot).items()}, "logprobs": 5,

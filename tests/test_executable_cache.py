@@ -225,8 +225,9 @@ def test_a_runner_program_loads_bit_identical_and_donates(hf_model_dir, tmp_path
     from nanojax.runner import decode_step, greedy_sampling, sampling_batch
 
     folder, _ = hf_model_dir("qwen3")
-    runner = LLM(folder, dtype="float32", page_size=4, max_model_len=32, max_num_seqs=2, max_num_batched_tokens=64,
-                 kernels="reference", warmup=False).runner
+    llm = LLM(folder, dtype="float32", page_size=4, max_model_len=32, max_num_seqs=2, max_num_batched_tokens=64,
+              kernels="reference", warmup=False)
+    runner = llm.runner  # (an LLM collected frees its runner's arrays)
     static = {"config": runner.config, "ops": runner.ops, "num_steps": 3}
 
     def inputs(seed: int):
@@ -263,9 +264,9 @@ def test_programs_compile_with_their_gemm_options_on_a_gpu(hf_model_dir, monkeyp
     CUBLAS_MIN_ROWS rows or more (a decode's rows; a prefill's tokens and its decode rows) take CUBLAS_GEMMS, the
     smaller decodes their decode_tiling, the smaller prefills COST_MODEL_TILING; of FP8 weights the prefills
     COST_MODEL_TILING and the decodes nothing (XLA's tuning); nothing on the CPU."""
-    from nanojax import LLM
+    from convert.quantize import quantize_params
+    from nanojax import LLM, compilation
     from nanojax import runner as runner_module
-    from nanojax.quantize import quantize_params
     from nanojax.runner import (COST_MODEL_TILING, CUBLAS_GEMMS, CUBLAS_MIN_ROWS, PREFILL_ROW, ModelRunner, Program,
                                 decode_tiling)
 
@@ -281,21 +282,21 @@ def test_programs_compile_with_their_gemm_options_on_a_gpu(hf_model_dir, monkeyp
     small = (Program(1, 8), Program(CUBLAS_MIN_ROWS - 1, 8), Program(64, 8, True))
     large = (Program(CUBLAS_MIN_ROWS, 8), Program(256, 32), Program(256, 32, True))
     others = ("prompt", "set_slot")
-    assert all(runner._compiler_options(p) == {} for p in prefills + small + large + others)  # this machine's CPU
+    assert all(runner.compiler_options(p) == {} for p in prefills + small + large + others)  # this machine's CPU
     monkeypatch.setattr(runner_module.jax, "default_backend", lambda: "gpu")
-    assert all(runner._compiler_options(p) == COST_MODEL_TILING for p in small_prefills)
-    assert all(runner._compiler_options(p) == CUBLAS_GEMMS for p in large_prefills + large)
-    assert all(runner._compiler_options(p) == decode_tiling(p.rows) for p in small)
-    assert all(runner._compiler_options(p) == {} for p in others)
+    assert all(runner.compiler_options(p) == COST_MODEL_TILING for p in small_prefills)
+    assert all(runner.compiler_options(p) == CUBLAS_GEMMS for p in large_prefills + large)
+    assert all(runner.compiler_options(p) == decode_tiling(p.rows) for p in small)
+    assert all(runner.compiler_options(p) == {} for p in others)
     assert decode_tiling(1) == decode_tiling(8) != decode_tiling(16) != decode_tiling(32) == decode_tiling(64)
     fp8 = object.__new__(ModelRunner)
     fp8.params = quantize_params(jax.device_get(runner.params), llm.config, lm_head=False)
-    assert all(fp8._compiler_options(p) == COST_MODEL_TILING for p in prefills)
-    assert all(fp8._compiler_options(p) == {} for p in small + large + others)
+    assert all(fp8.compiler_options(p) == COST_MODEL_TILING for p in prefills)
+    assert all(fp8.compiler_options(p) == {} for p in small + large + others)
     monkeypatch.undo()
 
     marker = {"xla_test_option": 1}
-    monkeypatch.setattr(ModelRunner, "_compiler_options",
+    monkeypatch.setattr(ModelRunner, "compiler_options",
                         lambda self, p: marker if isinstance(p, Program) and not p.num_steps else {})
     given = {}
 
@@ -304,7 +305,7 @@ def test_programs_compile_with_their_gemm_options_on_a_gpu(hf_model_dir, monkeyp
         return lowered.compile()
 
     monkeypatch.setattr(ec, "compile_and_store", compile_and_store)
-    runner.compile_all(progress=False, threads=2)
+    compilation.compile_all(runner, progress=False, threads=2)
     assert len(given) == len(runner.programs())
     prefills = sum(isinstance(p, Program) and not p.num_steps for p in runner.programs())
     assert sum(o is marker for o in given.values()) == prefills and prefills >= 2

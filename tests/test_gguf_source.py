@@ -21,8 +21,8 @@ import pytest
 import gguf
 from gguf import GGMLQuantizationType as QT
 
-from convert import params_from_source
-from convert.gguf_source import GGUFError, dequantize, gguf_source, read_gguf, save_gguf_tokenizer
+from convert import open_source, params_from_source
+from convert.gguf_source import GGUFError, dequantize, read_gguf, save_gguf_tokenizer
 from nanojax import default_model
 
 torch = pytest.importorskip("torch")
@@ -514,7 +514,7 @@ def test_llama3_rope_freqs_become_rope_scaling(tmp_path, orig, low, high, factor
     {"qwen2.rope.scale_linear": 2.0},
 ])
 def test_rope_scaling_metadata_is_refused(tmp_path, meta):
-    """nanojax/config.py runs no RoPE scaling but Llama 3's (which comes from rope_freqs.weight)."""
+    """convert/config.py runs no RoPE scaling but Llama 3's (which comes from rope_freqs.weight)."""
     cfg, sd = tiny_model("qwen2")
     write_gguf(tmp_path / "a.gguf", "qwen2", cfg, sd, meta=meta)
     key = next(k for k in meta if k.endswith(("scaling.type", "scale_linear")))
@@ -539,7 +539,7 @@ def good_file(tmp_path, llama_tiny):
 
 def _err(path) -> str:
     with pytest.raises(ValueError) as e:  # GGUFError from the file, CheckpointError from convert/keys.py's table
-        params_from_source(gguf_source(path), "float32")
+        params_from_source(open_source(path), "float32")
     return str(e.value)
 
 

@@ -137,16 +137,16 @@ def test_programs_from_compile_workers_give_hf_greedy_tokens(tmp_path, monkeypat
 
     import torch
 
-    from nanojax import compile_workers
+    from nanojax import compilation, compile_workers
     from nanojax.runner import ModelRunner
 
     monkeypatch.setenv("NANOJAX_CACHE", str(tmp_path / "cache"))  # an empty executable cache
     spawned, spawn = [], compile_workers.spawn
     monkeypatch.setattr(compile_workers, "spawn", lambda: spawned.append(spawn()) or spawned[-1])
-    handed_out, hand_out = [], ModelRunner.hand_out
-    monkeypatch.setattr(ModelRunner, "hand_out", lambda self, w: handed_out.append(self.params) or hand_out(self, w))
-    lowered_here, lower = [], ModelRunner._lower
-    monkeypatch.setattr(ModelRunner, "_lower", lambda self, p: lowered_here.append(p) or lower(self, p))
+    handed_out, hand_out = [], compilation.hand_out
+    monkeypatch.setattr(compilation, "hand_out", lambda r, w: handed_out.append(r.params) or hand_out(r, w))
+    lowered_here, lower = [], ModelRunner.lower
+    monkeypatch.setattr(ModelRunner, "lower", lambda self, p: lowered_here.append(p) or lower(self, p))
     hf = random_hf_model("qwen3-0.6b", "float32")
     prompts = np.random.default_rng(4).integers(0, 10000, (3, 37)).tolist()
     with torch.no_grad():
@@ -186,7 +186,7 @@ def test_decodes_and_prefills_on_their_gemm_options_give_hf_greedy_tokens(rows):
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     batch = Program(rows, 4)  # max_num_seqs is the largest decode bucket
     assert batch in llm.runner._compiled
-    assert llm.runner._compiler_options(batch) == (CUBLAS_GEMMS if rows >= CUBLAS_MIN_ROWS else decode_tiling(rows))
+    assert llm.runner.compiler_options(batch) == (CUBLAS_GEMMS if rows >= CUBLAS_MIN_ROWS else decode_tiling(rows))
     assert [outs[i].token_ids for i in checked] == expected
 
 

@@ -81,7 +81,7 @@ def test_pins_are_independent_and_bad_calls_are_rejected(qwen3):
 
 def test_decode_steps_default_per_platform_and_rejected_below_one(qwen3):
     folder, _ = qwen3
-    assert LLM(folder, dtype="float32", max_model_len=32).decode_steps == 8  # CPU: see LLM's docstring
+    assert LLM(folder, dtype="float32", max_model_len=32).decode_steps == 8  # CPU: nanojax.config's defaults
     with pytest.raises(ValueError, match="decode_steps must be >= 1, got 0"):
         LLM(folder, dtype="float32", max_model_len=32, decode_steps=0)
 
@@ -201,16 +201,17 @@ def test_the_kv_pool_is_sized_from_what_the_weights_leave(qwen3, monkeypatch):
     """The pool gets memory_fraction of the device less what it held before the weights and the weights' own bytes,
     which the config gives before they are read: a first start sizes it while they convert (compile workers start
     from it) and every start computes the same size, so a later start finds the executables stored."""
-    from nanojax.llm import _bytes, _placed_shapes, _RunnerSizes
+    from nanojax import llm as llm_module
+    from nanojax.llm import _bytes, _placed_shapes
 
     seen = []
-    size_pool = _RunnerSizes.pages_that_fit
+    num_pages = llm_module._num_pages
 
-    def spy(self, *args):
-        seen.append(args[-1])
-        return size_pool(self, *args)
+    def spy(engine, config, param_bytes, kv_heads, in_use):
+        seen.append(param_bytes)
+        return num_pages(engine, config, param_bytes, kv_heads, in_use)
 
-    monkeypatch.setattr(_RunnerSizes, "pages_that_fit", spy)
+    monkeypatch.setattr(llm_module, "_num_pages", spy)
     llm = LLM(qwen3[0], warmup=False, progress=False)
     weights = _bytes(llm.runner.params)
     assert seen == [weights] and weights == _bytes(_placed_shapes(llm.config, llm.runner.params["embed"].dtype))
@@ -223,7 +224,7 @@ def test_a_generate_calls_requests_reach_the_engine_together(qwen3, monkeypatch)
 
     folder, _ = qwen3
     llm = LLM(folder, dtype="float32", page_size=4, max_model_len=96)
-    sequence, schedule, seen = llm._sequence, llm.scheduler.schedule, []
+    sequence, schedule, seen = llm.core._sequence, llm.scheduler.schedule, []
 
     def slow_sequence(*args):
         time.sleep(0.05)  # the loop thread would run steps meanwhile if each request went in on its own
@@ -233,7 +234,7 @@ def test_a_generate_calls_requests_reach_the_engine_together(qwen3, monkeypatch)
         seen.append(len(llm.scheduler.waiting) + len(llm.scheduler.running))
         return schedule(**kw)
 
-    monkeypatch.setattr(llm, "_sequence", slow_sequence)
+    monkeypatch.setattr(llm.core, "_sequence", slow_sequence)
     monkeypatch.setattr(llm.scheduler, "schedule", recording_schedule)
     llm.generate(random_prompts(97, [5, 9, 3, 7], seed=8), GREEDY, use_tqdm=False)
     assert seen[0] == 4
@@ -272,17 +273,17 @@ def test_the_loop_waits_for_work_without_holding_the_llm(qwen3, monkeypatch):
     import time
     import weakref
 
-    from nanojax import llm as llm_module
+    from nanojax import engine
 
-    monkeypatch.setattr(llm_module, "_LINGER_S", 1.0)
+    monkeypatch.setattr(engine, "LINGER_S", 1.0)
     folder, model = qwen3
     llm = LLM(folder, dtype="float32", page_size=4, max_model_len=96)
     prompts = random_prompts(97, [5, 9], seed=12)
     expected = hf_greedy(model, prompts[1], 8)
-    others = {t for t in threading.enumerate() if t.name == llm_module._LOOP_THREAD}  # other tests' LLMs' loops
+    others = {t for t in threading.enumerate() if t.name == engine.LOOP_THREAD}  # other tests' LLMs' loops
 
     def loop_thread():
-        loops = [t for t in threading.enumerate() if t.name == llm_module._LOOP_THREAD and t not in others]
+        loops = [t for t in threading.enumerate() if t.name == engine.LOOP_THREAD and t not in others]
         assert len(loops) == 1
         return loops[0]
 
@@ -292,8 +293,8 @@ def test_the_loop_waits_for_work_without_holding_the_llm(qwen3, monkeypatch):
     assert loop_thread() is thread  # still waiting when the second request came
     assert second.token_ids == expected
     thread.join(timeout=5)
-    assert not thread.is_alive() and not llm._running  # the wait ran out
-    monkeypatch.setattr(llm_module, "_LINGER_S", 60.0)
+    assert not thread.is_alive() and not llm.core._running  # the wait ran out
+    monkeypatch.setattr(engine, "LINGER_S", 60.0)
     assert llm.generate(prompts[:1], GREEDY, use_tqdm=False)[0].token_ids == first.token_ids  # a new thread
     ref, thread = weakref.ref(llm), loop_thread()
     del llm
@@ -314,7 +315,7 @@ def test_close_gives_back_the_device_buffers_threads_and_requests(qwen3):
 
     import jax
 
-    from nanojax.loader import LoadedModel
+    from nanojax.loader import LoadedModel, load_model
 
     folder, model = qwen3
     gc.collect()
@@ -322,7 +323,7 @@ def test_close_gives_back_the_device_buffers_threads_and_requests(qwen3):
     prompt = random_prompts(97, [9], seed=60)[0]
     with LLM(folder, dtype="float32", page_size=4, max_model_len=96) as llm:
         assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].token_ids == hf_greedy(model, prompt, 8)
-    assert llm.closed and not llm._thread.is_alive()
+    assert llm.closed and not llm.core._thread.is_alive()
     with pytest.raises(RuntimeError, match="closed"):
         llm.add_request(prompt, GREEDY)
     llm.close()
@@ -341,8 +342,8 @@ def test_close_gives_back_the_device_buffers_threads_and_requests(qwen3):
         assert time.monotonic() < deadline, "an LLM deleted and collected left device buffers behind"
         time.sleep(0.05)
 
-    loaded = LLM(folder, dtype="float32").runner.params  # device arrays, as a caller would hold them
-    loaded = LoadedModel(LLM(folder, dtype="float32", warmup=False).config, loaded, None)
+    loaded = load_model(folder, "float32")
+    loaded = LoadedModel(loaded.config, jax.device_put(loaded.params), None)  # device arrays a caller holds
     LLM(loaded, dtype="float32", page_size=4, max_model_len=96).close()
     assert not any(x.is_deleted() for x in jax.tree.leaves(loaded.params))
 

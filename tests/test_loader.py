@@ -145,8 +145,8 @@ def test_published_configs_as_written_are_the_normalized_ones(tmp_path):
 
 
 def _normalized(config_file: Path):
+    from convert.config import ModelConfig
     from convert.sources import normalized_hf_config
-    from nanojax.config import ModelConfig
 
     return ModelConfig.from_hf_config(normalized_hf_config(json.loads(config_file.read_text())))
 

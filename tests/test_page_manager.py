@@ -75,13 +75,13 @@ def refcounts(pm: PageManager, pages) -> list[int]:
 
 # ---------------------------------------------------------------- sequence
 def test_sequence_basics():
-    a, b = Sequence([1, 2, 3], params={"x": 1}), Sequence([4])
+    a, b = Sequence([1, 2, 3], request={"x": 1}), Sequence([4])
     assert a.seq_id != b.seq_id
     assert (a.num_tokens, a.num_prompt_tokens, a.num_generated) == (3, 3, 0)
     assert a.status is SequenceStatus.WAITING and a.page_table == [] and a.num_computed_tokens == 0
     a.token_ids.append(7)
     assert a.token_ids == [1, 2, 3, 7] and a.num_generated == 1 and a.num_known == 4
-    assert a.params == {"x": 1}
+    assert a.request == {"x": 1}
     with pytest.raises(ValueError):
         Sequence([])
 

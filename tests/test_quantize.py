@@ -1,4 +1,4 @@
-"""FP8 weight-only quantization (nanojax/quantize.py): the per-channel round trip, the params layout, and the model
+"""FP8 weight-only quantization (convert/quantize.py): the per-channel round trip, the params layout, and the model
 with FP8 params, through the jnp references and through the Pallas kernels (interpret mode)."""
 import dataclasses
 import itertools
@@ -10,10 +10,10 @@ import pytest
 from conftest import random_prompts
 
 from convert import open_source, params_from_source
+from convert.quantize import CLIP_RATIOS, FP8_MAX, PROJECTIONS, dequantize, quantize_params, quantize_weight
 from nanojax.kv_cache import Batch, KVCache
 from nanojax.model import forward, lm_logits
 from nanojax.ops import Ops
-from nanojax.quantize import CLIP_RATIOS, FP8_MAX, PROJECTIONS, dequantize, quantize_params, quantize_weight
 from pallas_kernels.rmsnorm_matmul import rmsnorm_matmul_reference
 
 # E4M3 keeps 3 mantissa bits: a normal value rounds to within 2^-4 of itself (half a unit in the last place); below

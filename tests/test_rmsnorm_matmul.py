@@ -1,6 +1,6 @@
 """rmsnorm_matmul against rmsnorm_matmul_reference, for every variant (norm or not, bias, SiLU-and-mul, residual) and
 both ways of taking the norm's statistic ("rows", "gram"), with and without split K, on x.dtype weights and on FP8
-weights (E4M3 [N, K] with per-channel scales, nanojax/quantize.py).
+weights (E4M3 [N, K] with per-channel scales, convert/quantize.py).
 
 CPU tests run the kernel in interpret mode (which fills the output with NaN first, so an unwritten element shows up);
 the `gpu` variants run the Triton kernel at Qwen3-0.6B / Llama-3.2-1B projection sizes.
@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from conftest import requires_gpu
 
+from convert.quantize import dequantize, quantize_weight
 from pallas_kernels import rmsnorm_matmul as rmsnorm_matmul_module
 from pallas_kernels._compat import can_lower_for_cuda
 from pallas_kernels.rms_norm import rms_norm
@@ -31,7 +32,6 @@ from pallas_kernels.rmsnorm_matmul import (
     rmsnorm_matmul,
     rmsnorm_matmul_reference,
 )
-from nanojax.quantize import dequantize, quantize_weight
 
 # The kernel and the reference compute one function in two rounding orders: the reference rounds the normalized x to
 # x.dtype before its dot, as HF's RMSNorm does, and each step's result after it; the kernel scales the f32 dot of raw x

@@ -47,7 +47,7 @@ def reference(prompt: list[int], max_tokens: int, max_model_len: int) -> list[in
 
 
 def stopped(seq: Sequence) -> bool:
-    p = seq.params
+    p = seq.request
     return (
         seq.token_ids[-1] == EOS
         or seq.num_generated >= p["max_tokens"]
@@ -153,7 +153,7 @@ class Driver:
     def add(self, prompt, max_tokens, pin_prefix=0, pin_for=None) -> Sequence:
         seq = Sequence(
             prompt,
-            params=dict(
+            request=dict(
                 max_tokens=max_tokens, max_model_len=self.cfg.max_model_len, pin_prefix=pin_prefix, pin_for=pin_for
             ),
         )
@@ -208,7 +208,7 @@ class Driver:
             seq, kept = c.seq, []
             for t in sampled[c.seq.seq_id]:
                 kept.append(t)
-                p = seq.params
+                p = seq.request
                 n_gen = seq.num_generated + len(kept)
                 if t == EOS or n_gen >= p["max_tokens"] or seq.num_tokens + len(kept) >= p["max_model_len"]:
                     break
@@ -226,7 +226,7 @@ class Driver:
             if c.sample:
                 assert seq.num_computed_tokens == seq.num_tokens - 1
             if c.sample and stopped(seq):
-                p = seq.params
+                p = seq.request
                 if p["pin_prefix"] and p["pin_prefix"] // cfg.page_size:
                     h = self.pm.pin_pages(seq, num_tokens=p["pin_prefix"])
                     self.pins.append((self.step_no + p["pin_for"], h))
@@ -320,7 +320,7 @@ class PipelinedDriver(Driver):
                 continue
             unread, toks = self.engine.unread[seq.seq_id], sampled[seq.seq_id]
             del unread[:len(toks)]
-            known, p, kept = seq.num_known, seq.params, []
+            known, p, kept = seq.num_known, seq.request, []
             for t in toks:
                 kept.append(t)
                 n = known + len(kept)

@@ -324,13 +324,13 @@ def test_models_health_metrics_tokenize(llm, server, client):
     assert [m.id for m in client.models.list().data] == ["tiny"]
     assert client.models.retrieve("tiny").id == "tiny"
     assert httpx.get(f"{server.url}/health").status_code == 200
-    llm.dead = RuntimeError("the device state is lost")  # what the engine sets when a step lost it
+    llm.core.dead = RuntimeError("the device state is lost")  # what the engine sets when a step lost it
     try:
         assert httpx.get(f"{server.url}/health").status_code == 503
         with pytest.raises(openai.InternalServerError):
             client.completions.create(model="tiny", prompt=[1], max_tokens=2)
     finally:
-        llm.dead = None
+        llm.core.dead = None
     ids = [5, 6, 7, 60]
     text = httpx.post(f"{server.url}/detokenize", json={"tokens": ids}, headers=AUTH).json()["prompt"]
     assert text == llm.tokenizer.decode(ids)
@@ -555,7 +555,8 @@ def test_default_model_answers_through_chat_completions():
     import socket
     import subprocess
 
-    from nanojax.default_model import MODEL_NAME, default_checkpoint
+    from convert.cache import MODEL_NAME
+    from nanojax.default_model import default_checkpoint
 
     default_checkpoint()  # converted here, not in the server's child (kept in the cache for both)
     with socket.socket() as s:
@@ -593,8 +594,8 @@ def test_command_line_options_reach_the_engine():
     args = parse_args(["--quantization", "fp8", "--tensor-parallel-size", "2", "--decode-steps", "4",
                        "--max-model-len", "512", "--kernels", "reference"])
     options = engine_options(args)
-    assert set(options) <= set(inspect.signature(LLM).parameters)
-    assert options["quantization"] == "fp8" and options["tensor_parallel_size"] == 2
-    assert options["decode_steps"] == 4 and options["max_model_len"] == 512 and options["kernels"] == "reference"
+    assert "config" in inspect.signature(LLM).parameters
+    assert options.quantization == "fp8" and options.tensor_parallel_size == 2
+    assert options.decode_steps == 4 and options.max_model_len == 512 and options.kernels == "reference"
     defaults = engine_options(parse_args([]))
-    assert defaults["quantization"] is None and defaults["tensor_parallel_size"] is None
+    assert defaults.quantization is None and defaults.tensor_parallel_size is None

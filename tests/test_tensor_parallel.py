@@ -4,7 +4,9 @@ preemption; the Pallas kernels per shard in interpret mode; FP8 weights per shar
 the compiled decode.
 
 The host device count is fixed when jax starts, so under the default single device these tests re-run this file in
-a subprocess with NANOJAX_TEST_DEVICES=8 (tests/conftest.py)."""
+subprocesses with NANOJAX_TEST_DEVICES=8 (tests/conftest.py), in three parts of similar work: each part's process
+gets a core of its own beside the other pytest-xdist worker, so that no part runs long under load.
+"""
 import os
 import re
 import subprocess
@@ -33,17 +35,24 @@ TP_TINY = {
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
 
+_GREEDY = "test_greedy_tokens_match_hf_at_every_size"
+PARTS = {"greedy-1": [f"::{_GREEDY}[{name}]" for name in ("ernie4_5", "gpt2", "llama")],
+         "greedy-2": [f"::{_GREEDY}[{name}]" for name in ("llama3", "qwen2", "qwen3")],
+         "rest": ["", "-k", f"not {_GREEDY} and not test_on_8_host_devices"]}
+
+
 @pytest.mark.long
 @pytest.mark.skipif(jax.device_count() >= DEVICES, reason="already on 8 host devices")
-def test_on_8_host_devices():
+@pytest.mark.parametrize("part", sorted(PARTS))
+def test_on_8_host_devices(part):
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES}",
            "NANOJAX_TEST_DEVICES": str(DEVICES)}
+    targets = [__file__ + x if x.startswith("::") or x == "" else x for x in PARTS[part]]
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "no:xdist",
-                          __file__], env=env, capture_output=True, text=True, timeout=600)
+                          *targets], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
-    # everything ran there but this launcher
     summary = run.stdout.splitlines()[-1]
-    assert re.fullmatch(r"\d+ passed, 1 skipped(, \d+ warnings?)? in .*", summary), run.stdout[-2000:]
+    assert re.fullmatch(r"\d+ passed(, \d+ deselected)?(, \d+ warnings?)? in .*", summary), run.stdout[-2000:]
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +148,7 @@ def test_decode_collectives(tp_model):
               tensor_parallel_size=4, progress=False)
     from nanojax.runner import Program
 
-    hlo = llm.runner._lower(Program(2, 4)).compile().as_text()
+    hlo = llm.runner.lower(Program(2, 4)).compile().as_text()
     assert "while" in hlo
     layers = model.config.num_hidden_layers
     assert len(re.findall(r"= \S+ all-reduce\(", hlo)) == 2 * layers + 1
@@ -152,7 +161,7 @@ def test_uneven_shapes_are_refused():
 
     from transformers import AutoConfig
 
-    from nanojax.config import ModelConfig
+    from convert.config import ModelConfig
 
     spec = dict(TINY["qwen2"])
     qwen2 = ModelConfig.from_hf_config(AutoConfig.for_model(spec.pop("model_type"), **spec).to_dict())

@@ -1,19 +1,18 @@
 """FP8 (E4M3) weight-only quantization with one scale per output channel.
 
-A decode step at small batch reads every weight once, so its time is the weight bytes over the memory bandwidth:
-E4M3 weights halve the bytes of bf16. Each projection {w [K, N], b [N]?} becomes
+A small-batch decode step reads every weight once, so E4M3 weights, half of bf16's bytes, shorten it. Each projection
+{w [K, N], b [N]?} becomes
 
     {w_t: float8_e4m3fn [N, K], scale: float32 [N], b [N]?}    w_hf[:, n] ~= w_t[n, :] * scale[n]
 
 one row per output channel (HF's [out, in] layout: the transpose of a bf16 projection's w), with scale[n] = r *
 max_k |w_hf[k, n]| / 448 (E4M3's largest finite value), r <= 1 the clip ratio that minimizes the channel's squared
 rounding error (searched per channel, CLIP_RATIOS); the projection computes (x @ w_t^T) * scale with an f32
-accumulator (pallas_kernels/rmsnorm_matmul.py, rmsnorm_matmul_reference). XLA's dot upcasting the E4M3 weight in its
-operand load reads this layout up to 1.3x faster than [K, N] at decode sizes (docs/perf_notes.md, "FP8 weights").
-The RMSNorm scales folded into the qkv / up weights by convert/ are in w_hf already: quantizing after the fold keeps
-the fused norm exact up to the weights' rounding. The LM head becomes params["lm_head"] = {w_t [V, H], scale [V]}; for
-tied embeddings it is added beside params["embed"], which stays for the embedding lookup. Embedding rows and norms
-keep their dtype.
+accumulator (pallas_kernels/rmsnorm_matmul.py, rmsnorm_matmul_reference); XLA's dot, upcasting the E4M3 weight in
+its operand load, reads this layout faster than [K, N] (docs/perf_notes.md, "FP8 weights"). The RMSNorm scales
+folded into the qkv / up weights are in w_hf already, so the fused norm stays exact up to the weights' rounding.
+The LM head becomes params["lm_head"] = {w_t [V, H], scale [V]} (for tied embeddings beside params["embed"], which
+stays for the lookup). Embedding rows and norms keep their dtype.
 """
 import jax
 import jax.numpy as jnp
@@ -29,8 +28,8 @@ def is_quantized(p) -> bool:
 
 
 # Candidate clip ratios, 1 first (argmin keeps the first of equal errors: no clipping unless it helps). Clipping a
-# column's few largest values moves the rest of it within E4M3's binades; on SmolLM2-135M the search lowers the RMS
-# rounding error by 3% and the KL divergence by 7% (scripts/fp8_quality.py, docs/benchmarks.md "FP8 weights").
+# column's few largest values moves the rest of it within E4M3's binades, which lowers the rounding error and the KL
+# divergence (scripts/fp8_quality.py; docs/perf_notes.md, "FP8 weights").
 CLIP_RATIOS = tuple(1.0 - i / 128 for i in range(33))  # 1 down to 0.75
 
 
@@ -78,7 +77,7 @@ def quantize_params(params, config, *, lm_head: bool = True) -> dict:
     lm_head, the LM head in FP8: {w [K, N], b?} -> {w_t float8_e4m3fn [N, K], scale float32 [N], b?}. The LM head is
     params["lm_head"] = {w_t [V, H], scale [V]}, quantized from params["lm_head"] or, for tied embeddings, from
     params["embed"].T (embed stays). Everything else is returned as is. ValueError for params that are quantized
-    already. (On SmolLM2-135M the head alone gives 40% of FP8's KL divergence: scripts/fp8_quality.py.)"""
+    already. (The head alone gives a large share of FP8's KL divergence: docs/perf_notes.md, "FP8 weights".)"""
     if any(is_quantized(lp[name]) for lp in params["layers"] for name in PROJECTIONS):
         raise ValueError("params are FP8-quantized already")
     layers = tuple(quantize_layer(lp) for lp in params["layers"])

@@ -1,0 +1,136 @@
+"""Where nanojax keeps files between runs: `NANOJAX_CACHE` (default ~/.cache/nanojax) holds the default model (its
+GGUF in `gguf/`, the checkpoint converted from it), the persistent compilation cache (`xla/`, nanojax/cache.py), the
+compiled programs (`executables/`) and small answers of transformers kept so that a start need not import it with
+torch (`answers/`). Here below the engine: conversions write this way, and a damaged file's error says whether
+nanojax makes it again.
+
+What nanojax writes here (JAX writes `xla/`) and a conversion, beside its destination, is written in a temporary
+folder, `.NAME.tmp-*`, and renamed into place. Its writer holds an flock on the folder's WRITER_LOCK file until it is
+done; the kernel drops it when the writer dies, kill -9 included, so the next writer in the same folder removes what
+a killed one left. A lock, unlike a pid, holds across pid namespaces (containers sharing a cache) and is not taken
+over by a process that reuses a dead writer's pid.
+"""
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+TMP = ".tmp-"
+WRITER_LOCK = ".writer.lock"
+# A temporary folder without its lock file is one whose writer is between creating it and locking it, or died there,
+# or one an older nanojax left (it wrote no lock): the last two once it is this old.
+UNLOCKED_FOLDER_AGE_S = 60
+# The default model as the cache holds it (nanojax/default_model.py fetches and converts it).
+MODEL_NAME = "SmolLM2-135M-Instruct"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("NANOJAX_CACHE", "~/.cache/nanojax")).expanduser()
+
+
+def default_checkpoint_path() -> Path:
+    return cache_dir() / MODEL_NAME
+
+
+def default_gguf_path() -> Path:
+    return cache_dir() / "gguf" / GGUF_NAME
+
+
+def made_by_nanojax(path: Path) -> bool:
+    """Whether `path` is the default model's GGUF or checkpoint in the cache, which nanojax makes again if deleted."""
+    return path in (default_checkpoint_path().absolute(), default_gguf_path().absolute())
+
+
+def remembered(kind: str, key: bytes, compute: Callable[[], Any]) -> Any:
+    """compute()'s JSON value, kept under `answers/` per kind, key and installed transformers version.
+
+    For answers that cost an import of transformers' auto classes (which import torch; docs/perf_notes.md,
+    "Transformers and the tokenizer") but depend only on file contents and that version. An unwritable cache is no
+    error: the answer is computed each time."""
+    digest = hashlib.sha256(key + version("transformers").encode()).hexdigest()
+    path = cache_dir() / "answers" / kind / f"{digest}.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        pass
+    value = json.loads(json.dumps(compute()))  # as a later start reads it back (tuples become lists)
+    try:
+        write_whole(path, json.dumps(value).encode())
+    except OSError:
+        pass
+    return value
+
+
+def write_whole(path: Path, data: bytes) -> None:
+    """Writes `data` to `path` whole or not at all: into a temporary folder beside it, then renamed into place (a
+    reader never sees half a file)."""
+    with temporary_folder(path.parent, path.name) as tmp:
+        (tmp / path.name).write_bytes(data)
+        os.replace(tmp / path.name, path)
+
+
+@contextlib.contextmanager
+def temporary_folder(parent: Path, name: str) -> Iterator[Path]:
+    """A new folder `.NAME.tmp-HEX` in `parent`, locked while the block runs and removed after it unless
+    `move_into_place` renamed it; the folders killed writers left in `parent` are removed first."""
+    parent.mkdir(parents=True, exist_ok=True)
+    _remove_abandoned(parent)
+    tmp = parent / f".{name}{TMP}{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        fd = os.open(tmp / f"{WRITER_LOCK}.new", os.O_CREAT | os.O_WRONLY, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            # Renamed once held: a lock file another process finds under its name is never one not yet locked.
+            os.replace(tmp / f"{WRITER_LOCK}.new", tmp / WRITER_LOCK)
+            yield tmp
+        finally:
+            os.close(fd)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def move_into_place(tmp: Path, dst: Path) -> None:
+    """Renames the temporary folder `tmp` to `dst`, replacing it, without its lock file."""
+    if dst.exists():
+        shutil.rmtree(dst)
+    (tmp / WRITER_LOCK).unlink()
+    os.replace(tmp, dst)
+
+
+def _remove_abandoned(parent: Path) -> None:
+    """Removes the temporary folders in `parent` whose writers died (folders only: a conversion's destination may
+    lie among the user's own files)."""
+    for path in parent.glob(f".*{TMP}????????"):
+        if path.is_dir() and _abandoned(path):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _abandoned(folder: Path) -> bool:
+    """Whether no live process holds the lock of the temporary folder `folder`."""
+    try:
+        # Opened for writing: NFS implements flock with fcntl locks, whose exclusive ones need it.
+        fd = os.open(folder / WRITER_LOCK, os.O_RDWR)
+    except FileNotFoundError:
+        try:
+            return time.time() - folder.stat().st_mtime > UNLOCKED_FOLDER_AGE_S
+        except FileNotFoundError:  # renamed into place or removed meanwhile
+            return False
+    except OSError:  # e.g. another user's: not ours to remove
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # held (BlockingIOError), or a file system that cannot tell
+        return False
+    finally:
+        os.close(fd)
+    return True

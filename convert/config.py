@@ -1,0 +1,186 @@
+"""Model configuration: one frozen, hashable dataclass, built explicitly from an HF config dict."""
+import dataclasses
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """An HF config that nanojax cannot run; the message names the field."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeLlama3:
+    """Llama 3 frequency-dependent RoPE scaling (HF rope_type "llama3")."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Everything the decoder needs; the architectures differ only in these flags.
+
+    Hashable so `jax.jit` takes it as a static argument.
+    """
+
+    architecture: str  # HF architectures[0], kept for the manifest and error messages
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    norm: str  # "rms" | "layer" (LayerNorm with bias, GPT-2)
+    norm_eps: float
+    mlp: str  # "swiglu" (gate/up/down) | "gelu_tanh" (GPT-2 fc/proj)
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    rope_theta: float | None  # None: learned absolute positions (GPT-2)
+    rope_llama3: RopeLlama3 | None
+    tie_word_embeddings: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_hf_config(cls, hf: dict[str, Any]) -> "ModelConfig":
+        """Build from an HF config dict as transformers' `PretrainedConfig.to_dict()` writes it."""
+        archs = hf.get("architectures") or []
+        model_type = hf.get("model_type")
+        if model_type not in _BUILDERS:
+            raise ConfigError(
+                f"unknown architecture: model_type={model_type!r} architectures={archs}; "
+                f"supported model_type values: {sorted(_BUILDERS)}"
+            )
+        fields = _BUILDERS[model_type](hf)
+        config = cls(architecture=archs[0] if archs else model_type, **fields, **_token_ids(hf))
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}"
+            )
+        if self.head_dim % 2 and self.rope_theta is not None:
+            raise ConfigError(f"head_dim={self.head_dim} must be even for RoPE")
+
+
+def _get(hf: dict, key: str):
+    if key not in hf or hf[key] is None:
+        raise ConfigError(f"config field {key!r} is missing (model_type={hf.get('model_type')!r})")
+    return hf[key]
+
+
+def _token_ids(hf: dict) -> dict:
+    eos = hf.get("eos_token_id")
+    eos_ids = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+    return {"bos_token_id": hf.get("bos_token_id"), "eos_token_ids": eos_ids}
+
+
+def _rope(hf: dict) -> dict:
+    params = _get(hf, "rope_parameters")
+    rope_type = params.get("rope_type", "default")
+    llama3 = None
+    if rope_type == "llama3":
+        llama3 = RopeLlama3(
+            factor=float(params["factor"]),
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+        )
+    elif rope_type != "default":
+        raise ConfigError(f"rope_parameters.rope_type={rope_type!r} is not supported (default, llama3)")
+    return {"rope_theta": float(params["rope_theta"]), "rope_llama3": llama3}
+
+
+def _decoder(hf: dict, *, qkv_bias: bool, o_bias: bool, mlp_bias: bool, qk_norm: bool) -> dict:
+    if _get(hf, "hidden_act") != "silu":
+        raise ConfigError(f"hidden_act={hf['hidden_act']!r} is not supported (silu)")
+    heads = _get(hf, "num_attention_heads")
+    return {
+        "vocab_size": _get(hf, "vocab_size"),
+        "hidden_size": _get(hf, "hidden_size"),
+        "intermediate_size": _get(hf, "intermediate_size"),
+        "num_layers": _get(hf, "num_hidden_layers"),
+        "num_heads": heads,
+        "num_kv_heads": hf.get("num_key_value_heads") or heads,
+        "head_dim": hf.get("head_dim") or _get(hf, "hidden_size") // heads,
+        "max_position_embeddings": _get(hf, "max_position_embeddings"),
+        "norm": "rms",
+        "norm_eps": float(_get(hf, "rms_norm_eps")),
+        "mlp": "swiglu",
+        "qkv_bias": qkv_bias,
+        "o_bias": o_bias,
+        "mlp_bias": mlp_bias,
+        "qk_norm": qk_norm,
+        "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        **_rope(hf),
+    }
+
+
+def _llama(hf):
+    bias = bool(hf.get("attention_bias", False))
+    return _decoder(hf, qkv_bias=bias, o_bias=bias, mlp_bias=bool(hf.get("mlp_bias", False)), qk_norm=False)
+
+
+def _qwen2(hf):
+    return _decoder(hf, qkv_bias=True, o_bias=False, mlp_bias=False, qk_norm=False)
+
+
+def _qwen3(hf):
+    bias = bool(hf.get("attention_bias", False))
+    return _decoder(hf, qkv_bias=bias, o_bias=bias, mlp_bias=False, qk_norm=True)
+
+
+def _ernie4_5(hf):
+    # ERNIE 4.5 rotates interleaved (x0, x1) pairs; convert/ permutes its q/k rows to the half-split layout
+    # the shared decoder uses, which leaves every q.k product unchanged.
+    bias = bool(hf.get("use_bias", False))
+    return _decoder(hf, qkv_bias=bias, o_bias=bias, mlp_bias=bias, qk_norm=False)
+
+
+def _gpt2(hf):
+    if _get(hf, "activation_function") not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise ConfigError(f"activation_function={hf['activation_function']!r} is not supported (gelu_new)")
+    for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
+        if hf.get(flag):
+            raise ConfigError(f"GPT-2 option {flag}=True is not supported")
+    if not hf.get("scale_attn_weights", True):
+        raise ConfigError("GPT-2 option scale_attn_weights=False is not supported")
+    hidden, heads = _get(hf, "n_embd"), _get(hf, "n_head")
+    return {
+        "vocab_size": _get(hf, "vocab_size"),
+        "hidden_size": hidden,
+        "intermediate_size": hf.get("n_inner") or 4 * hidden,
+        "num_layers": _get(hf, "n_layer"),
+        "num_heads": heads,
+        "num_kv_heads": heads,
+        "head_dim": hidden // heads,
+        "max_position_embeddings": _get(hf, "n_positions"),
+        "norm": "layer",
+        "norm_eps": float(_get(hf, "layer_norm_epsilon")),
+        "mlp": "gelu_tanh",
+        "qkv_bias": True,
+        "o_bias": True,
+        "mlp_bias": True,
+        "qk_norm": False,
+        "rope_theta": None,
+        "rope_llama3": None,
+        "tie_word_embeddings": True,  # GPT2LMHeadModel always ties lm_head to wte
+    }
+
+
+_BUILDERS = {"llama": _llama, "qwen2": _qwen2, "qwen3": _qwen3, "ernie4_5": _ernie4_5, "gpt2": _gpt2}
