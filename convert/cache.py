@@ -1,14 +1,9 @@
-"""Where nanojax keeps files between runs: `NANOJAX_CACHE` (default ~/.cache/nanojax) holds the default model (its
-GGUF in `gguf/`, the checkpoint converted from it), the persistent compilation cache (`xla/`, nanojax/cache.py), the
-compiled programs (`executables/`) and small answers of transformers kept so that a start need not import it with
-torch (`answers/`). Here below the engine: conversions write this way, and a damaged file's error says whether
-nanojax makes it again.
+"""Where nanojax keeps files between runs: `NANOJAX_CACHE` (default ~/.cache/nanojax) holds the default model, JAX's
+compilation cache (`xla/`), compiled programs (`executables/`) and transformers' answers (`answers/`).
 
-What nanojax writes here (JAX writes `xla/`) and a conversion, beside its destination, is written in a temporary
-folder, `.NAME.tmp-*`, and renamed into place. Its writer holds an flock on the folder's WRITER_LOCK file until it is
-done; the kernel drops it when the writer dies, kill -9 included, so the next writer in the same folder removes what
-a killed one left. A lock, unlike a pid, holds across pid namespaces (containers sharing a cache) and is not taken
-over by a process that reuses a dead writer's pid.
+Files and conversions are written into a temporary folder `.NAME.tmp-*` and renamed into place. Its writer holds an
+flock on the folder's WRITER_LOCK until done, which the kernel drops when the writer dies (kill -9 too), so the next
+writer beside it removes what a killed one left; unlike a pid, a lock holds across pid namespaces and is not reused.
 """
 import contextlib
 import fcntl
@@ -25,10 +20,10 @@ from typing import Any
 
 TMP = ".tmp-"
 WRITER_LOCK = ".writer.lock"
-# A temporary folder without its lock file is one whose writer is between creating it and locking it, or died there,
-# or one an older nanojax left (it wrote no lock): the last two once it is this old.
+# A temporary folder without a lock file is being locked, or its writer died before locking it, or an older nanojax
+# left it: abandoned once this old.
 UNLOCKED_FOLDER_AGE_S = 60
-# The default model as the cache holds it (nanojax/default_model.py fetches and converts it).
+# The default model (nanojax/default_model.py fetches and converts it).
 MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -51,11 +46,8 @@ def made_by_nanojax(path: Path) -> bool:
 
 
 def remembered(kind: str, key: bytes, compute: Callable[[], Any]) -> Any:
-    """compute()'s JSON value, kept under `answers/` per kind, key and installed transformers version.
-
-    For answers that cost an import of transformers' auto classes (which import torch; docs/perf_notes.md,
-    "Transformers and the tokenizer") but depend only on file contents and that version. An unwritable cache is no
-    error: the answer is computed each time."""
+    """compute()'s JSON value, kept per kind, key and transformers version: it saves importing transformers' auto
+    classes, with torch (docs/perf_notes.md, "Transformers and the tokenizer"). An unwritable cache is no error."""
     digest = hashlib.sha256(key + version("transformers").encode()).hexdigest()
     path = cache_dir() / "answers" / kind / f"{digest}.json"
     try:
@@ -71,8 +63,7 @@ def remembered(kind: str, key: bytes, compute: Callable[[], Any]) -> Any:
 
 
 def write_whole(path: Path, data: bytes) -> None:
-    """Writes `data` to `path` whole or not at all: into a temporary folder beside it, then renamed into place (a
-    reader never sees half a file)."""
+    """Writes `data` to `path` whole or not at all: a reader never sees half a file."""
     with temporary_folder(path.parent, path.name) as tmp:
         (tmp / path.name).write_bytes(data)
         os.replace(tmp / path.name, path)
@@ -81,7 +72,7 @@ def write_whole(path: Path, data: bytes) -> None:
 @contextlib.contextmanager
 def temporary_folder(parent: Path, name: str) -> Iterator[Path]:
     """A new folder `.NAME.tmp-HEX` in `parent`, locked while the block runs and removed after it unless
-    `move_into_place` renamed it; the folders killed writers left in `parent` are removed first."""
+    `move_into_place` renamed it; what killed writers left in `parent` is removed first."""
     parent.mkdir(parents=True, exist_ok=True)
     _remove_abandoned(parent)
     tmp = parent / f".{name}{TMP}{uuid.uuid4().hex[:8]}"
@@ -108,15 +99,12 @@ def move_into_place(tmp: Path, dst: Path) -> None:
 
 
 def _remove_abandoned(parent: Path) -> None:
-    """Removes the temporary folders in `parent` whose writers died (folders only: a conversion's destination may
-    lie among the user's own files)."""
     for path in parent.glob(f".*{TMP}????????"):
-        if path.is_dir() and _abandoned(path):
+        if path.is_dir() and _abandoned(path):  # folders only: a destination may lie among the user's own files
             shutil.rmtree(path, ignore_errors=True)
 
 
 def _abandoned(folder: Path) -> bool:
-    """Whether no live process holds the lock of the temporary folder `folder`."""
     try:
         # Opened for writing: NFS implements flock with fcntl locks, whose exclusive ones need it.
         fd = os.open(folder / WRITER_LOCK, os.O_RDWR)

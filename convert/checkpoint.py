@@ -1,10 +1,8 @@
 """The nanojax checkpoint folder: params as Orbax checkpoints, config.json, tokenizer files, manifest.json.
 
-The params are one Orbax checkpoint per part (params/layers/{i} for each layer, params/top for the rest), written
-as each part is converted: Orbax holds a second copy of what it saves, so saving the whole tree at once would
-need twice the model in memory. A conversion writes everything into a temporary sibling folder and renames it
-into place at the end, so a failed or interrupted conversion leaves nothing half-written at the destination, and
-the folder a killed one left is removed by the next conversion beside it (convert/cache.py).
+The params are one Orbax checkpoint per part (params/layers/{i}, params/top), saved as each part is converted: Orbax
+holds a copy of what it saves, so saving the whole tree at once would need the model twice in memory. A conversion
+writes a temporary sibling folder and renames it into place (convert/cache.py), so it never leaves half a checkpoint.
 """
 import concurrent.futures
 import json
@@ -23,29 +21,23 @@ from convert.quantize import quantize_layer
 from convert.sources import Source, open_source
 
 PARAMS = "params"
-# The params layout this code writes and reads. 3: one Orbax checkpoint per part. 2: one Orbax checkpoint of the
-# whole tree. 2 and 3 fold the RMSNorm scales into the qkv / up weights (convert/keys.py); format 1 (no
-# "params_format" in the manifest) kept them apart, and this model code would run it without those scales.
+# The params layout this code reads. 3: one Orbax checkpoint per part. 2: one of the whole tree. 1 (no
+# "params_format" in the manifest) kept the RMSNorm scales apart, which this code would run without them.
 PARAMS_FORMAT = 3
 DTYPES = {"float32": np.float32, "bfloat16": jax.numpy.bfloat16, "float16": np.float16}
-# Weight formats a checkpoint may record besides its dtype: "fp8", every projection in FP8 (E4M3) with
-# per-output-channel scales (convert/quantize.py); embeddings, norms and the LM head stay in dtype.
+# "fp8": every projection in FP8 (convert/quantize.py); embeddings, norms and the LM head stay in dtype.
 QUANTIZATIONS = (None, "fp8")
-# The FP8 layout this code writes and reads. 2: {w_t [N, K], scale [N]} (a row per output channel). 1 (no "fp8_format"
-# in the manifest): {w [K, N], scale [N]}, which this code would misread.
+# The FP8 layout this code reads. 2: {w_t [N, K], scale [N]}. 1 (no "fp8_format" in the manifest): {w [K, N],
+# scale [N]}, which this code would misread.
 FP8_FORMAT = 2
 
 
 def params_from_source(source: Source, dtype: str, progress: bool = False,
                        place: Callable[[dict], dict] | None = None) -> tuple[ModelConfig, dict]:
-    """The whole model in memory; its layers converted on a thread per core (up to 16): the whole model is held
-    anyway, and conversion was most of a warm start of `LLM(hf_folder)` (docs/perf_notes.md, "Conversion and
-    placement").
-    place: applied to each part on a thread of its own as the part is converted (`jax.device_put`: the copies to
-    the device run while the next parts convert)."""
+    """The whole model in memory, its layers converted on a thread per core (docs/perf_notes.md, "Conversion and
+    placement"). place: applied to each part on a thread of its own while the next parts convert."""
     config = ModelConfig.from_hf_config(source.hf_config)
-    threads = min(16, os.cpu_count() or 1)
-    parts = _parts(source, config, dtype, progress, threads)
+    parts = _parts(source, config, dtype, progress, threads=min(16, os.cpu_count() or 1))
     if place is not None:
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="place") as pool:
             placing = [(name, pool.submit(place, part)) for name, part in parts]
@@ -54,7 +46,7 @@ def params_from_source(source: Source, dtype: str, progress: bool = False,
 
 
 def _parts(source: Source, config: ModelConfig, dtype: str, progress: bool, threads: int = 1):
-    """One layer at a time by default: `convert` holds a part at a time, in bounded memory."""
+    """One layer at a time by default: `convert` holds a part at a time."""
     return param_parts(config, source.hf_config["model_type"], source.tensors, DTYPES[dtype], progress, source.label,
                        threads)
 
@@ -74,7 +66,8 @@ def convert(src, dst, dtype: str = "bfloat16", overwrite: bool = False, progress
     with temporary_folder(dst.parent, dst.name) as tmp:
         parts = _parts(source, config, dtype, progress)
         if quantization == "fp8":
-            parts = ((name, _fp8_layer(part) if name.startswith("layers/") else part) for name, part in parts)
+            parts = ((name, jax.tree.map(np.asarray, quantize_layer(part)) if name.startswith("layers/") else part)
+                     for name, part in parts)
         num_parameters = _save_params(tmp / PARAMS, parts)
         (tmp / "config.json").write_text(json.dumps(source.hf_config, indent=2, default=str))
         has_tokenizer = source.save_tokenizer(tmp)
@@ -94,45 +87,34 @@ def convert(src, dst, dtype: str = "bfloat16", overwrite: bool = False, progress
     return dst
 
 
-def _fp8_layer(part: dict) -> dict:
-    return jax.tree.map(np.asarray, quantize_layer(part))
-
-
 def is_checkpoint(path) -> bool:
     return (Path(path) / MANIFEST).is_file()
 
 
 def params_format(path) -> int:
     """The params layout of the checkpoint at `path`."""
-    return _params_format(_read_manifest(Path(path)))
+    return _layout(read_json(Path(path) / MANIFEST), "params_format")
 
 
-def _read_manifest(path: Path) -> dict:
-    manifest = read_json(path / MANIFEST)
-    if not isinstance(manifest, dict):
-        raise CheckpointError(f"{path / MANIFEST}: not a JSON object; {recovery(path)}")
-    return manifest
-
-
-def _params_format(manifest: dict) -> int:
-    return manifest.get("params_format", 1)  # 1: written before the layout was recorded
+def _layout(manifest: dict, key: str) -> int:
+    return manifest.get(key, 1)  # 1: written before the layout was recorded
 
 
 def load_checkpoint(path) -> tuple[ModelConfig, dict, dict]:
-    """-> (config, params as numpy arrays, manifest); CheckpointError for a params layout this code does not read."""
+    """-> (config, params as numpy arrays, manifest); CheckpointError for a layout this code does not read."""
     path = Path(path)
-    manifest = _read_manifest(path)
-    if _params_format(manifest) != PARAMS_FORMAT:
+    manifest = read_json(path / MANIFEST)
+    params_layout, fp8_layout = _layout(manifest, "params_format"), _layout(manifest, "fp8_format")
+    if params_layout != PARAMS_FORMAT:
         raise CheckpointError(
-            f"{path} holds params format {_params_format(manifest)} (written by another nanojax version), this nanojax "
+            f"{path} holds params format {params_layout} (written by another nanojax version), this nanojax "
             f"reads format {PARAMS_FORMAT}; convert its source again: {convert_command(path)}")
     if manifest.get("quantization") not in QUANTIZATIONS:
         raise CheckpointError(f"{path} holds {manifest['quantization']!r} weights, which this nanojax does not read "
                               f"(it reads {list(QUANTIZATIONS)})")
-    fp8_format = manifest.get("fp8_format", 1)  # 1: written before the format was recorded
-    if manifest.get("quantization") == "fp8" and fp8_format != FP8_FORMAT:
+    if manifest.get("quantization") == "fp8" and fp8_layout != FP8_FORMAT:
         raise CheckpointError(
-            f"{path} holds FP8 weights in layout {fp8_format} (written by another nanojax version), "
+            f"{path} holds FP8 weights in layout {fp8_layout} (written by another nanojax version), "
             f"this nanojax reads layout {FP8_FORMAT}; convert its source again: {convert_command(path)}")
     config = ModelConfig.from_hf_config(read_json(path / "config.json"))
     return config, _load_params(path, config), manifest
@@ -171,8 +153,8 @@ def _load_params(checkpoint: Path, config: ModelConfig) -> dict:
 
 
 def _innermost(error: BaseException) -> str:
-    """The first line of the innermost exception of `error`'s chain: Orbax wraps TensorStore's, which names the array
-    and what is wrong with its file (without the spec of the store it opened)."""
+    """The first line of the innermost exception of `error`'s chain: TensorStore's, under Orbax's, names the array
+    and what is wrong with its file (the store's spec cut off)."""
     while error.__cause__ or error.__context__:
         error = error.__cause__ or error.__context__
     return str(error).splitlines()[0].split(" [tensorstore_spec=")[0]

@@ -19,10 +19,7 @@ class RopeLlama3:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Everything the decoder needs; the architectures differ only in these flags.
-
-    Hashable so `jax.jit` takes it as a static argument.
-    """
+    """Everything the decoder needs; the architectures differ only in these flags. Hashable: a static jit argument."""
 
     architecture: str  # HF architectures[0], kept for the manifest and error messages
     vocab_size: int
@@ -56,14 +53,12 @@ class ModelConfig:
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> "ModelConfig":
-        """Build from an HF config dict as transformers' `PretrainedConfig.to_dict()` writes it."""
+        """From an HF config dict as transformers' `PretrainedConfig.to_dict()` writes it."""
         archs = hf.get("architectures") or []
         model_type = hf.get("model_type")
         if model_type not in _BUILDERS:
-            raise ConfigError(
-                f"unknown architecture: model_type={model_type!r} architectures={archs}; "
-                f"supported model_type values: {sorted(_BUILDERS)}"
-            )
+            raise ConfigError(f"unknown architecture: model_type={model_type!r} architectures={archs}; "
+                              f"supported model_type values: {sorted(_BUILDERS)}")
         fields = _BUILDERS[model_type](hf)
         config = cls(architecture=archs[0] if archs else model_type, **fields, **_token_ids(hf))
         config.validate()
@@ -71,9 +66,8 @@ class ModelConfig:
 
     def validate(self) -> None:
         if self.num_heads % self.num_kv_heads:
-            raise ConfigError(
-                f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}"
-            )
+            raise ConfigError(f"num_attention_heads={self.num_heads} is not a multiple of "
+                              f"num_key_value_heads={self.num_kv_heads}")
         if self.head_dim % 2 and self.rope_theta is not None:
             raise ConfigError(f"head_dim={self.head_dim} must be even for RoPE")
 

@@ -1,5 +1,4 @@
-"""The files of a model folder or nanojax checkpoint read with errors that say which one is damaged (a copy or
-download cut short) and how to get a whole one again."""
+"""Reading a model folder's or checkpoint's files with errors that name the damaged one and how to get it whole."""
 import json
 from pathlib import Path
 
@@ -9,23 +8,24 @@ from convert.keys import CheckpointError
 MANIFEST = "manifest.json"
 
 
-def read_json(path: Path):
-    """The JSON value in `path`; a missing, unreadable or damaged file is a CheckpointError naming it and saying how
-    to get its folder whole again."""
+def read_json(path: Path) -> dict:
+    """The JSON object in `path`; a missing, damaged or non-object file is a CheckpointError naming it."""
     try:
-        return json.loads(path.read_text())
+        value = json.loads(path.read_text())
+        problem = None if isinstance(value, dict) else "not a JSON object"
     except FileNotFoundError:
         problem = "missing"
     except ValueError as e:  # UnicodeDecodeError too
         problem = f"not valid JSON ({e}): cut short or damaged"
     except OSError as e:
         problem = f"unreadable ({e.strerror})"
-    raise CheckpointError(f"{path}: {problem}; {recovery(path.parent)}")
+    if problem:
+        raise CheckpointError(f"{path}: {problem}; {recovery(path.parent)}")
+    return value
 
 
 def recovery(path: Path) -> str:
-    """How to get a whole copy of the damaged folder or file `path`: one nanojax makes itself is deleted, a
-    checkpoint converted again, a Hugging Face cache snapshot downloaded again, anything else copied again."""
+    """How to get a whole copy of the damaged folder or file `path`."""
     path = Path(path).absolute()
     if made_by_nanojax(path):
         return f"delete {path} and run again: nanojax makes it again"
@@ -37,8 +37,7 @@ def recovery(path: Path) -> str:
 
 
 def convert_command(path: Path) -> str:
-    """The command that converts the checkpoint at `path` again, with the source, dtype and weight format its
-    manifest records (SRC where the manifest is unreadable)."""
+    """The command that converts the checkpoint at `path` again, as its manifest records (SRC if it cannot say)."""
     try:
         manifest = json.loads((path / MANIFEST).read_text())
     except (OSError, ValueError):  # read_json would call back here

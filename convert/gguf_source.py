@@ -1,29 +1,15 @@
-"""A llama.cpp GGUF file as a source: its metadata as an HF config, its tensors renamed to HF names.
+"""A llama.cpp GGUF file as a source: its metadata as an HF config, its tensors renamed to HF names and read when
+asked for. Architectures llama, qwen2 and qwen3; tensor types SUPPORTED_TYPES. convert/keys.py checks every tensor's
+presence and shape; a GGUF tensor without an HF name keeps its GGUF name, which that table reports as unmapped.
 
-    read_gguf(path) -> (hf_config, {HF name: loader of a float32 array})   (each tensor read when it is asked for)
-    tensor_label(hf_name) -> how errors name a tensor (convert/sources.py makes the Source of these)
-    save_gguf_tokenizer(path, dst_dir) -> None
-    GGUFError(ValueError)
-
-Scope: GGUF architectures ``llama`` (Llama 1/2/3, SmolLM2, TinyLlama; optional q/k/v/o attention biases),
-``qwen2`` (q/k/v biases) and ``qwen3`` (q/k norms); tensor types F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K and Q6_K
-(decoded with gguf.quants.dequantize). Llama 3's RoPE scaling comes back from the rope_freqs tensor; the scalings
-GGUF records in metadata (linear, yarn) are refused, as convert/config.py refuses them. The key table of
-convert/keys.py checks every tensor's presence and shape; this file only renames (a GGUF tensor without an HF name
-keeps its GGUF name, which that table then reports as unmapped) and names the GGUF tensor in those errors.
-
-Layout notes
-  * GGUF stores a tensor's dims fastest-first (``ne[0]`` is the contiguous one), so a GGUF shape [in, out] is the
-    row-major numpy/HF shape [out, in].
-  * llama.cpp's convert_hf_to_gguf.py permutes the rows of q_proj / k_proj for the ``llama`` arch only (llama.cpp's
-    "normal" RoPE rotates adjacent pairs, HF's rotates the two halves of each head):
-        permute(w, n_head, n_head_kv) = w.reshape(n, 2, rows // n // 2, ...).swapaxes(1, 2)
-    with n = n_head_kv for K and n = n_head for Q.  We apply the inverse (as transformers' ``LlamaTensorProcessor``
-    does).  qwen2/qwen3 use NEOX RoPE in llama.cpp, which matches HF's layout, so their tensors are unpermuted.
+GGUF stores dims fastest-first, so its shape [in, out] is HF's [out, in]. llama.cpp permutes the q/k rows of the llama
+arch only (its "normal" RoPE rotates adjacent pairs, HF's the two halves of each head); reading undoes that, as
+transformers' LlamaTensorProcessor does. Llama 3's RoPE scaling comes back from the rope_freqs tensor; the scalings
+GGUF records in metadata (linear, yarn) are refused, as convert/config.py refuses them.
 """
-
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import struct
@@ -44,8 +30,7 @@ __all__ = ["GGUFError", "read_gguf", "tensor_label", "save_gguf_tokenizer", "SUP
 
 
 class GGUFError(ValueError):
-    """Any problem with a GGUF file: missing/invalid metadata or tensor, unsupported tensor type or
-    architecture, truncated or corrupt file.  The message names the tensor or metadata field."""
+    """Any problem with a GGUF file; the message names the tensor or metadata field."""
 
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -55,8 +40,7 @@ SUPPORTED_TYPES = frozenset({
     GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K,
 })
 
-# The renaming: GGUF tensor name -> HF name, outside the layers and (after "blk.{i}." -> "model.layers.{i}.")
-# inside them.
+# GGUF tensor name -> HF name, outside the layers and (after "blk.{i}." -> "model.layers.{i}.") inside them.
 _TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
               "output.weight": "lm_head.weight"}
 _LAYER_NAMES = {
@@ -70,39 +54,42 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
-# llama.cpp writes rope_freqs.weight for Llama 3.x: per-frequency divisors computed from HF's rope_scaling. It has
-# no HF tensor and GGUF has no metadata for that scaling, so _llama3_rope_scaling turns it back into the config's
-# rope_scaling (transformers' own GGUF loader drops it, losing the scaling). Only the llama arch has it.
+_TOP_FROM_HF = {hf: name for name, hf in _TOP_NAMES.items()}
+_LAYER_FROM_HF = {hf: name for name, hf in _LAYER_NAMES.items()}
+# llama.cpp writes rope_freqs.weight for Llama 3.x (per-frequency divisors) and no metadata for that scaling:
+# _llama3_rope_scaling turns it back into the config's rope_scaling. Only the llama arch has it.
 _ROPE_FREQS = "rope_freqs.weight"
 
-_INT_TYPES = {
-    GGUFValueType.UINT8, GGUFValueType.INT8, GGUFValueType.UINT16, GGUFValueType.INT16,
-    GGUFValueType.UINT32, GGUFValueType.INT32, GGUFValueType.UINT64, GGUFValueType.INT64,
+_SCALAR_BYTES = {GGUFValueType.UINT8: 1, GGUFValueType.INT8: 1, GGUFValueType.BOOL: 1, GGUFValueType.UINT16: 2,
+                 GGUFValueType.INT16: 2, GGUFValueType.UINT32: 4, GGUFValueType.INT32: 4, GGUFValueType.FLOAT32: 4,
+                 GGUFValueType.UINT64: 8, GGUFValueType.INT64: 8, GGUFValueType.FLOAT64: 8}
+_INT_TYPES = {t for t in _SCALAR_BYTES if "INT" in t.name}
+# The value types _meta accepts for each Python type it is asked for.
+_VALUE_TYPES = {
+    int: _INT_TYPES,
+    float: _INT_TYPES | {GGUFValueType.FLOAT32, GGUFValueType.FLOAT64},
+    str: {GGUFValueType.STRING},
+    bool: {GGUFValueType.BOOL},
+    list: {GGUFValueType.ARRAY},
 }
-_FLOAT_TYPES = {GGUFValueType.FLOAT32, GGUFValueType.FLOAT64}
 
 
 def hf_name(name: str) -> str | None:
     """The HF name of GGUF tensor `name`; None if it has none."""
-    if name in _TOP_NAMES:
-        return _TOP_NAMES[name]
-    block, _, layer_name = name.partition(".")[2].partition(".")
-    if name.startswith("blk.") and block.isdigit() and layer_name in _LAYER_NAMES:
-        return f"model.layers.{block}.{_LAYER_NAMES[layer_name]}"
-    return None
-
-
-_TOP_FROM_HF = {hf: name for name, hf in _TOP_NAMES.items()}
-_LAYER_FROM_HF = {hf: name for name, hf in _LAYER_NAMES.items()}
+    return _rename(name, _TOP_NAMES, "blk.", _LAYER_NAMES, "model.layers.")
 
 
 def gguf_name(name: str) -> str | None:
     """The GGUF name of HF tensor `name` (inverse of hf_name); None if it has none."""
-    if name in _TOP_FROM_HF:
-        return _TOP_FROM_HF[name]
-    parts = name.split(".", 3)
-    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in _LAYER_FROM_HF:
-        return f"blk.{parts[2]}.{_LAYER_FROM_HF[parts[3]]}"
+    return _rename(name, _TOP_FROM_HF, "model.layers.", _LAYER_FROM_HF, "blk.")
+
+
+def _rename(name: str, top: dict, layer_prefix: str, layer: dict, new_layer_prefix: str) -> str | None:
+    if name in top:
+        return top[name]
+    block, _, layer_name = name.removeprefix(layer_prefix).partition(".")
+    if name.startswith(layer_prefix) and block.isdigit() and layer_name in layer:
+        return f"{new_layer_prefix}{block}.{layer[layer_name]}"
     return None
 
 
@@ -112,38 +99,37 @@ def tensor_label(name: str) -> str:
     return f"{name!r} (GGUF {in_file!r})" if in_file else repr(name)
 
 
-# --------------------------------------------------------------------------------------------------
-# Opening the file
-# --------------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _naming(path):
+    """Prefixes the message of a GGUFError raised in the block with the file's path."""
+    try:
+        yield
+    except GGUFError as e:
+        raise GGUFError(f"{os.fspath(path)}: {e}") from e.__cause__
 
-def _open(path: str | os.PathLike) -> gguf.GGUFReader:
+
+def _open(path: Path) -> gguf.GGUFReader:
     if not os.path.isfile(path):
         raise GGUFError("GGUF file not found")
     try:
         reader = gguf.GGUFReader(path)
     except Exception as e:  # anything gguf/numpy raise while parsing means the file is bad
-        problem = _header_problem(Path(path)) or f"not a readable GGUF file ({type(e).__name__}: {e})"
-        raise GGUFError(f"{problem}; {recovery(Path(path))}") from e
+        problem = _header_problem(path) or f"not a readable GGUF file ({type(e).__name__}: {e})"
+        raise GGUFError(f"{problem}; {recovery(path)}") from e
     if reader.byte_order != "I":
         raise GGUFError("byte-swapped (big-endian) GGUF files are not supported")
     return reader
 
 
-_SCALAR_BYTES = {GGUFValueType.UINT8: 1, GGUFValueType.INT8: 1, GGUFValueType.BOOL: 1, GGUFValueType.UINT16: 2,
-                 GGUFValueType.INT16: 2, GGUFValueType.UINT32: 4, GGUFValueType.INT32: 4, GGUFValueType.FLOAT32: 4,
-                 GGUFValueType.UINT64: 8, GGUFValueType.INT64: 8, GGUFValueType.FLOAT64: 8}
-
-
 class _Walk:
-    """Reads a GGUF header field by field, remembering what it reads, to say what is wrong with a file gguf's
-    reader refused (its own errors name no metadata entry or tensor)."""
+    """Reads a GGUF header field by field, remembering where it is, to say what is wrong with a file gguf's reader
+    refused (its own errors name no metadata entry or tensor)."""
 
     def __init__(self, f):
         self.f, self.size, self.where = f, os.fstat(f.fileno()).st_size, "the GGUF header"
 
     def unpack(self, fmt: str) -> tuple:
-        size = struct.calcsize("<" + fmt)
-        return struct.unpack("<" + fmt, self.bytes(size))
+        return struct.unpack("<" + fmt, self.bytes(struct.calcsize("<" + fmt)))
 
     def bytes(self, n: int) -> bytes:
         if self.f.tell() + n > self.size:  # checked before reading: a corrupt length may be huge
@@ -169,8 +155,8 @@ class _Walk:
 
 
 def _header_problem(path: Path) -> str | None:
-    """What makes the file unreadable: where it ends early, or which tensor has an unknown type or runs past its
-    end; None if the header reads fine (gguf's own message then says what is wrong)."""
+    """Where the file ends early, or which tensor has an unknown type or runs past its end; None if the header
+    reads fine (gguf's own message then says what is wrong)."""
     with open(path, "rb") as f:
         walk, infos, alignment = _Walk(f), [], gguf.GGUF_DEFAULT_ALIGNMENT
         try:
@@ -206,10 +192,6 @@ def _header_problem(path: Path) -> str | None:
     return None
 
 
-# --------------------------------------------------------------------------------------------------
-# Metadata
-# --------------------------------------------------------------------------------------------------
-
 _MISSING = object()
 
 
@@ -219,15 +201,7 @@ def _meta(reader, key: str, kind: type, default: Any = _MISSING) -> Any:
         if default is _MISSING:
             raise GGUFError(f"missing metadata field {key!r}")
         return default
-    main = field.types[0] if field.types else None
-    ok = {
-        int: main in _INT_TYPES,
-        float: main in _FLOAT_TYPES or main in _INT_TYPES,
-        str: main == GGUFValueType.STRING,
-        bool: main == GGUFValueType.BOOL,
-        list: main == GGUFValueType.ARRAY,
-    }[kind]
-    if not ok:
+    if not field.types or field.types[0] not in _VALUE_TYPES[kind]:
         raise GGUFError(f"metadata field {key!r} has type {[t.name for t in field.types]}, expected {kind.__name__}")
     try:
         value = field.contents()
@@ -244,9 +218,8 @@ def _meta_pos_int(reader, key: str, default: Any = _MISSING) -> Any:
 
 
 def _f32_value(x: float) -> float:
-    """llama.cpp stores these floats as float32; give back the shortest decimal that round-trips
-    through float32 (1e-05, not 9.999999747378752e-06), i.e. the value the HF config most likely had.
-    Values that are not float32 (a FLOAT64 field) are returned unchanged."""
+    """The shortest decimal that round-trips through float32 (1e-05, not 9.999999747378752e-06): llama.cpp stores
+    these floats as float32, and the HF config most likely had that decimal. A FLOAT64 value comes back unchanged."""
     f32 = np.float32(x)
     return float(str(f32)) if float(f32) == x else float(x)
 
@@ -269,7 +242,6 @@ def _kv_heads(reader, arch: str, n_head: int) -> int:
 
 
 def _check_rope_scaling(reader, arch: str) -> None:
-    """nanojax runs default and Llama 3 RoPE (convert/config.py); GGUF metadata records only other scalings."""
     kind = _meta(reader, f"{arch}.rope.scaling.type", str, "none")
     if kind != "none":
         raise GGUFError(f"metadata field '{arch}.rope.scaling.type' = {kind!r}: RoPE scaling is not supported "
@@ -287,16 +259,10 @@ def _head_dim(reader, arch: str, hidden: int, n_head: int) -> int:
     else:
         raise GGUFError(f"missing metadata field {key_len!r} and embedding_length {hidden} is not divisible by "
                         f"head_count {n_head}")
-    v_len = _meta_pos_int(reader, f"{arch}.attention.value_length", head_dim)
-    if v_len != head_dim:
-        raise GGUFError(f"metadata field '{arch}.attention.value_length' = {v_len} != key_length {head_dim}: "
-                        "unsupported")
-    n_rot = _meta_pos_int(reader, f"{arch}.rope.dimension_count", head_dim)
-    if n_rot != head_dim:
-        raise GGUFError(f"metadata field '{arch}.rope.dimension_count' = {n_rot} != head_dim {head_dim}: partial "
-                        "rotary is unsupported")
-    if head_dim % 2:
-        raise GGUFError(f"head_dim {head_dim} (from '{key_len}' or embedding_length/head_count) must be even")
+    for key in (f"{arch}.attention.value_length", f"{arch}.rope.dimension_count"):  # V heads, partial rotary
+        value = _meta_pos_int(reader, key, head_dim)
+        if value != head_dim:
+            raise GGUFError(f"metadata field {key!r} = {value} != head_dim {head_dim}: unsupported")
     return head_dim
 
 
@@ -314,8 +280,8 @@ def _vocab_size(reader, arch: str, tinfo: dict) -> int:
 
 
 def _llama3_factors(wavelen: np.ndarray, factor: float, low: float, high: float, orig: float) -> np.ndarray:
-    # llama.cpp convert_hf_to_gguf.py (LlamaModel.generate_extra_tensors), same math as HF's
-    # _compute_llama3_parameters: rope_freqs[i] divides inv_freq[i].
+    """rope_freqs[i], the divisor of inv_freq[i], as llama.cpp's convert_hf_to_gguf.py and HF's
+    _compute_llama3_parameters compute it."""
     low_wavelen, high_wavelen = orig / low, orig / high
     smooth = (orig / wavelen - low) / (high - low)
     mid = 1.0 / ((1.0 - smooth) / factor + smooth)
@@ -323,20 +289,19 @@ def _llama3_factors(wavelen: np.ndarray, factor: float, low: float, high: float,
 
 
 def _llama3_rope_scaling(factors: np.ndarray, head_dim: int, theta: float) -> dict | None:
-    """Recover HF's {"rope_type": "llama3", ...} from llama.cpp's rope_freqs.weight tensor."""
-    name = "rope_freqs.weight"
+    """HF's {"rope_type": "llama3", ...} recovered from llama.cpp's rope_freqs.weight tensor."""
     factors = np.asarray(factors, dtype=np.float64).reshape(-1)
     if factors.shape != (head_dim // 2,):
-        raise GGUFError(f"tensor {name!r} has {factors.size} entries, expected head_dim/2 = {head_dim // 2}")
+        raise GGUFError(f"tensor {_ROPE_FREQS!r} has {factors.size} entries, expected head_dim/2 = {head_dim // 2}")
     if not np.all(np.isfinite(factors)) or np.any(factors <= 0):
-        raise GGUFError(f"tensor {name!r} holds non-positive or non-finite values")
+        raise GGUFError(f"tensor {_ROPE_FREQS!r} holds non-positive or non-finite values")
     if np.allclose(factors, 1.0, rtol=0, atol=1e-6):
         return None
     inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     wavelen = 2 * math.pi / inv_freq
     factor = float(factors.max())
-    # (original_max_position_embeddings, low_freq_factor, high_freq_factor); only the ratios
-    # orig/low and orig/high matter, so low is normalised to 1 in the fit.
+    # (original_max_position_embeddings, low_freq_factor, high_freq_factor); only the ratios orig/low and orig/high
+    # matter, so the fit sets low to 1.
     candidates = [(8192.0, 1.0, 4.0)]  # every official Llama 3.1/3.2/3.3 checkpoint
     mid = (factors > 1 + 1e-6) & (factors < factor * (1 - 1e-6))
     if mid.sum() >= 2:
@@ -357,7 +322,9 @@ def _llama3_rope_scaling(factors: np.ndarray, head_dim: int, theta: float) -> di
                 "high_freq_factor": high,
                 "original_max_position_embeddings": int(orig) if float(orig).is_integer() else orig,
             }
-    raise GGUFError(f"tensor {name!r} does not match any llama3 rope scaling; refusing to guess the RoPE frequencies")
+    raise GGUFError(f"tensor {_ROPE_FREQS!r} does not match any llama3 rope scaling; refusing to guess the RoPE "
+                    "frequencies")
+
 
 def _build_config(reader, arch: str, tinfo: dict, path: Path) -> dict:
     hidden = _meta_pos_int(reader, f"{arch}.embedding_length")
@@ -388,25 +355,26 @@ def _build_config(reader, arch: str, tinfo: dict, path: Path) -> dict:
         "max_position_embeddings": _meta_pos_int(reader, f"{arch}.context_length"),
         "vocab_size": _vocab_size(reader, arch, tinfo),
         "tie_word_embeddings": "output.weight" not in tinfo,
+        "bos_token_id": _meta(reader, "tokenizer.ggml.bos_token_id", int, None),
+        "eos_token_id": _meta(reader, "tokenizer.ggml.eos_token_id", int, None),
+        "torch_dtype": _torch_dtype(tinfo),
     }
-    if arch == "llama" and _ROPE_FREQS in tinfo:
-        scaling = _llama3_rope_scaling(_read_tensor(path, tinfo[_ROPE_FREQS]), cfg["head_dim"], theta)
-        cfg.update({"rope_scaling": scaling} if scaling else {})
-    if arch == "llama":  # llama.cpp writes (and permutes) attention biases when the HF model has them: all four
+    if arch == "llama":
+        if _ROPE_FREQS in tinfo:
+            scaling = _llama3_rope_scaling(_read_tensor(path, tinfo[_ROPE_FREQS]), cfg["head_dim"], theta)
+            if scaling:
+                cfg["rope_scaling"] = scaling
+        # llama.cpp writes (and permutes) attention biases when the HF model has them: all four.
         cfg["attention_bias"] = all(f"blk.0.attn_{p}.bias" in tinfo for p in ("q", "k", "v", "output"))
-    for tok_key, cfg_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
-                             ("padding_token_id", "pad_token_id")):
-        cfg[cfg_key] = _meta(reader, f"tokenizer.ggml.{tok_key}", int, None)
-    if cfg["pad_token_id"] is None:
-        del cfg["pad_token_id"]
-    cfg["torch_dtype"] = _torch_dtype(tinfo)
+    pad = _meta(reader, "tokenizer.ggml.padding_token_id", int, None)
+    if pad is not None:
+        cfg["pad_token_id"] = pad
     return cfg
 
 
 def _torch_dtype(tinfo: dict) -> str:
-    # Dtype of the checkpoint's matrices: f16/bf16 when they are all stored that way, else float32
-    # (F32 files, and quantized ones: dequantized values are exact in float32 only; HF loads GGUF
-    # as float32 too).  1-D tensors are ignored (llama.cpp always keeps norms/biases in F32).
+    """f16 / bf16 where every matrix is stored that way, else float32 (quantized values are exact in float32 only;
+    HF loads GGUF as float32 too). 1-D tensors do not count: llama.cpp keeps norms and biases in F32."""
     types = {t.tensor_type for t in tinfo.values() if len(t.shape) >= 2}
     if types == {GGMLQuantizationType.F16}:
         return "float16"
@@ -414,14 +382,10 @@ def _torch_dtype(tinfo: dict) -> str:
         return "bfloat16"
     return "float32"
 
-# --------------------------------------------------------------------------------------------------
-# Tensors
-# --------------------------------------------------------------------------------------------------
 
 def dequantize(name: str, qtype: GGMLQuantizationType, shape: tuple[int, ...], raw: np.ndarray) -> np.ndarray:
     """raw: the tensor's bytes (uint8) -> C-contiguous float32 [shape] (numpy order: GGUF ne reversed), decoded and
-    checked for NaN/Inf 16 MB at a time (gguf decodes a whole tensor through temporaries several times its float32
-    size)."""
+    checked for NaN/Inf 16 MB at a time: gguf decodes through temporaries several times the float32 size."""
     if qtype not in SUPPORTED_TYPES:
         supported = ", ".join(sorted(q.name for q in SUPPORTED_TYPES))
         raise GGUFError(f"tensor {name!r} has unsupported type {qtype.name} (supported: {supported})")
@@ -442,8 +406,8 @@ def dequantize(name: str, qtype: GGMLQuantizationType, shape: tuple[int, ...], r
 
 
 def _read_tensor(path: Path, t: gguf.ReaderTensor) -> np.ndarray:
-    """Reads the tensor's bytes with a plain read rather than through the reader's memory map: the mapped pages
-    would stay resident, so a conversion would end up holding the whole file."""
+    """A plain read rather than through the reader's memory map, whose pages would stay resident: a conversion would
+    end up holding the whole file."""
     raw = np.fromfile(path, dtype=np.uint8, count=int(t.n_bytes), offset=int(t.data_offset))
     if raw.size != t.n_bytes:
         raise GGUFError(f"tensor {t.name!r} runs past the end of the file: truncated GGUF file; {recovery(path)}")
@@ -451,28 +415,22 @@ def _read_tensor(path: Path, t: gguf.ReaderTensor) -> np.ndarray:
 
 
 def _loader(path: Path, t: gguf.ReaderTensor, rope_heads: int | None, head_dim: int) -> Callable[[], np.ndarray]:
-    """Reads, decodes and checks the tensor when called; rope_heads: undo llama.cpp's Q/K permutation."""
+    """rope_heads: undo llama.cpp's Q/K row permutation for that many heads."""
     def load() -> np.ndarray:
-        try:
+        with _naming(path):
             array = _read_tensor(path, t)
-            if rope_heads and array.shape[0] == rope_heads * head_dim:  # another shape: keys.py reports it
-                array = interleaved_to_halves(array, rope_heads, head_dim)
-        except GGUFError as e:
-            raise GGUFError(f"{path}: {e}") from e.__cause__
+        if rope_heads and array.shape[0] == rope_heads * head_dim:  # another shape: keys.py reports it
+            array = interleaved_to_halves(array, rope_heads, head_dim)
         return array
 
     return load
 
 
 def read_gguf(path: str | os.PathLike) -> tuple[dict, dict[str, Callable[[], np.ndarray]]]:
-    """(hf_config, tensors): an HF-style config.json dict (architectures, model_type, hidden_size, intermediate_size,
-    num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim (always), hidden_act, rms_norm_eps,
-    rope_theta, rope_scaling if any, max_position_embeddings, vocab_size, tie_word_embeddings, attention_bias (llama
-    only), bos/eos/pad_token_id, torch_dtype) and a loader of each float32 tensor by its HF name, in HF's shape
-    ([out, in] for Linear); a tensor without an HF name keeps its GGUF name. Raises GGUFError (message prefixed
-    with the path) for a bad file; a loader raises it for a bad tensor."""
+    """(an HF-style config.json dict, a loader of each float32 tensor by its HF name, in HF's shape). GGUFError,
+    naming the file, for a bad file; a loader raises it for a bad tensor."""
     path = Path(path)
-    try:
+    with _naming(path):
         reader = _open(path)
         arch = _meta(reader, "general.architecture", str)
         if arch not in _ARCHITECTURES:
@@ -480,8 +438,6 @@ def read_gguf(path: str | os.PathLike) -> tuple[dict, dict[str, Callable[[], np.
                             f"(supported: {', '.join(_ARCHITECTURES)})")
         tinfo = {t.name: t for t in reader.tensors}
         cfg = _build_config(reader, arch, tinfo, path)
-    except GGUFError as e:
-        raise GGUFError(f"{os.fspath(path)}: {e}") from e.__cause__
     rope_heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
     tensors = {}
     for name, t in tinfo.items():
@@ -492,40 +448,23 @@ def read_gguf(path: str | os.PathLike) -> tuple[dict, dict[str, Callable[[], np.
     return cfg, tensors
 
 
-# --------------------------------------------------------------------------------------------------
-# Tokenizer
-# --------------------------------------------------------------------------------------------------
-
 def save_gguf_tokenizer(path: str | os.PathLike, dst_dir: str | os.PathLike) -> None:
-    """Writes HF tokenizer files (tokenizer.json, tokenizer_config.json with the chat template and the
-    special tokens) built from the GGUF metadata into dst_dir, via transformers'
-    AutoTokenizer.from_pretrained(dir, gguf_file=name) + save_pretrained(save_jinja_files=False)."""
-    try:
-        _save_gguf_tokenizer(Path(path), dst_dir)
-    except GGUFError as e:
-        raise GGUFError(f"{os.fspath(path)}: {e}") from e.__cause__
-
-
-def _save_gguf_tokenizer(path: Path, dst_dir: str | os.PathLike) -> None:
-    reader = _open(path)
-    model = _meta(reader, "tokenizer.ggml.model", str)
-    tokens = _meta(reader, "tokenizer.ggml.tokens", list)
-    if tokens == []:
-        raise GGUFError("metadata field 'tokenizer.ggml.tokens' is empty")
-    template = _meta(reader, "tokenizer.chat_template", str, None)
-    special = {}
-    for attr, key in (("bos_token", "tokenizer.ggml.bos_token_id"), ("eos_token", "tokenizer.ggml.eos_token_id"),
-                      ("unk_token", "tokenizer.ggml.unknown_token_id"),
-                      ("pad_token", "tokenizer.ggml.padding_token_id")):
-        special[attr] = _meta(reader, key, int, None)
-        if special[attr] is not None and not 0 <= special[attr] < len(tokens):
-            raise GGUFError(f"metadata field {key!r} = {special[attr]} is outside the vocabulary "
-                            f"({len(tokens)} tokens)")
-    pre = _meta(reader, "tokenizer.ggml.pre", str, None)
-    if gguf_tokenizer.can_build(model, pre, "tokenizer.ggml.merges" in reader.fields):
-        tok = _byte_level_tokenizer(reader, tokens, pre, special, template)
-    else:
-        tok = _transformers_tokenizer(path, model, pre)
+    """Writes HF tokenizer files built from the GGUF's metadata into dst_dir, the chat template in
+    tokenizer_config.json."""
+    path = Path(path)
+    with _naming(path):
+        reader = _open(path)
+        model = _meta(reader, "tokenizer.ggml.model", str)
+        tokens = _meta(reader, "tokenizer.ggml.tokens", list)
+        if tokens == []:
+            raise GGUFError("metadata field 'tokenizer.ggml.tokens' is empty")
+        template = _meta(reader, "tokenizer.chat_template", str, None)
+        special = _special_token_ids(reader, len(tokens))
+        pre = _meta(reader, "tokenizer.ggml.pre", str, None)
+        if gguf_tokenizer.can_build(model, pre, "tokenizer.ggml.merges" in reader.fields):
+            tok = _byte_level_tokenizer(reader, tokens, pre, special, template)
+        else:
+            tok = _transformers_tokenizer(path, model, pre)
     del reader
     if template is not None and tok.chat_template != template:
         tok.chat_template = template
@@ -536,14 +475,24 @@ def _save_gguf_tokenizer(path: Path, dst_dir: str | os.PathLike) -> None:
         if getattr(tok, attr) != token:
             setattr(tok, attr, token)
     os.makedirs(dst_dir, exist_ok=True)
-    # save_jinja_files=False: the chat template goes into tokenizer_config.json (transformers 5
-    # would otherwise write it to a separate chat_template.jinja).
+    # Without save_jinja_files=False, transformers 5 writes the chat template to a chat_template.jinja of its own.
     tok.save_pretrained(os.fspath(dst_dir), save_jinja_files=False)
+
+
+def _special_token_ids(reader, vocab_size: int) -> dict[str, int | None]:
+    special = {}
+    for attr, key in (("bos_token", "tokenizer.ggml.bos_token_id"), ("eos_token", "tokenizer.ggml.eos_token_id"),
+                      ("unk_token", "tokenizer.ggml.unknown_token_id"),
+                      ("pad_token", "tokenizer.ggml.padding_token_id")):
+        special[attr] = _meta(reader, key, int, None)
+        if special[attr] is not None and not 0 <= special[attr] < vocab_size:
+            raise GGUFError(f"metadata field {key!r} = {special[attr]} is outside the vocabulary ({vocab_size} tokens)")
+    return special
 
 
 def _byte_level_tokenizer(reader, tokens: list[str], pre: str | None, special: dict, template: str | None):
     """Byte-level BPE, built here from the metadata (convert/gguf_tokenizer.py): no torch needed."""
-    from transformers import PreTrainedTokenizerFast  # heavy import, only needed here
+    from transformers import PreTrainedTokenizerFast
 
     names = {attr: tokens[idx] for attr, idx in special.items() if idx is not None}
     backend = gguf_tokenizer.build(
@@ -558,13 +507,12 @@ def _transformers_tokenizer(path: Path, model: str, pre: str | None):
     """Any other tokenizer through transformers' GGUF loader, which imports torch."""
     import importlib.util
 
-    from transformers import AutoTokenizer  # heavy import, only needed here
+    from transformers import AutoTokenizer
 
     if importlib.util.find_spec("torch") is None:
         raise GGUFError(f"its tokenizer (tokenizer.ggml.model {model!r}, pre {pre!r}) is built by transformers' GGUF "
                         "loader, which needs torch: pip install torch (byte-level BPE vocabularies are built without)")
-    # Load from a private directory holding just a link to the file, so that unrelated tokenizer
-    # files next to the GGUF can't be mixed in.
+    # A private folder holding only a link to the file: tokenizer files beside the GGUF cannot be mixed in.
     with tempfile.TemporaryDirectory(prefix="nanojax-gguf-tok-") as tmp:
         link = Path(tmp) / path.name
         try:

@@ -1,12 +1,6 @@
-"""A GGUF file's byte-level BPE tokenizer (`tokenizer.ggml.model` "gpt2": SmolLM2, Llama 3, Qwen2/3, GPT-2) as an
-HF fast tokenizer, built with the `tokenizers` library alone.
-
-transformers builds the same tokenizer (`AutoTokenizer.from_pretrained(dir, gguf_file=...)`), but its GGUF reader
-imports torch, which nanojax does not depend on: without this module the embedded default model could not get its
-tokenizer on a machine without torch. The rules are transformers' (its `integrations/gguf` tokenizer mapping): the
-vocabulary spelled in the byte alphabet, the file's merges, CONTROL tokens as special tokens and USER_DEFINED ones
-as added tokens, the split regex named by `tokenizer.ggml.pre`, BOS/EOS added as the file's flags say.
-tests/test_gguf_source.py checks that both give the same ids.
+"""A GGUF file's byte-level BPE tokenizer (`tokenizer.ggml.model` "gpt2") as an HF fast tokenizer, built with
+`tokenizers` alone: transformers' GGUF reader imports torch, which nanojax does not depend on. The rules are
+transformers' (integrations/gguf); tests/test_gguf_source.py checks that both give the same ids.
 """
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
@@ -17,9 +11,8 @@ _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-# `tokenizer.ggml.pre` -> the regex that splits text before BPE. None: GPT-2's own (ByteLevel's built-in regex),
-# which is what transformers uses for every name it does not map. Names outside this table are refused here and
-# left to transformers.
+# `tokenizer.ggml.pre` -> the regex that splits text before BPE; None: GPT-2's own, which transformers uses for
+# every name it does not map. Other names are left to transformers.
 PRE_TOKENIZER_SPLITS = {
     "default": None, "gpt2": None, "smollm": None, "gpt-2": None, "starcoder": None, "refact": None,
     "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
@@ -46,12 +39,11 @@ def byte_alphabet() -> dict[int, str]:
 
 def build(tokens: list[str], merges: list[str], token_types: list[int] | None, pre: str | None, *,
           bos: str | None, eos: str | None, add_bos: bool, add_eos: bool) -> Tokenizer:
-    """The backend tokenizer of a byte-level BPE vocabulary (can_build(model, pre) must hold). bos / eos: the
-    tokens add_bos / add_eos put around every encoded sequence."""
+    """The backend tokenizer of a byte-level BPE vocabulary (can_build must hold); bos / eos: the tokens add_bos /
+    add_eos put around every encoded sequence."""
     spelling = byte_alphabet()
     alphabet = set(spelling.values())
-    # A token written in plain UTF-8 rather than the byte alphabet (some converters do that for added tokens) is
-    # respelled, as transformers does, so that it keeps its id.
+    # A token written in plain UTF-8 (some converters do that for added tokens) is respelled to keep its id.
     vocab = {token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode("utf-8")): index
              for index, token in enumerate(tokens)}
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split(" ")) for m in merges], dropout=None,

@@ -1,13 +1,11 @@
-"""The one key table from HF tensor names to nanojax params, with the fusing and transposing done here.
+"""The one key table from HF tensor names to nanojax params, per architecture, with the fusing and transposing.
 
-Every tensor is shape-checked against the config; a missing, unmapped or duplicated tensor is an error that
-names it (each source names its tensors in errors its own way: a GGUF adds the name in the file). The params come
-out part by part, one layer at a time, each cast to the checkpoint's dtype, so that a conversion holds one layer in
-float32 at most. Linear weights arrive as HF's [out, in] and leave as [in, out]; GPT-2's Conv1D already is [in, out].
-The scale of each RMSNorm before a projection (input_layernorm, post_attention_layernorm) is folded into that
-projection's weight rows, so the params hold no attn_norm / mlp_norm for RMSNorm architectures: the fused projection
-needs only the norm's statistic (pallas_kernels/rmsnorm_matmul.py says why). GPT-2's LayerNorms, the final norm
-(the LM head after it may be the tied embedding, which must stay unscaled) and Qwen3's q/k norms stay as they are.
+Every tensor is shape-checked against the config; a missing, unmapped or duplicated one is an error naming it. The
+params come out a layer at a time, cast to the checkpoint's dtype, so a conversion holds one layer in float32 at most.
+Linear weights arrive as HF's [out, in] and leave as [in, out] (GPT-2's Conv1D already is). The scale of the RMSNorm
+before a projection is folded into its weight rows: the fused projection needs only the norm's statistic
+(pallas_kernels/rmsnorm_matmul.py). GPT-2's LayerNorms, the final norm (the tied embedding after it must stay
+unscaled) and Qwen3's q/k norms stay as they are.
 """
 import collections
 import concurrent.futures
@@ -51,25 +49,27 @@ class _Reader:
 
 
 def fold_norm_scale(scale: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """scale: [K], w: [K, N] -> diag(scale) @ w, multiplied in f32 and rounded once to the checkpoint's dtype later:
-    RMSNorm(x) with this scale, then @ w, equals rms_normalize(x) @ fold_norm_scale(scale, w)."""
+    """scale: [K], w: [K, N] -> diag(scale) @ w in f32 (rounded once, to the checkpoint's dtype, later): RMSNorm(x)
+    with this scale, then @ w, equals rms_normalize(x) @ fold_norm_scale(scale, w)."""
     return scale.astype(np.float32)[:, None] * w.astype(np.float32)
 
 
 def interleaved_to_halves(w: np.ndarray, heads: int, head_dim: int) -> np.ndarray:
-    """Reorder rows of a [heads*D, ...] projection from (x0, x1) RoPE pairs to (first half, second half): ERNIE's
-    layout, and the inverse of the permutation llama.cpp applies to Llama's q/k rows in a GGUF."""
+    """Rows of a [heads*D, ...] projection from (x0, x1) RoPE pairs to (first half, second half): ERNIE's layout, and
+    the inverse of llama.cpp's permutation of Llama's q/k rows in a GGUF."""
     rest = w.shape[1:]
     return w.reshape(heads, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(heads * head_dim, *rest)
 
 
 def _llama_layer(r: _Reader, c: ModelConfig, i: int, ernie: bool) -> dict:
     p, h, d = f"model.layers.{i}.", c.hidden_size, c.head_dim
-    q = r.get(p + "self_attn.q_proj.weight", (c.q_size, h))
-    k = r.get(p + "self_attn.k_proj.weight", (c.kv_size, h))
+
+    def halves(w, heads):  # the shared decoder's RoPE layout
+        return interleaved_to_halves(w, heads, d) if ernie else w
+
+    q = halves(r.get(p + "self_attn.q_proj.weight", (c.q_size, h)), c.num_heads)
+    k = halves(r.get(p + "self_attn.k_proj.weight", (c.kv_size, h)), c.num_kv_heads)
     v = r.get(p + "self_attn.v_proj.weight", (c.kv_size, h))
-    if ernie:
-        q, k = interleaved_to_halves(q, c.num_heads, d), interleaved_to_halves(k, c.num_kv_heads, d)
     gate_up = np.concatenate([r.get(p + f"mlp.{n}_proj.weight", (c.intermediate_size, h)) for n in ("gate", "up")])
     layer = {
         "qkv": {"w": fold_norm_scale(r.get(p + "input_layernorm.weight", (h,)), np.concatenate([q, k, v]).T)},
@@ -78,10 +78,8 @@ def _llama_layer(r: _Reader, c: ModelConfig, i: int, ernie: bool) -> dict:
         "down": {"w": r.get(p + "mlp.down_proj.weight", (h, c.intermediate_size)).T},
     }
     if c.qkv_bias:
-        qb = r.get(p + "self_attn.q_proj.bias", (c.q_size,))
-        kb = r.get(p + "self_attn.k_proj.bias", (c.kv_size,))
-        if ernie:
-            qb, kb = interleaved_to_halves(qb, c.num_heads, d), interleaved_to_halves(kb, c.num_kv_heads, d)
+        qb = halves(r.get(p + "self_attn.q_proj.bias", (c.q_size,)), c.num_heads)
+        kb = halves(r.get(p + "self_attn.k_proj.bias", (c.kv_size,)), c.num_kv_heads)
         layer["qkv"]["b"] = np.concatenate([qb, kb, r.get(p + "self_attn.v_proj.bias", (c.kv_size,))])
     if c.o_bias:
         layer["o"]["b"] = r.get(p + "self_attn.o_proj.bias", (h,))
@@ -117,10 +115,8 @@ def _gpt2_layer(r: _Reader, c: ModelConfig, i: int) -> dict:
 def param_parts(config: ModelConfig, model_type: str, tensors: Mapping[str, Callable[[], np.ndarray]], dtype,
                 progress: bool = False, label: Callable[[str], str] = repr,
                 threads: int = 1) -> Iterator[tuple[str, dict]]:
-    """tensors: HF name -> loader of the array; label: how errors name a tensor. Yields ("layers/{i}", layer) for
-    each layer, then ("top", the params outside the layers), each in `dtype` (numpy); params_from_parts joins them.
-    Unmapped tensors are an error after the last part. threads > 1: that many layers converted at once (numpy's
-    casts and products release the GIL), so that many are held at a time."""
+    """Yields ("layers/{i}", layer) for each layer, then ("top", the rest), in `dtype`; unmapped tensors are an error
+    after the last. threads: layers converted at once (numpy releases the GIL), and held at a time."""
     c, vh = config, (config.vocab_size, config.hidden_size)
     gpt2 = model_type == "gpt2"
     prefix = "transformer." if gpt2 and any(n.startswith("transformer.") for n in tensors) else ""
@@ -173,9 +169,8 @@ def _in_order(fn: Callable[[int], dict], n: int, threads: int) -> Iterator[dict]
 
 
 def param_shapes(config: ModelConfig, dtype) -> dict:
-    """The shape of every param param_parts yields for `config`, as a params pytree of (shape, dtype) tuples, known
-    before a tensor is read (a compile can start from it while the weights convert); tests check it against the
-    conversion of every architecture."""
+    """The params pytree param_parts yields for `config`, as (shape, dtype) leaves, known before a tensor is read: a
+    compile can start while the weights convert."""
     c, d = config, np.dtype(dtype)
     h, q, kv, i, layer_norm = c.hidden_size, c.q_size, c.kv_size, c.intermediate_size, c.norm == "layer"
 
@@ -206,7 +201,7 @@ def params_from_parts(parts: Iterator[tuple[str, dict]], num_layers: int) -> dic
 
 def hf_to_params(config: ModelConfig, model_type: str, tensors: Mapping[str, Callable[[], np.ndarray]],
                  dtype, progress: bool = False, label: Callable[[str], str] = repr) -> dict:
-    """tensors: HF name -> loader of the array. Returns the nanojax params pytree in `dtype` (numpy)."""
+    """The nanojax params pytree in `dtype` (numpy), from HF name -> loader of the array."""
     return params_from_parts(param_parts(config, model_type, tensors, dtype, progress, label), config.num_layers)
 
 
@@ -223,9 +218,8 @@ _TRANSPOSE_ROWS = 256
 
 
 def _transposed_copy(x: np.ndarray, dtype) -> np.ndarray:
-    """x: a transposed view (an HF [out, in] weight read as [in, out]) -> a C-contiguous copy in dtype. numpy copies
-    a transposed view element by element down the source's columns; a band of source rows at a time keeps both
-    sides in cache (docs/perf_notes.md, "Conversion and placement")."""
+    """x: a transposed view (an HF [out, in] weight as [in, out]) -> a C-contiguous copy in dtype, a band of source
+    rows at a time to keep both sides in cache (docs/perf_notes.md, "Conversion and placement")."""
     source = x.T.astype(dtype, copy=False)  # C-contiguous, cast first: the copy below then moves plain bits
     bits = np.dtype(f"u{source.itemsize}")
     out = np.empty(x.shape, bits)

@@ -1,18 +1,10 @@
-"""FP8 (E4M3) weight-only quantization with one scale per output channel.
+"""FP8 (E4M3) weight-only quantization with one scale per output channel: a small-batch decode step reads every
+weight once, and E4M3 halves bf16's bytes. Each projection {w [K, N], b [N]?} becomes
 
-A small-batch decode step reads every weight once, so E4M3 weights, half of bf16's bytes, shorten it. Each projection
-{w [K, N], b [N]?} becomes
+    {w_t: float8_e4m3fn [N, K], scale: float32 [N], b [N]?}    w[:, n] ~= w_t[n, :] * scale[n]
 
-    {w_t: float8_e4m3fn [N, K], scale: float32 [N], b [N]?}    w_hf[:, n] ~= w_t[n, :] * scale[n]
-
-one row per output channel (HF's [out, in] layout: the transpose of a bf16 projection's w), with scale[n] = r *
-max_k |w_hf[k, n]| / 448 (E4M3's largest finite value), r <= 1 the clip ratio that minimizes the channel's squared
-rounding error (searched per channel, CLIP_RATIOS); the projection computes (x @ w_t^T) * scale with an f32
-accumulator (pallas_kernels/rmsnorm_matmul.py, rmsnorm_matmul_reference); XLA's dot, upcasting the E4M3 weight in
-its operand load, reads this layout faster than [K, N] (docs/perf_notes.md, "FP8 weights"). The RMSNorm scales
-folded into the qkv / up weights are in w_hf already, so the fused norm stays exact up to the weights' rounding.
-The LM head becomes params["lm_head"] = {w_t [V, H], scale [V]} (for tied embeddings beside params["embed"], which
-stays for the lookup). Embedding rows and norms keep their dtype.
+HF's [out, in] layout, which XLA's dot reads faster than [K, N] (docs/perf_notes.md, "FP8 weights"). The RMSNorm
+scales folded into the qkv / up weights are quantized with them. Embedding rows and norms keep their dtype.
 """
 import jax
 import jax.numpy as jnp
@@ -28,8 +20,7 @@ def is_quantized(p) -> bool:
 
 
 # Candidate clip ratios, 1 first (argmin keeps the first of equal errors: no clipping unless it helps). Clipping a
-# column's few largest values moves the rest of it within E4M3's binades, which lowers the rounding error and the KL
-# divergence (scripts/fp8_quality.py; docs/perf_notes.md, "FP8 weights").
+# column's few largest values lowers the rest's rounding error (docs/perf_notes.md, "FP8 weights").
 CLIP_RATIOS = tuple(1.0 - i / 128 for i in range(33))  # 1 down to 0.75
 
 
@@ -40,10 +31,8 @@ def _round(wf, scale):
 
 @jax.jit
 def quantize_weight(w):
-    """w: [K, N] float -> {"w_t": float8_e4m3fn [N, K], "scale": float32 [N]}: row n is w[:, n] / scale[n] rounded to
-    nearest even, with scale[n] = r * max_k |w[k, n]| / 448 for the clip ratio r of CLIP_RATIOS (1 down to 0.75)
-    that gives the column the least squared error; values beyond r * max saturate at +-448. An all-zero column gets
-    scale 1 (any scale dequantizes its zeros exactly). Runs on the default device; numpy inputs are copied there."""
+    """w: [K, N] float -> {"w_t": float8_e4m3fn [N, K], "scale": float32 [N]}, scale[n] = r * max_k |w[k, n]| / 448
+    for the clip ratio r of CLIP_RATIOS with the column's least squared error (1 for an all-zero column)."""
     wf = jnp.asarray(w).astype(jnp.float32)
     amax = jnp.max(jnp.abs(wf), axis=0)
     ratios = jnp.asarray(CLIP_RATIOS, jnp.float32)
@@ -61,8 +50,7 @@ def quantize_weight(w):
 
 
 def dequantize(p, dtype=jnp.float32):
-    """{w_t float8_e4m3fn [N, K], scale [N]} -> (w_t * scale[:, None])^T [K, N] in dtype (multiplied in f32): the weight
-    the FP8 projection stands for, in a bf16 projection's layout, for references."""
+    """{w_t [N, K], scale [N]} -> the weight [K, N] the FP8 projection stands for, in dtype, for references."""
     return (p["w_t"].astype(jnp.float32) * p["scale"].astype(jnp.float32)[:, None]).T.astype(dtype)
 
 
@@ -73,11 +61,9 @@ def quantize_layer(lp: dict) -> dict:
 
 
 def quantize_params(params, config, *, lm_head: bool = True) -> dict:
-    """The model's params (nanojax.model's layout) with every projection (qkv, o, up, down of each layer) and, if
-    lm_head, the LM head in FP8: {w [K, N], b?} -> {w_t float8_e4m3fn [N, K], scale float32 [N], b?}. The LM head is
-    params["lm_head"] = {w_t [V, H], scale [V]}, quantized from params["lm_head"] or, for tied embeddings, from
-    params["embed"].T (embed stays). Everything else is returned as is. ValueError for params that are quantized
-    already. (The head alone gives a large share of FP8's KL divergence: docs/perf_notes.md, "FP8 weights".)"""
+    """The params with every layer's projections and, if lm_head, the LM head in FP8: params["lm_head"] = {w_t [V, H],
+    scale [V]}, for tied embeddings beside params["embed"], which stays for the lookup (the head's share of FP8's
+    KL divergence: docs/perf_notes.md, "FP8 weights")."""
     if any(is_quantized(lp[name]) for lp in params["layers"] for name in PROJECTIONS):
         raise ValueError("params are FP8-quantized already")
     layers = tuple(quantize_layer(lp) for lp in params["layers"])

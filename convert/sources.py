@@ -1,6 +1,5 @@
-"""Where weights come from: an HF folder (one or many safetensors shards), a model id (its files in the HF hub
-cache, the missing ones downloaded), or a GGUF file. Each source yields an HF config dict and HF-named tensors,
-each read when it is asked for."""
+"""Where weights come from: an HF folder of safetensors shards, a model id (its snapshot in the HF hub cache), or a
+GGUF file; each gives an HF config dict and HF-named tensors, read when asked for."""
 import dataclasses
 import importlib
 import json
@@ -36,8 +35,7 @@ def open_source(src: str | os.PathLike) -> Source:
 
 
 def local_path(src: str | os.PathLike) -> Path:
-    """Where the source `src` names lies: the path itself, or a model id's snapshot folder in the HF hub cache (its
-    missing files downloaded first)."""
+    """The path `src` names, or a model id's snapshot folder in the HF hub cache."""
     path = Path(src).expanduser()
     if path.exists():
         return path
@@ -53,9 +51,8 @@ HUB_FILES = ["config.json", "generation_config.json", "*.safetensors", "model.sa
 
 
 def hub_snapshot(model_id: str) -> Path:
-    """The snapshot folder of `model_id` in the HF hub cache, with HUB_FILES that are missing downloaded first
-    (HF_HOME, HF_ENDPOINT and HF_TOKEN honoured; HF_HUB_OFFLINE=1: the cache only). huggingface_hub moves a file
-    into the snapshot only once it is complete, so an interrupted download leaves nothing there to convert."""
+    """The snapshot folder of `model_id` in the HF hub cache, the missing HUB_FILES downloaded first (HF_HUB_OFFLINE=1:
+    the cache only); huggingface_hub moves a file there only once it is complete."""
     import httpx2  # huggingface_hub's HTTP client: its transport errors are not OSErrors
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
@@ -77,8 +74,8 @@ def hub_snapshot(model_id: str) -> Path:
 
 
 def normalized_hf_config(raw: dict) -> dict:
-    """Every field filled in by the model's transformers config class (so defaults are not guessed here); kept in
-    the cache per config and transformers version, since transformers' config classes import torch."""
+    """Every field filled in by the model's transformers config class, so defaults are not guessed here (remembered:
+    the config classes import torch)."""
     def normalize():
         from transformers import AutoConfig
 
@@ -93,10 +90,9 @@ def normalized_hf_config(raw: dict) -> dict:
 
 
 def config_as_written(folder: Path) -> dict | None:
-    """An HF folder's config.json as it stands, read without transformers (whose config classes import torch:
-    seconds of a first start), for work that may begin before the normalized config is known and is checked against
-    it (LLM's compile workers). Only what transformers 5 renames is moved: rope_theta and rope_scaling into
-    rope_parameters. Fields the file leaves to the config class's defaults stay absent. None if it is not readable."""
+    """An HF folder's config.json read without transformers, for work that starts before the normalized config is
+    known and is checked against it; only rope_theta / rope_scaling move into rope_parameters, as transformers 5
+    does. None if unreadable."""
     try:
         raw = _read_config(folder)
     except (CheckpointError, OSError, ValueError):
@@ -112,8 +108,6 @@ def _read_config(folder: Path) -> dict:
     if not config_file.is_file():
         raise CheckpointError(f"{folder}: no config.json")
     raw = read_json(config_file)
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{config_file}: not a JSON object; {recovery(folder)}")
     _merge_generation_eos(raw, folder / "generation_config.json")
     return raw
 
@@ -129,8 +123,7 @@ def _hf_folder_source(folder: Path) -> Source:
 
 
 def _gguf_source(path: Path) -> Source:
-    """read_gguf's config normalized by transformers, its tensors read lazily."""
-    # Here, not at the top: the gguf package loads only for a GGUF file, not in every start.
+    # Imported here: the gguf package loads only for a GGUF file (some machines lack it).
     from convert.gguf_source import read_gguf, save_gguf_tokenizer, tensor_label
 
     cfg, tensors = read_gguf(path)
@@ -146,13 +139,11 @@ def _merge_generation_eos(raw: dict, generation_config: Path) -> None:
     """Chat models list extra end-of-turn ids in generation_config.json; generation stops on all of them."""
     if not generation_config.is_file():
         return
-    extra = read_json(generation_config).get("eos_token_id")
-    ids = [] if raw.get("eos_token_id") is None else np.atleast_1d(raw["eos_token_id"]).tolist()
-    for i in np.atleast_1d(extra if extra is not None else []).tolist():
-        if i not in ids:
-            ids.append(i)
+    ids = []
+    for value in (raw.get("eos_token_id"), read_json(generation_config).get("eos_token_id")):
+        ids += [] if value is None else np.atleast_1d(value).tolist()
     if ids:
-        raw["eos_token_id"] = ids
+        raw["eos_token_id"] = list(dict.fromkeys(ids))
 
 
 def _check_index(folder: Path, shards: list[Path]) -> None:
@@ -193,10 +184,6 @@ def _loader(shard: Path, name: str) -> Callable[[], np.ndarray]:
     return load
 
 
-def has_tokenizer_files(folder) -> bool:
-    return any((Path(folder) / f).is_file() for f in TOKENIZER_FILES)
-
-
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")  # any one of them
 ALL_TOKENIZER_FILES = (*TOKENIZER_FILES, "special_tokens_map.json", "added_tokens.json", "merges.txt",
                        "chat_template.jinja")
@@ -204,11 +191,14 @@ ALL_TOKENIZER_FILES = (*TOKENIZER_FILES, "special_tokens_map.json", "added_token
 _TOKENIZER_INPUTS = (*ALL_TOKENIZER_FILES, "config.json")
 
 
+def has_tokenizer_files(folder) -> bool:
+    return any((Path(folder) / f).is_file() for f in TOKENIZER_FILES)
+
+
 def hf_tokenizer(folder) -> "tuple[int, Callable[[], object]] | None":
-    """None for a weights-only folder (transformers would otherwise make up an empty tokenizer), else (the length
-    of the tokenizer AutoTokenizer builds from `folder`, a function returning that tokenizer). The class it picks
-    and the length are kept in the cache per the folder's tokenizer files: on later loads both are known at once,
-    and the function builds that class directly, without importing the auto classes (they import torch)."""
+    """(the length of the tokenizer AutoTokenizer builds from `folder`, a function building it); None for a
+    weights-only folder, which transformers would give an empty tokenizer. The class and length are remembered, so
+    later loads build that class without importing the auto classes (they import torch)."""
     folder = Path(folder)
     if not has_tokenizer_files(folder):
         return None
@@ -233,22 +223,20 @@ def hf_tokenizer(folder) -> "tuple[int, Callable[[], object]] | None":
 
 
 def _check_json_files(folder: Path) -> None:
-    """A CheckpointError naming the first of the tokenizer's JSON files in `folder` that is damaged, if one is; for
-    AutoTokenizer's failures only: a remembered class is keyed by the files' contents, which were whole then."""
+    """A CheckpointError naming the first damaged JSON file of the tokenizer, if one is."""
     for name in _TOKENIZER_INPUTS:
         if name.endswith(".json") and (folder / name).is_file():
             read_json(folder / name)
 
 
 def load_hf_tokenizer(folder):
-    """The tokenizer AutoTokenizer builds from `folder` (see hf_tokenizer), or None."""
+    """The tokenizer AutoTokenizer builds from `folder`, or None."""
     found = hf_tokenizer(folder)
     return None if found is None else found[1]()
 
 
 def _save_hf_tokenizer(folder: Path, dst: Path) -> bool:
     tokenizer = load_hf_tokenizer(folder)
-    if tokenizer is None:
-        return False
-    tokenizer.save_pretrained(dst)
-    return True
+    if tokenizer is not None:
+        tokenizer.save_pretrained(dst)
+    return tokenizer is not None

@@ -1,54 +1,26 @@
-"""Cascade grouping: which decode rows share a prefix of physical KV pages, laid out as the fixed-shape work items
-of pallas_kernels.cascade_attention (plain Python + numpy, run on the host each decode dispatch).
-
-Prefix caching stores a shared prompt once, so rows that start with the same tokens have page tables that start with
-the same physical page ids. A trie over the page ids finds them: each node is a run of pages [start, end) that a set
-of >= 2 rows share, nested (level 0: e.g. a system prompt shared by all rows; level 1: a document shared by some of
-them). A chosen node is a `Segment`; the kernel reads its pages once per step for all its members together.
-
-Only full pages strictly before a row's last token are shareable: the last token's page is being written this step.
-The pages of each row's chosen segments run contiguously from page 0 to kv_starts[row] / page_size; the rest of the
-row (its own suffix) goes through paged decode attention.
-
-Array layout (`CascadePlan`; shapes depend on the batch bucket B, members_per_item M and num_items W only, never on
-the data, so the compiled step never recompiles):
-    kv_starts [B]        first position of each row's own suffix (shared tokens before it), 0 for rows in no group
-    num_pieces [B]       shared-prefix pieces of each row, in its slots 0 .. num_pieces - 1
-    item_row [W]         a member row whose page table lists the item's pages (0 for empty items)
-    item_start [W]       the item's first KV position, a multiple of page_size
-    item_end [W]         its end position (item_start == item_end: an empty item)
-    item_members [W, M]  its member rows, -1 for none
-    item_slots [W, M]    the slot each member's piece of this item fills (0 for none)
-An item is one piece of one segment for up to M of its members: long segments are cut into pieces (one program per
-piece and KV head), segments with more than M members into several items.
+"""Cascade grouping (host numpy, each decode dispatch): decode rows whose page tables start with the same physical
+pages (prefix caching stores a shared prompt once), laid out as fixed-shape work items for
+pallas_kernels.cascade_attention, which reads each shared page once per step for all its rows.
 """
 import dataclasses
 
 import numpy as np
 
+
 @dataclasses.dataclass(frozen=True)
 class CascadeRules:
-    """The planner's "worth it" rules, set from measurements (docs/perf_notes.md, "Cascade attention"). num_items is
-    a shape: one value per engine."""
+    """When a shared prefix is worth it (docs/perf_notes.md, "Cascade attention"); num_items is a shape."""
 
-    # A segment needs this many member rows ...
-    min_members: int = 2
-    # ... and this many shared tokens; a shorter run of shared pages goes with each of its nested groups (they read
-    # it with theirs), or to the rows' own suffixes when it has none.
+    min_members: int = 2  # member rows a segment needs ...
+    # ... and shared tokens; a shorter run goes with each of its nested groups, or to the rows' own suffixes
     min_shared_tokens: int = 256
-    # Segments are cut into pieces of at least this many tokens (else into about one wave of programs: plan_cascade's
-    # wave_items): every piece writes (and the merge reads) one f32 output per member and query head, which costs as
-    # much as reading a few tokens of KV per member.
+    # Pieces are at least this long (else about one wave of programs): each writes one f32 output per member and query
+    # head for the merge, as costly as reading a few tokens of KV per member.
     min_piece_tokens: int = 256
-    # Below this many KV tokens saved per layer and step, plan.use_cascade is False: the cascade kernel and the merge
-    # cost a few microseconds per layer, which a small saving does not pay for (about the measured break-even).
-    min_saved_tokens: int = 24576
-    # Nesting levels (system prompt, document); deeper shared runs stay in the rows' suffixes.
-    max_levels: int = 2
-    # Work items per step, the cascade kernel's grid (times the KV heads) and the slots of each row's pieces.
-    num_items: int = 32
-    # The smallest decode batch bucket that gets a cascade program (each is one more program to compile at start-up).
-    min_batch: int = 8
+    min_saved_tokens: int = 24576  # KV tokens saved per layer and step below which the kernel and merge do not pay
+    max_levels: int = 2  # nesting levels (system prompt, document); deeper shared runs stay in the rows' suffixes
+    num_items: int = 32  # work items per step: the kernel's grid (times the KV heads) and each row's piece slots
+    min_batch: int = 8  # the smallest decode batch bucket with a cascade program (one more program to compile)
 
     def __post_init__(self):
         if self.min_members < 2 or min(self.min_shared_tokens, self.min_piece_tokens, self.max_levels,
@@ -71,23 +43,22 @@ class Segment:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class CascadePlan:
-    """The step's shared-prefix work (see the module docstring for the arrays); segments: the chosen ones;
-    saved_tokens: KV tokens per layer and KV head this plan does not read, against reading every row's pages;
-    use_cascade: whether that saving pays for the cascade kernel and merge (rules.min_saved_tokens)."""
+    """A step's shared-prefix work. Shapes depend only on the batch bucket B, members_per_item M and num_items W, so
+    the compiled step never recompiles. An item is one piece of one segment for up to M of its members."""
 
-    kv_starts: np.ndarray
-    num_pieces: np.ndarray
-    item_row: np.ndarray
-    item_start: np.ndarray
-    item_end: np.ndarray
-    item_members: np.ndarray
-    item_slots: np.ndarray
+    kv_starts: np.ndarray  # [B] first position of each row's own suffix, 0 for rows in no group
+    num_pieces: np.ndarray  # [B] shared-prefix pieces of each row, in its slots 0 .. num_pieces - 1
+    item_row: np.ndarray  # [W] a member row whose page table lists the item's pages (0 for empty items)
+    item_start: np.ndarray  # [W] the item's first KV position, a multiple of page_size
+    item_end: np.ndarray  # [W] its end position (== item_start: an empty item)
+    item_members: np.ndarray  # [W, M] its member rows, -1 for none
+    item_slots: np.ndarray  # [W, M] the slot each member's piece of this item fills (0 for none)
     segments: tuple[Segment, ...]
-    saved_tokens: int
-    use_cascade: bool
+    saved_tokens: int  # KV tokens per layer and KV head not read, against reading every row's pages
+    use_cascade: bool  # whether that saving pays (rules.min_saved_tokens)
 
     def arrays(self) -> tuple[np.ndarray, ...]:
-        """The arrays in cascade_decode_attention's argument order (ARRAY_FIELDS)."""
+        """In cascade_decode_attention's argument order."""
         return tuple(getattr(self, name) for name in ARRAY_FIELDS)
 
 
@@ -98,9 +69,8 @@ def shareable_pages(seq_lens, page_size: int) -> np.ndarray:
 
 
 def _shareable_table(page_tables, limits) -> np.ndarray:
-    """[rows, max(limits)] int32: each row's shareable page ids, then a negative id of its own (-1 - row) past them,
-    which no other row holds: rows then group by plain equality. page_tables: a [rows, P] array (the runner's
-    padded table: one copy, no per-row loop) or one list per row."""
+    """[rows, max(limits)] int32: each row's shareable page ids, then an id of its own (-1 - row), so that rows group
+    by plain equality. page_tables: a [rows, P] array or one list per row."""
     width = int(limits.max(initial=0))
     if isinstance(page_tables, np.ndarray):
         if page_tables.ndim != 2 or page_tables.shape[1] < width:
@@ -133,8 +103,8 @@ def _common_end(table, rows, col):
 
 
 def _collect(table, rows, col, start, level, rules, min_pages, out):
-    """Appends the segments of the trie node of `rows`, which share pages [start, col) not yet in a segment (an
-    ancestor too short to be one) and column col, then recurses into its nested groups."""
+    """Appends the segments of the trie node of `rows`, which share column col and pages [start, col) left over
+    from an ancestor too short to be a segment."""
     end = _common_end(table, rows, col)
     nested = _groups_at(table, rows, end, rules.min_members)
     if end - start < min_pages:  # too short: its pages go with each nested group's
@@ -148,13 +118,8 @@ def _collect(table, rows, col, start, level, rules, min_pages, out):
 
 
 def find_segments(page_tables, seq_lens, *, page_size: int, rules: CascadeRules = CascadeRules()) -> list[Segment]:
-    """The shared-prefix segments of a decode batch, parents before their nested ones.
-
-    page_tables: the physical page ids of each row, a [rows, P] array (entries past a row's pages are ignored) or one
-    list per row; seq_lens: tokens of each row, its last token included (0: a padding row). A segment's pages are
-    the same physical pages in every member's table, all before each member's last token's page, and each row's
-    segments run contiguously from page 0.
-    """
+    """The shared-prefix segments of a decode batch, parents first. page_tables: [rows, P] or one list per row;
+    seq_lens: each row's tokens, its last included (0: a padding row)."""
     if len(page_tables) != len(seq_lens):
         raise ValueError(f"{len(page_tables)} page tables but {len(seq_lens)} seq_lens")
     table = _shareable_table(page_tables, shareable_pages(seq_lens, page_size))
@@ -165,16 +130,15 @@ def find_segments(page_tables, seq_lens, *, page_size: int, rules: CascadeRules 
     return out
 
 
-def _chunks(rows, members_per_item):
-    """rows split into the fewest near-equal consecutive parts of <= members_per_item."""
-    parts = -(-len(rows) // members_per_item)
-    return [rows[i * len(rows) // parts:(i + 1) * len(rows) // parts] for i in range(parts)]
+def _split(items, most):
+    """items (a sequence or a range) split into the fewest near-equal consecutive parts of <= most."""
+    parts = -(-len(items) // most)
+    return [items[i * len(items) // parts:(i + 1) * len(items) // parts] for i in range(parts)]
 
 
 def _within_budget(segments, num_rows, members_per_item, num_items):
-    """The segments that fit num_items items, one item per chunk of members at least, those saving the most first;
-    a nested segment only with its parent (a row's segments must run contiguously from page 0). -> (segments
-    parents first, each row's end of its shared pages)."""
+    """-> (the segments that fit num_items items, those saving the most first, each nested one only with its parent;
+    each row's end of its shared pages)."""
     covered = np.zeros(num_rows, np.int64)
     kept, items = [], 0
     ranked = sorted(segments, key=lambda s: (s.level, -(len(s.rows) - 1) * (s.end - s.start)))
@@ -187,23 +151,11 @@ def _within_budget(segments, num_rows, members_per_item, num_items):
     return kept, covered
 
 
-def _pieces(start, end, piece_pages):
-    """[start, end) cut into the fewest near-equal page ranges of <= piece_pages."""
-    parts = -(-(end - start) // piece_pages)
-    return [(start + i * (end - start) // parts, start + (i + 1) * (end - start) // parts) for i in range(parts)]
-
-
 def plan_cascade(page_tables, seq_lens, *, batch: int, page_size: int, members_per_item: int,
                  rules: CascadeRules = CascadeRules(), wave_items: int | None = None) -> CascadePlan:
-    """The decode batch's shared prefixes as fixed-shape work items (module docstring).
-
-    page_tables, seq_lens: the live rows (as find_segments), at most `batch` (the batch bucket; rows past them are
-    padding). members_per_item: member rows per item, pallas_kernels.cascade_attention.cascade_members_per_item for
-    the model. Segments are kept while their items fit rules.num_items; each is then cut into pieces of at least
-    rules.min_piece_tokens, as many as fill wave_items items (the kernel's programs are items x KV heads: the GPU's
-    SMs / KV heads fill one wave; None: all the items left), the fastest piece size measured (docs/perf_notes.md,
-    "Cascade attention").
-    """
+    """The shared prefixes of the live rows (as find_segments, at most `batch`) as fixed-shape work items of
+    members_per_item rows (cascade_attention.cascade_members_per_item). Pieces are sized to fill about wave_items items
+    (SMs / KV heads: one wave; None: all items left), the fastest measured (docs/perf_notes.md, "Cascade attention")."""
     if len(page_tables) > batch:
         raise ValueError(f"{len(page_tables)} rows do not fit batch {batch}")
     if members_per_item < 1:
@@ -211,7 +163,7 @@ def plan_cascade(page_tables, seq_lens, *, batch: int, page_size: int, members_p
     num_items = rules.num_items
     segments = find_segments(page_tables, seq_lens, page_size=page_size, rules=rules)
     segments, covered = _within_budget(segments, len(page_tables), members_per_item, num_items)
-    chunks = [(seg, part) for seg in segments for part in _chunks(seg.rows, members_per_item)]
+    chunks = [(seg, part) for seg in segments for part in _split(seg.rows, members_per_item)]
     # sum(ceil(pages / piece_pages)) < total / piece_pages + len(chunks) <= num_items for this piece_pages.
     spare = num_items - len(chunks)
     if wave_items:  # then about wave_items pieces in all (each chunk's last piece may be short: one more at most)
@@ -224,13 +176,13 @@ def plan_cascade(page_tables, seq_lens, *, batch: int, page_size: int, members_p
     item_row, item_start, item_end = (np.zeros(num_items, np.int32) for _ in range(3))
     item_members = np.full((num_items, members_per_item), -1, np.int32)
     item_slots = np.zeros((num_items, members_per_item), np.int32)
-    items = [(rows, piece) for seg, rows in chunks for piece in _pieces(seg.start, seg.end, piece_pages)]
-    for w, (rows, (start, end)) in enumerate(items):
-        item_row[w], item_start[w], item_end[w] = rows[0], start * page_size, end * page_size
+    items = [(rows, pages) for seg, rows in chunks for pages in _split(range(seg.start, seg.end), piece_pages)]
+    for w, (rows, pages) in enumerate(items):
+        item_row[w], item_start[w], item_end[w] = rows[0], pages.start * page_size, pages.stop * page_size
         item_members[w, :len(rows)] = rows
         item_slots[w, :len(rows)] = num_pieces[list(rows)]
         num_pieces[list(rows)] += 1
-    saved = sum((len(seg.rows) - len(_chunks(seg.rows, members_per_item))) * (seg.end - seg.start) * page_size
+    saved = sum((len(seg.rows) - len(_split(seg.rows, members_per_item))) * (seg.end - seg.start) * page_size
                 for seg in segments)
     return CascadePlan(kv_starts, num_pieces, item_row, item_start, item_end, item_members, item_slots,
                        tuple(segments), saved, saved >= rules.min_saved_tokens)

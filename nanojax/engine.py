@@ -17,15 +17,11 @@ import weakref
 from typing import Callable, NamedTuple
 
 import jax
-import numpy as np
 
-from nanojax.detokenizer import Detokenizer
-from nanojax.engine_io import RequestOutput, RequestStream, find_stop
 from nanojax.front import EngineStats
+from nanojax.output import OutputProcessor, Request, prompt_targets
 from nanojax.page_manager import PageManager
-from nanojax.runner import ModelRunner, checked_row
-from nanojax.sampling import BANNED, PROMPT
-from nanojax.sampling_params import SamplingParams
+from nanojax.runner import ModelRunner
 from nanojax.scheduler import CapacityError, Scheduler
 from nanojax.sequence import Sequence, SequenceStatus
 
@@ -42,31 +38,6 @@ def _stop_loops() -> None:
     for thread in threading.enumerate():
         if thread.name == LOOP_THREAD:
             thread.join(timeout=30)
-
-
-@dataclasses.dataclass
-class Request:
-    """One choice of a request, as the engine loop tracks it (Sequence.request)."""
-    output: RequestOutput
-    params: SamplingParams
-    stop_ids: frozenset[int]
-    stream: RequestStream
-    start: float
-    detok: Detokenizer | None = None
-    emitted_text: str = ""
-    pin: bool = False  # pin the prompt's full pages when the request finishes (`LLM.pin_prefix`) ...
-    pin_handle: int | None = None  # ... under this page-manager handle
-    cut: bool = False  # a stop string ended it: its text is cut there
-    stream_tokens: bool = False  # streamed without a tokenizer: an event for every step's new tokens
-    slot: int | None = None  # its row of the runner's token tables, while it runs (bias, penalties, min_tokens)
-    device_row: dict | None = None  # its sampling fields as the step's dtypes hold them (EngineCore._sampling_row)
-    siblings: list[Sequence["Request"]] = dataclasses.field(default_factory=list)  # n > 1: admitted once the
-    # prompt is cached
-
-    @property
-    def needs_tables(self) -> bool:
-        p = self.params
-        return bool(p.logit_bias) or p.penalized or p.min_tokens > 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,17 +69,15 @@ class _Step(NamedTuple):
 
 
 class EngineCore:
-    """The loop over one runner, scheduler and page pool; tokenizer: for text and stop strings (None: token ids
-    only); eos_ids: the model's end tokens; max_model_len: no sequence grows past it; seed: draws the seeds of
-    requests that bring none."""
+    """The loop over one runner, scheduler and page pool; what requests bring and become is the OutputProcessor's
+    (tokenizer, max_model_len, eos_ids, seed are its)."""
 
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, page_manager: PageManager, tokenizer,
                  eos_ids: frozenset[int], vocab_size: int, max_model_len: int, decode_steps: int, max_num_seqs: int,
                  seed: int):
-        self.runner, self.scheduler, self.page_manager, self.tokenizer = runner, scheduler, page_manager, tokenizer
-        self.eos_ids, self.vocab_size, self.max_model_len, self.decode_steps = (eos_ids, vocab_size, max_model_len,
-                                                                                decode_steps)
-        self._rng = np.random.default_rng(seed)
+        self.runner, self.scheduler, self.page_manager = runner, scheduler, page_manager
+        self.output = OutputProcessor(tokenizer, max_model_len, eos_ids, seed)
+        self.vocab_size, self.decode_steps = vocab_size, decode_steps
         self._free_slots = list(range(max_num_seqs))
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()  # orders the loop's decision to stop against a new request's start
@@ -155,54 +124,29 @@ class EngineCore:
         self._start()
 
     def new_request(self, ids, params, request_id, index, stream, stream_text, pin=False) -> Sequence:
-        """A validated request's sequences; -> the first choice's (the others are its siblings, added once its
-        prompt's pages are committed)."""
+        """A validated request's first choice (OutputProcessor.sequences)."""
         if self.closed:
             raise RuntimeError("this LLM is closed")
         if self.dead is not None:
             raise RuntimeError(f"the engine has stopped after an error: {self.dead!r}")
-        stream.expect(params.n)
-        seqs = [self._sequence(request_id, index, choice, ids, params, stream, stream_text)
-                for choice in range(params.n)]
-        seqs[0].request.siblings, seqs[0].request.pin = seqs[1:], pin
-        for sibling in seqs[1:]:  # one list of prompt logprobs, filled by the first choice's prefill
-            sibling.request.output.prompt_logprobs = seqs[0].request.output.prompt_logprobs
-        return seqs[0]
+        first = self.output.sequences(ids, params, request_id, index, stream, stream_text)
+        first.request.pin = pin
+        return first
 
     def submit(self, firsts: list[Sequence]) -> None:
-        """Requests' first choices to the engine loop as one inbox item, so that its next step sees them all
-        (a generate call's batch does not depend on how fast the loop thread runs)."""
+        """Requests' first choices as one inbox item: the next step sees them all, however fast the loop runs."""
         self._inbox.put(Add(firsts))
         self._start()
 
-    def _sequence(self, request_id, index, choice, ids, params, stream, stream_text) -> Sequence:
-        seed = params.seed + choice if params.seed is not None else int(self._rng.integers(2**32))
-        params = dataclasses.replace(params, seed=seed % 2**32)
-        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
-        detok = Detokenizer(self.tokenizer) if self.tokenizer and (stream_text or params.stop) else None
-        out = RequestOutput(index, list(ids), [], "", None, request_id=request_id, choice=choice,
-                            logprobs=[] if params.logprobs is not None else None,
-                            prompt_logprobs=None if params.prompt_logprobs is None else [None] * len(ids))
-        req = Request(out, params, stop_ids, stream, time.perf_counter(), detok,
-                       stream_tokens=stream_text and self.tokenizer is None)
-        # The first choice computes the prompt's logprobs over the whole prompt; the others, admitted once its pages
-        # are committed, find it cached and share its list.
-        # It ends at max_tokens or max_model_len tokens, and samples one token whatever the prompt's length.
-        limit = max(len(ids) + 1, min(len(ids) + params.max_tokens, self.max_model_len))
-        return Sequence(ids, request=req, reads_prefix_cache=params.prompt_logprobs is None or choice > 0,
-                        max_num_tokens=limit)
-
     def in_loop(self, fn):
-        """Runs fn in the engine loop (the one thread that touches scheduler and pages); returns or raises its
-        result here."""
+        """Runs fn on the loop's thread (the one that touches scheduler and pages); returns or raises its result."""
         future = concurrent.futures.Future()
         self._inbox.put(Call(lambda: _settle(future, fn)))
         self._start()
         return future.result()
 
     def _start(self) -> None:
-        """Runs the loop if it is not running (`_engine_loop`: an idle loop waits a while for more work, holding
-        the LLM only weakly, so an unused LLM is freed with its KV pool like any object)."""
+        """Runs the loop if it is not running (`_engine_loop`, which holds the engine only weakly)."""
         with self._lock:
             if not self._running:
                 self._running, self._turned_at = True, time.monotonic()
@@ -235,17 +179,14 @@ class EngineCore:
         return False
 
     def _end_if_idle(self) -> bool:
-        """The loop's thread ends unless work came in meanwhile (a request queued after this starts a new one).
-        -> whether it ends."""
+        """-> whether the loop's thread ends: unless work came in meanwhile (work queued later starts a new one)."""
         with self._lock:
             self._running = not self._inbox.empty() and not _EXITING.is_set()
             return not self._running
 
     def _step(self, inflight: _Step | None) -> _Step | None:
-        """Dispatches the next step, then reads back, checks and streams the one before it (inflight), so the
-        host's work on a step overlaps the GPU's on the next: a multi-step decode's dispatch returns once the host
-        has launched every step of its loop, well before they have run. -> the step dispatched (None: none).
-        A step that is not `chainable` is read back before the next dispatch."""
+        """Dispatches the next step, then reads back the one before it (inflight, unless not `chainable`), so the
+        host's work on a step overlaps the device's on the next. -> the step dispatched (None: none)."""
         after_first_tokens = False
         if inflight is not None and not inflight.chainable:
             self._read_back(inflight)
@@ -291,11 +232,9 @@ class EngineCore:
             message.fn()
 
     def _dispatch(self, inflight: _Step | None = None, after_first_tokens: bool = False) -> _Step | None:
-        """Schedules a step and dispatches it: a decode-only step in one call of the decode program; the prefill
-        chunks packed into the prefill program, with the step's decodes (one step each) in the same forward.
-        inflight: the step before, not read back yet: rows whose last token it samples take it on the device.
-        after_first_tokens: the step before sampled prompts only and was read back just now. -> None when nothing
-        can run until inflight is read back."""
+        """Schedules a step and dispatches it: decodes alone in one call of the decode program, else the prefill
+        chunks with the step's decodes in one forward. Rows whose last token inflight (not read back yet) samples
+        take it on the device. -> None when nothing can run until inflight is read back."""
         if not self.scheduler.has_unfinished():
             return None
         chunks = self.scheduler.schedule(decode_steps=self.decode_steps)
@@ -315,7 +254,7 @@ class EngineCore:
             out = self.runner.decode(*rows, self.decode_steps, [c.num_steps for c in decodes], sources)
             pending, prompt = {c.seq.seq_id: (out, i) for i, c in enumerate(decodes)}, {}
         else:
-            targets = [self._prompt_targets(c) for c in prefills]
+            targets = [prompt_targets(c) for c in prefills]
             outs = self.runner.prefill([(c.seq.token_ids[c.start:c.end], c.seq.page_table, c.end,
                                          fields.get(c.seq.seq_id), t)
                                         for c, t in zip(prefills, targets)], decodes=rows, sources=sources)
@@ -323,29 +262,16 @@ class EngineCore:
             prompt = {c.seq.seq_id: out for c, out, t in zip(prefills, outs, targets) if t}
         self.scheduler.advance(chunks)
         # The next step may go before this one is read back when its decode rows can take their tokens from this
-        # one's last tokens (one dispatch) and this one is not a prefill-only step that samples (its first tokens
-        # would wait for the next dispatch's launch), nor the step right after one: its read back leaves the GIL
-        # to the threads that stream those first tokens (in-process consumers; measured with the engine process's
-        # former sender thread: time to first token, docs/perf_notes.md).
+        # one's (one dispatch), unless this one samples first tokens only, or follows such a step: their streams
+        # would wait (time to first token, docs/perf_notes.md).
         one_dispatch = len({id(out) for out, _ in pending.values()}) <= 1
         first_tokens_only = bool(pending) and not decodes
         return _Step(chunks, pending, prompt, one_dispatch and not first_tokens_only and not after_first_tokens,
                      first_tokens_only)
 
-    @staticmethod
-    def _prompt_targets(c) -> list[int] | None:
-        """The prompt token after each of the chunk's positions, -1 past the prompt; None unless its request wants
-        prompt logprobs (and computes its prompt: not a second choice, which finds it cached)."""
-        seq = c.seq
-        if seq.request.params.prompt_logprobs is None or seq.reads_prefix_cache:
-            return None
-        last = seq.num_prompt_tokens - 1
-        return [seq.token_ids[pos + 1] if pos < last else -1 for pos in range(c.start, c.end)]
-
     def _prepare(self, chunks) -> tuple[list, dict]:
-        """Each scheduled request's token-table slot and its sampling row in the step's dtypes; a request whose row
-        cannot be prepared fails alone, its chunks left out of the step. A request preempted since its last step
-        gives its slot back. -> (the chunks kept, {seq_id: sampling row} of those that sample)."""
+        """Each scheduled request's token-table slot and sampling row; a request whose row cannot be prepared fails
+        alone. -> (the chunks kept, {seq_id: sampling row} of those that sample)."""
         for seq in self.scheduler.waiting:
             self._release_slot(seq.request)
         fields = {}
@@ -353,7 +279,7 @@ class EngineCore:
             try:
                 self._assign_slot(c.seq.request)
                 if c.sample:
-                    fields[c.seq.seq_id] = self._sampling_row(c.seq)
+                    fields[c.seq.seq_id] = c.seq.request.sampling_row(c.seq.num_generated, self.runner.neutral_slot)
             except Exception as e:  # noqa: BLE001 -- this request's error, the step goes on
                 self._fail([c.seq], e)
         return [c for c in chunks if c.seq.status is not SequenceStatus.FINISHED], fields
@@ -363,45 +289,24 @@ class EngineCore:
         output so far."""
         if req.needs_tables and req.slot is None:
             req.slot = self._free_slots.pop()
-            self.runner.set_slot(req.slot, *self._table_rows(req))
-
-    def _table_rows(self, req: Request) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        vocab = self.vocab_size
-        counts = np.bincount(np.asarray(req.output.token_ids, np.int64), minlength=vocab).astype(np.int32)
-        flags = np.zeros(vocab, np.int8)
-        flags[req.output.prompt_token_ids] |= PROMPT
-        flags[[t for t in req.stop_ids if t < vocab]] |= BANNED
-        bias = np.zeros(vocab, np.float32)
-        for t, b in (req.params.logit_bias or {}).items():
-            bias[t] = b
-        return counts, flags, bias
+            self.runner.set_slot(req.slot, *req.table_rows(self.vocab_size))
 
     def _release_slot(self, req: Request) -> None:
         if req.slot is not None:
             self._free_slots.append(req.slot)
             req.slot = None
 
-    def _sampling_row(self, seq: Sequence[Request]) -> dict:
-        """A row's sampling fields; its counters count the tokens of a step still in flight. The request's own are
-        cast to the step's dtypes once (checked_row: a value that does not fit fails this request alone)."""
-        req = seq.request
-        p, generated = req.params, seq.num_generated
-        if req.device_row is None:
-            req.device_row = checked_row(dict(p.device_values(), seeds=p.seed))
-        slot = self.runner.neutral_slot if req.slot is None else req.slot
-        return dict(req.device_row, counters=generated, slots=slot, ban_steps=max(0, p.min_tokens - generated))
-
     def _complete(self, chunks, pending, prompt) -> list[Sequence]:
         """Waits for the step's tokens, puts them in place of its placeholders, applies the stop conditions and frees
         finished requests. -> the sequences that gained tokens."""
         for c in chunks:
             if c.seq.seq_id in prompt:
-                self._accept_prompt_logprobs(c, *prompt[c.seq.seq_id])
+                self.output.accept_prompt_logprobs(c, *prompt[c.seq.seq_id])
         seqs = []
         for c in chunks:
             if c.sample and c.seq.status is not SequenceStatus.FINISHED:
                 out, row = pending[c.seq.seq_id]
-                self.scheduler.fill(c.seq, self._accept(c.seq, out, row, c.num_steps), c.num_steps)
+                self.scheduler.fill(c.seq, self.output.accept(c.seq, out, row, c.num_steps), c.num_steps)
                 seqs.append(c.seq)
         for seq in seqs:
             req: Request = seq.request
@@ -409,91 +314,18 @@ class EngineCore:
                 if sibling.status is not SequenceStatus.FINISHED:
                     self.scheduler.add(sibling)
             req.siblings = []
-            self._update_text(seq)
+            self.output.update_text(req)
             if req.output.finish_reason is not None:
                 if req.pin:
                     req.pin_handle = self.page_manager.pin_pages(seq, len(req.output.prompt_token_ids))
                 self._finish(seq)
         return seqs
 
-    def _accept(self, seq: Sequence, pending, row: int, num_steps: int) -> list[int]:
-        """The prefix of the row's first num_steps new tokens the request keeps; marks it finished when a stop
-        condition is met."""
-        req: Request = seq.request
-        out, known = req.output, seq.num_known
-        kept = []
-        for tok in pending.tokens()[:num_steps, row].tolist():
-            kept.append(tok)
-            out.token_ids.append(tok)
-            if out.time_to_first_token is None:
-                out.time_to_first_token = time.perf_counter() - req.start
-            if tok in req.stop_ids and len(out.token_ids) > req.params.min_tokens:
-                out.finish_reason = "stop"
-            elif len(out.token_ids) >= req.params.max_tokens or known + len(kept) >= self.max_model_len:
-                out.finish_reason = "length"
-            if out.finish_reason:
-                break
-        if req.params.logprobs is not None:
-            logprobs, top_ids, top_logprobs = pending.logprobs()
-            n = req.params.logprobs
-            for step in range(len(kept)):
-                out.logprobs.append(_logprob_entry(logprobs[step, row], top_ids[step, row], top_logprobs[step, row], n))
-        return kept
-
-    @staticmethod
-    def _accept_prompt_logprobs(c, pending, last_row: int) -> None:
-        """Fills the request's prompt_logprobs for the positions after the chunk's (a recomputed chunk, after a
-        preemption, fills the same values again)."""
-        req: Request = c.seq.request
-        p = pending.prompt_logprobs(last_row, c.end - c.start)
-        for i, pos in enumerate(range(c.start, min(c.end, c.seq.num_prompt_tokens - 1))):
-            req.output.prompt_logprobs[pos + 1] = _logprob_entry(p.logprobs[i], p.top_ids[i], p.top_logprobs[i],
-                                                                 req.params.prompt_logprobs)
-
-    def _update_text(self, seq: Sequence) -> None:
-        """Brings the request's text up to its tokens, and ends it at a stop string."""
-        req: Request = seq.request
-        out, stop = req.output, req.params.stop
-        if req.detok is None:
-            return
-        before = len(out.text)
-        out.text = req.detok.update(out.token_ids)
-        i = find_stop(out.text, stop, max(0, before - max(map(len, stop), default=0)))
-        if i >= 0:
-            # A multi-step decode samples past the token that completed the stop string: drop what follows it,
-            # so the output is the same whatever decode_steps is.
-            while len(out.token_ids) > 1 and find_stop(self._text(out.token_ids[:-1]), stop) >= 0:
-                out.token_ids.pop()
-                if out.logprobs:
-                    out.logprobs.pop()
-            text = self._text(out.token_ids)
-            out.text, out.finish_reason, req.cut = text[:find_stop(text, stop)], "stop", True
-
     def _emit(self, seqs: list[Sequence]) -> None:
         for seq in seqs:
-            event = self._event(seq)
+            event = self.output.event(seq)
             if event is not None:
                 seq.request.stream.put(event)
-
-    def _event(self, seq: Sequence) -> RequestOutput | None:
-        """The request's event for the tokens it gained in its last step (None if its visible text did not
-        change); built before the request's next step is accepted."""
-        req: Request = seq.request
-        out, stop = req.output, req.params.stop
-        if out.finish_reason and self.tokenizer is not None and not req.cut:
-            out.text = self._text(out.token_ids)  # the whole text decoded once, as a fresh decode gives it
-        out.num_cached_tokens = seq.num_cached_tokens
-        stable = out.text if out.finish_reason else out.text.rstrip("\ufffd")
-        if stop and not out.finish_reason:  # hold back what may be the start of a stop string
-            stable = stable[:max(0, len(stable) - max(map(len, stop)) + 1)]
-        out.delta, req.emitted_text = stable[len(req.emitted_text):], stable
-        if not out.delta and out.finish_reason is None and req.params.logprobs is None and not req.stream_tokens:
-            return None
-        return dataclasses.replace(out, token_ids=list(out.token_ids), text=stable,
-                                   logprobs=None if out.logprobs is None else list(out.logprobs))
-
-    def _text(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def _finish(self, seq: Sequence) -> None:
         """Frees a sequence's pages and slot (a sibling never admitted has none)."""
@@ -558,12 +390,6 @@ def _next_item(ref: "weakref.ref[EngineCore]", inbox: queue.SimpleQueue, closing
 def _columns(rows: list[dict]) -> dict[str, list]:
     """Rows of sampling fields -> {name: [value per row]}."""
     return {name: [row[name] for row in rows] for name in rows[0]}
-
-
-def _logprob_entry(logprob, top_ids, top_logprobs, n: int) -> tuple[float, dict[int, float]]:
-    """A token's (logprob, {token id: logprob} of the n most likely) from the step's arrays (top_ids, top_logprobs:
-    [MAX_LOGPROBS])."""
-    return float(logprob), {int(i): float(v) for i, v in zip(top_ids[:n], top_logprobs[:n])}
 
 
 def _settle(future: concurrent.futures.Future, fn) -> None:

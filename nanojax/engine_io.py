@@ -1,5 +1,5 @@
-"""What the engine hands back: `RequestOutput` events, delivered on a `RequestStream` (from the engine loop's
-thread to a consumer thread or an asyncio task)."""
+"""What the engine hands back: `RequestOutput` events, delivered on a `RequestStream` from the engine loop's thread
+to a consumer thread or an asyncio task."""
 import asyncio
 import collections
 import dataclasses
@@ -26,14 +26,13 @@ class RequestOutput:
 
 
 class RequestStream:
-    """The events of one or more requests, in the order the engine makes them. Iterate it in a thread (blocks), or
-    `async for` over it (or over `batches()`) in the asyncio loop given at construction. It ends once every choice
-    of every request added to it has finished; a request that failed raises its error there."""
+    """The events of one or more requests, in order: iterated in a thread, or with `async for` (over it or over
+    `batches()`) in the asyncio loop given. It ends once every choice has finished; a failed request raises there."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop | None = None):
         self._queue = None if loop else queue.SimpleQueue()
-        # asyncio: the engine appends here, and the loop wakes the consumer through its mailbox at most once for
-        # all the events put meanwhile (a step's events for every stream of the loop: one wakeup, not one each)
+        # asyncio: the engine appends here, and the loop's mailbox wakes the consumer once for all the events put
+        # meanwhile (a step's events for every stream of the loop: one wakeup, not one each)
         self._items: collections.deque = collections.deque()
         self._mailbox = _mailbox(loop) if loop else None
         self._posted = False  # on the mailbox and not yet delivered
@@ -50,7 +49,6 @@ class RequestStream:
         return self._open == 0
 
     def put(self, event: RequestOutput, error: BaseException | None = None) -> None:
-        """Called by the engine loop."""
         if self._mailbox is None:
             self._queue.put((event, error))
             return
@@ -60,7 +58,6 @@ class RequestStream:
             self._mailbox.post(self)
 
     def _wake(self) -> None:
-        """In the event loop: the consumer may take what the engine put."""
         self._posted = False
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
@@ -125,10 +122,7 @@ _mailboxes: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Mailbox]" = w
 
 
 def _mailbox(loop: asyncio.AbstractEventLoop) -> _Mailbox:
-    box = _mailboxes.get(loop)
-    if box is None:
-        box = _mailboxes.setdefault(loop, _Mailbox(loop))
-    return box
+    return _mailboxes.get(loop) or _mailboxes.setdefault(loop, _Mailbox(loop))
 
 
 def find_stop(text: str, stop: tuple[str, ...], start: int = 0) -> int:

@@ -1,16 +1,8 @@
-"""An `LLM` in a process of its own, seen from the server's process through LLM's request surface.
+"""An `LLM` in a child process (vLLM's layout), driven from the server's process through LLM's request surface.
 
-The server's process spends its time on HTTP: parsing requests, validating them, formatting server-sent events.
-In one process that work and the engine loop take turns on one GIL, and the GPU waits whenever the loop waits
-(docs/perf_notes.md, "Serving"). Here the engine loop runs in a child process (vLLM's layout): requests go down a
-pipe, each step's events come back in one message, and `RequestStream`s in the server's process deliver them.
-
-    engine = EngineProcess("Qwen/Qwen3-0.6B", max_num_seqs=256)   # returns once the child has compiled
-    stream = engine.add_request(ids, SamplingParams(max_tokens=8))
-    for event in stream: ...
-
-Prompts are encoded and requests checked here (`RequestFront`, shared with LLM), so a bad request fails at once in
-the caller's thread; the child checks them again when it adds them.
+In one process the server's HTTP work and the engine loop take turns on one GIL, and the GPU waits whenever the loop
+waits (docs/perf_notes.md, "Serving"). Requests go down a pipe and each step's events come back in one message.
+Requests are checked on this side too (`RequestFront`), so that a bad one fails at once in the caller's thread.
 """
 import dataclasses
 import gc
@@ -27,10 +19,8 @@ from nanojax.sampling_params import SamplingParams
 
 class EngineProcess(RequestFront):
     def __init__(self, model=None, **llm_kwargs):
-        """model: what LLM takes (a name, a path, None for the default model, a LoadedModel of numpy arrays), or a
-        picklable function returning it, called in the child (e.g. random weights drawn on its device).
-        llm_kwargs: LLM's. Returns once the child's LLM is built (and, on a GPU, compiled); its errors are raised
-        here."""
+        """model: what LLM takes, or a picklable function returning it, called in the child (e.g. random weights
+        drawn on its device). Returns once the child's LLM is built (and compiled); its errors are raised here."""
         context = multiprocessing.get_context("spawn")  # the parent may run threads (uvicorn's, JAX's)
         self._conn, child_conn = context.Pipe()
         self._process = context.Process(target=_child, args=(child_conn, model, llm_kwargs), daemon=True,
@@ -45,8 +35,7 @@ class EngineProcess(RequestFront):
         if kind == "failed":
             self._process.join()
             raise info
-        self.config, self.limits, self.tokenizer, self.decode_steps = (
-            info["config"], info["limits"], info["tokenizer"], info["decode_steps"])
+        self.config, self.limits, self.tokenizer, self.decode_steps = info
         self.dead: str | None = None  # why the engine stopped, once it has
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()  # guards the tables below (the caller's threads and the reader)
@@ -77,8 +66,7 @@ class EngineProcess(RequestFront):
         self._send(("abort", request_id))
 
     def stats(self, timeout: float = 10.0) -> EngineStats:
-        """As LLM.stats (asked of the child)."""
-        return self.call(_stats, timeout=timeout)
+        return self.call(LLM.stats, timeout=timeout)
 
     def call(self, fn, *args, timeout: float | None = None):
         """fn(llm, *args) run in the child's command thread -> its result (its exception raised here); fn and the
@@ -170,19 +158,14 @@ def _error_event(request_id: str, index: int, prompt_ids: list[int]) -> RequestO
     return RequestOutput(index, prompt_ids, [], "", "error", request_id=request_id)
 
 
-def _stats(llm) -> EngineStats:
-    return llm.stats()
-
-
 # A RequestOutput crosses the pipe as a tuple of these fields (plain values pickle for a fraction of a dataclass's
 # cost; docs/perf_notes.md, "Serving"); the prompt's ids stay behind, the parent has them.
 _SENT_FIELDS = tuple(f.name for f in dataclasses.fields(RequestOutput) if f.name != "prompt_token_ids")
 
 
 class _Outbox:
-    """The child's messages to the parent. The engine loop's events queue up and go as one message when the loop has
-    put a step's events (`EngineCore.events_out`): sent from the loop's own thread, so a first token does not wait for
-    another thread to get the GIL while the loop dispatches the next step. Other threads' messages go at once."""
+    """The child's messages to the parent. A step's events go as one message from the engine loop's own thread
+    (`EngineCore.events_out`), so a first token does not wait on another thread for the GIL; others go at once."""
 
     def __init__(self, conn, llm):
         self.conn, self.llm = conn, llm
@@ -225,46 +208,42 @@ class _Sink:
 
 
 def freeze_startup_heap() -> None:
-    """Puts every object alive now beyond the garbage collector's reach (gc.freeze, as vLLM's engine and API server
-    do once started), so that its collections of the oldest generation walk only what serving allocates. A serving
-    process holds millions of objects from start-up (JAX, the model, transformers), and each such collection paused
-    the whole process, the engine's loop or the server's event loop with it (docs/perf_notes.md, "Serving")."""
+    """Puts every object alive now beyond the garbage collector's reach (as vLLM does once started), so that its
+    full collections, which pause the whole process, walk only what serving allocates (docs/perf_notes.md,
+    "Serving")."""
     gc.collect()
     gc.freeze()
 
 
 def _child(conn, model, llm_kwargs) -> None:
-    """The child process: builds the LLM, then runs commands from the parent until told to stop or the parent
-    goes away."""
+    """Builds the LLM, then runs the parent's commands until told to stop or the parent goes away."""
     try:
         llm = LLM(model() if callable(model) else model, **llm_kwargs)
     except BaseException as e:  # noqa: BLE001 -- raised in the parent
         conn.send(("failed", e))
         return
     freeze_startup_heap()
-    conn.send(("ready", {"config": llm.config, "limits": llm.limits, "tokenizer": llm.tokenizer,
-                         "decode_steps": llm.decode_steps}))
+    conn.send(("ready", (llm.config, llm.limits, llm.tokenizer, llm.decode_steps)))
     out = _Outbox(conn, llm)
     llm.core.events_out = out.flush
     while True:
         try:
-            command = conn.recv()
+            kind, *args = conn.recv()
         except (EOFError, OSError):
             break
-        kind = command[0]
         if kind == "add":
-            ids, params, request_id, index, stream_text = command[1:]
+            ids, params, request_id, index, stream_text = args
             try:
                 llm.add_request(ids, params, request_id=request_id, index=index, stream=_Sink(request_id, out),
                                 stream_text=stream_text)
             except Exception as e:  # noqa: BLE001 -- the request ends with it, the engine goes on
                 out.send(("refused", request_id, index, e))
         elif kind == "abort":
-            llm.abort(command[1])
+            llm.abort(*args)
         elif kind == "call":
-            token, fn, args = command[1:]
+            token, fn, fn_args = args
             try:
-                out.send(("reply", token, fn(llm, *args), None))
+                out.send(("reply", token, fn(llm, *fn_args), None))
             except Exception as e:  # noqa: BLE001
                 out.send(("reply", token, None, e))
         elif kind == "stop":

@@ -1,25 +1,12 @@
-"""Compiled programs kept on disk as serialized executables, so that a warm start loads each one without tracing or
-lowering it. JAX's persistent compilation cache (nanojax.cache) skips only the compile step: its key is a hash of
-the lowered module, and tracing + lowering the unrolled layers is serial Python that took most of a warm start
-(docs/perf_notes.md, "Keeping compiled programs").
-
-Here the key is known before tracing: a blake2b hash over what the caller says the program is (its description,
-the model config, the Ops, the arguments' shapes, dtypes and shardings: `signature`) and over what makes an
-executable stale (`environment`: jax / jaxlib versions, platform and device kind, device count, the source of
-nanojax/ and pallas_kernels/). Files live in `<directory>/<environment hash>/<key>.jaxexe`, so that the files of
-an older build sit apart and can be deleted as one folder.
-
-A file that is missing, corrupt, unreadable or from an incompatible build is a miss: the program is compiled again
-and the file replaced. On the CPU, executables are stored only while JAX's persistent compilation cache is off: one
-that cache answered does not survive serialization there (`compile_and_store`); on the GPU every one is stored.
-Files are written to a temporary name and renamed into place, so a reader never sees half a file. Like the
-persistent compilation cache, files are unpickled: keep the folder as private as your home.
+"""Compiled programs kept on disk as serialized executables, keyed before tracing, so that a warm start neither traces
+nor lowers them (docs/perf_notes.md, "Keeping compiled programs"). Files are unpickled: keep the folder private.
 """
 import functools
 import hashlib
 import logging
 import os
 import pickle
+import platform
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -29,6 +16,7 @@ import jaxlib
 import numpy as np
 from jax.experimental import serialize_executable
 
+import pallas_kernels
 from convert.cache import cache_dir, write_whole
 
 _log = logging.getLogger(__name__)
@@ -42,8 +30,7 @@ def default_directory() -> Path:
 
 
 def signature(args) -> str:
-    """A pytree of arrays / ShapeDtypeStructs / numpy arrays -> its structure and each leaf's shape, dtype, weak
-    type and sharding, as text (what jit specializes on, read without tracing)."""
+    """What jit specializes a pytree's call on, read without tracing, as text."""
     leaves, tree = jax.tree.flatten(args)
     shapes = [(np.shape(x), str(getattr(x, "dtype", type(x).__name__)), bool(getattr(x, "weak_type", False)),
                _placement(x)) for x in leaves]  # a Python scalar: its type (jit traces it weakly typed)
@@ -51,8 +38,8 @@ def signature(args) -> str:
 
 
 def _placement(x) -> tuple | None:
-    """A leaf's sharding and the ids of its devices in mesh order (a Mesh's repr names only its axes; the stored
-    executable is loaded onto the devices it was compiled for)."""
+    """A leaf's sharding and its devices' ids in mesh order: a Mesh's repr names only its axes, and an executable
+    loads onto the devices it was compiled for."""
     sharding = getattr(x, "sharding", None)
     if sharding is None:
         return None
@@ -62,9 +49,7 @@ def _placement(x) -> tuple | None:
 
 
 def program_key(*parts) -> str:
-    """Hex key of a program from its parts (frozen dataclasses, strings, numbers: anything with a stable repr); the
-    environment picks the folder (`path_of`). A repr holding a memory address would change every run: refused
-    (ValueError)."""
+    """Hex key of a program from parts with a stable repr; ValueError for one naming a memory address."""
     text = repr(parts)
     if re.search(r" at 0x[0-9a-fA-F]+", text):
         raise ValueError(f"a key part has no stable repr (it names a memory address): {text[:300]}")
@@ -73,7 +58,7 @@ def program_key(*parts) -> str:
 
 @functools.cache
 def environment() -> str:
-    """Hex hash of what makes a stored executable stale (computed once per process)."""
+    """Hex hash of what makes a stored executable stale: versions, device, flags, nanojax's source."""
     device = jax.devices()[0]
     parts = [FORMAT, jax.__version__, jaxlib.__version__, device.platform, device.client.platform_version,
              device.device_kind, jax.device_count(), os.environ.get("XLA_FLAGS", ""),
@@ -84,9 +69,6 @@ def environment() -> str:
 
 
 def _source_hash() -> str:
-    """Hash of every .py file of nanojax/ and pallas_kernels/ (their names and contents)."""
-    import pallas_kernels
-
     h = hashlib.blake2b(digest_size=20)
     for root in (Path(__file__).parent, Path(pallas_kernels.__file__).parent):
         for path in sorted(root.rglob("*.py")):
@@ -99,8 +81,6 @@ def _cpu_flags() -> str:
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        import platform
-
         return f"{platform.machine()} {platform.processor()}"
     return next((line for line in text.splitlines() if line.startswith("flags")), "")
 
@@ -110,13 +90,11 @@ def path_of(directory: Path, key: str) -> Path:
 
 
 def holds_none(directory: Path) -> bool:
-    """Whether `directory` holds no executable of this environment (a new cache, or a new build of nanojax or JAX)."""
+    """Whether `directory` holds no executable of this environment (a new cache or build)."""
     return not any((Path(directory) / environment()).glob(f"*{SUFFIX}"))
 
 
 def load(directory: Path | None, key: str) -> jax.stages.Compiled | None:
-    """The stored executable of `key`, loaded onto the devices it was compiled for, or None (no directory, no file,
-    or a file that cannot be loaded)."""
     if directory is None:
         return None
     path = path_of(directory, key)
@@ -134,8 +112,7 @@ def load(directory: Path | None, key: str) -> jax.stages.Compiled | None:
 
 
 def store(directory: Path | None, key: str, compiled: jax.stages.Compiled) -> bool:
-    """Writes `compiled` under `key` (atomically: temporary file, then rename). Returns whether it was written; a
-    program that cannot be serialized or a folder that cannot be written leaves nothing behind."""
+    """-> whether `compiled` was written; a program that cannot be serialized is not an error."""
     if directory is None:
         return False
     try:
@@ -156,25 +133,19 @@ def store(directory: Path | None, key: str, compiled: jax.stages.Compiled) -> bo
 
 def compile_and_store(directory: Path | None, key: str, lowered: jax.stages.Lowered,
                       compiler_options: dict | None = None) -> jax.stages.Compiled:
-    """Compiles `lowered` with compiler_options (`Lowered.compile`'s) and stores it; thread-safe. On the CPU only while
-    JAX's persistent compilation cache is off: an XLA:CPU executable that came from that cache, directly or through
-    JAX's in-memory cache of it, serializes incompletely (jax 0.10.2: 'Function broadcast_add_fusion not found' once
-    loaded), and which compile that was cannot be told. XLA:GPU ones round-trip, and are always stored, so that the
-    executable cache fills on a new build's first start (docs/perf_notes.md, "Keeping compiled programs")."""
+    """Compiles `lowered` and stores it; thread-safe. On the CPU only while JAX's persistent compilation cache is off:
+    an XLA:CPU executable that came from that cache serializes incompletely, and which did cannot be told
+    (docs/perf_notes.md, "Keeping compiled programs")."""
     compiled = lowered.compile(compiler_options=compiler_options)
-    if jax.default_backend() == "gpu" or not _persistent_cache_on():
+    persistent_cache_on = jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir
+    if jax.default_backend() == "gpu" or not persistent_cache_on:
         store(directory, key, compiled)
     return compiled
 
 
-def _persistent_cache_on() -> bool:
-    return bool(jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir)
-
-
 def load_or_compile(key_parts: tuple, lower: Callable[[], jax.stages.Lowered],
                     directory: Path | None) -> tuple[jax.stages.Compiled, bool]:
-    """-> (the program compiled, whether it came from `directory`). On a miss `lower()` is called, compiled and
-    stored (see compile_and_store); directory None compiles every time and writes nothing."""
+    """-> (the program, whether it came from `directory`); directory None compiles every time."""
     key = program_key(*key_parts)
     compiled = load(directory, key)
     if compiled is not None:

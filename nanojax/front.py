@@ -1,6 +1,5 @@
-"""What every way into the engine does before a request reaches its loop: prompts encoded, the chat template
-applied, requests checked against the engine's limits. Shared by `LLM` and `EngineProcess` (an LLM in another
-process, as the server sees it), so each check is written once."""
+"""What every way into the engine does before a request reaches its loop (prompts encoded, requests checked), shared
+by `LLM` and `EngineProcess` (an LLM in another process, as the server sees it) so that each check is written once."""
 import dataclasses
 
 from nanojax.sampling_params import SamplingParams

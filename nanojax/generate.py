@@ -47,17 +47,16 @@ def parse_args(argv=None):
 
 def stream_reply(llm: LLM, prompt_ids: list[int], params: SamplingParams) -> str:
     """Prints the reply as it is generated, then the stats line; returns the reply text."""
-    start, text, final = time.perf_counter(), "", None
-    for event in llm.stream([prompt_ids], params):
-        print(event.delta, end="", flush=True)
-        text, final = event.text, event
+    start, final = time.perf_counter(), None
+    for final in llm.stream([prompt_ids], params):
+        print(final.delta, end="", flush=True)
     elapsed = time.perf_counter() - start
     ttft = final.time_to_first_token or elapsed
     decoded = max(len(final.token_ids) - 1, 0)
     rate = decoded / (elapsed - ttft) if elapsed > ttft and decoded else 0.0
     print(f"\n[prompt tokens {len(prompt_ids)} | generated {len(final.token_ids)} | time to first token "
           f"{ttft * 1e3:.0f} ms | decode {rate:.1f} tok/s | finish {final.finish_reason}]", file=sys.stderr)
-    return text
+    return final.text
 
 
 def main(argv=None) -> int:
@@ -85,9 +84,8 @@ def converse(llm: LLM, args, params: SamplingParams) -> int:
     """Streams the reply to --prompt, or chats until /exit or end of input."""
     templated = llm.tokenizer is not None and bool(llm.tokenizer.chat_template) and not args.raw
     if not args.chat:
-        ids = llm.apply_chat_template([{"role": "user", "content": args.prompt}]) if templated else llm.encode(
-            args.prompt)
-        stream_reply(llm, ids, params)
+        user = [{"role": "user", "content": args.prompt}]
+        stream_reply(llm, llm.apply_chat_template(user) if templated else llm.encode(args.prompt), params)
         return 0
     messages = []
     while True:
@@ -98,8 +96,8 @@ def converse(llm: LLM, args, params: SamplingParams) -> int:
         if user.strip() in ("/exit", "/quit"):
             return 0
         messages.append({"role": "user", "content": user})
-        messages.append({"role": "assistant", "content": stream_reply(llm, llm.apply_chat_template(messages),
-                                                                      params)})
+        reply = stream_reply(llm, llm.apply_chat_template(messages), params)
+        messages.append({"role": "assistant", "content": reply})
 
 
 if __name__ == "__main__":

@@ -33,19 +33,12 @@ class KVCache:
 
 @flax.struct.dataclass
 class Batch:
-    """Which sequences a step computes, padded to [B, T] tokens.
+    """Which sequences a step computes, padded to [B, T] tokens; rows with q_lens == 0 are padding."""
 
-    page_table: [B, pages_per_seq] int32, the pages of each sequence in order.
-    seq_lens: [B] int32, tokens in the cache for the sequence once this step has run.
-    q_lens: [B] int32, new tokens this step; they sit at positions seq_lens - q_lens + t, t < q_lens.
-    Rows with q_lens == 0 are padding.
-    cascade: a decode step's shared prefixes, nanojax.cascade.CascadePlan.arrays() (kv_starts [B], num_pieces [B],
-    item_row, item_start, item_end [W], item_members, item_slots [W, M]); None: every row reads all its own pages.
-    """
-
-    page_table: jax.Array
-    seq_lens: jax.Array
-    q_lens: jax.Array
+    page_table: jax.Array  # [B, pages_per_seq] int32, the pages of each sequence in order
+    seq_lens: jax.Array  # [B] int32, tokens in the cache once this step has run
+    q_lens: jax.Array  # [B] int32, new tokens this step, at positions seq_lens - q_lens + t, t < q_lens
+    # A decode step's shared prefixes, nanojax.cascade.CascadePlan.arrays(); None: each row reads all its own pages.
     cascade: tuple[jax.Array, ...] | None = None
 
     def positions(self, num_tokens: int) -> jax.Array:

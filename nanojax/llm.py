@@ -24,7 +24,7 @@ from nanojax.engine_io import RequestOutput, RequestStream
 from nanojax.front import EngineLimits, EngineStats, RequestFront
 from nanojax.loader import LoadedModel, load_model
 from nanojax.page_manager import PageManager
-from nanojax.runner import PREFILL_ROW, ModelRunner
+from nanojax.runner import PREFILL_ROW, ModelRunner, buffer_addresses
 from nanojax.sampling_params import SamplingParams
 from nanojax.scheduler import Scheduler, SchedulerConfig
 from nanojax.sharding import TensorParallel
@@ -69,7 +69,7 @@ class LLM(RequestFront):
         self.config = loaded.config
         self.engine_config = engine = engine.for_model(self.config)
         # Device buffers the caller handed over (a LoadedModel of device arrays): close() leaves them alone.
-        self._callers_buffers = _buffers(model.params) if isinstance(model, LoadedModel) else frozenset()
+        callers_buffers = buffer_addresses(model.params) if isinstance(model, LoadedModel) else frozenset()
         params, tp = _placed(loaded.params, self.config, engine, several)
         kv_heads = self.config.num_kv_heads if tp is None else tp.local_config.num_kv_heads
         num_pages = hand_out.num_pages if hand_out and hand_out.config == self.config else _num_pages(
@@ -94,8 +94,7 @@ class LLM(RequestFront):
         self._ids = itertools.count()
         # close(), or this LLM collected: the device memory is free when `del llm` (+ gc.collect) returns, before
         # another LLM sizes its pool. Not at exit: the loops stop on their own then (nanojax.engine).
-        self._release = weakref.finalize(self, _release, self.core, self.runner, self._callers_buffers,
-                                         self._stop_workers)
+        self._release = weakref.finalize(self, _release, self.core, self.runner, callers_buffers, self._stop_workers)
         self._release.atexit = False
         # Where start-up went (scripts/bench_startup.py prints it): reading / converting the weights, placing them
         # and the KV pool, compiling or loading the programs, waiting for the tokenizer; on a first start, when the
@@ -330,12 +329,6 @@ def _placed_shapes(config, dtype) -> dict:
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     return jax.tree.map(lambda s: jax.ShapeDtypeStruct(*s, sharding=device), param_shapes(config, dtype),
                         is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], np.dtype))
-
-
-def _buffers(params) -> frozenset[int]:
-    """The addresses of the device buffers under params' jax.Arrays."""
-    return frozenset(shard.data.unsafe_buffer_pointer() for x in jax.tree.leaves(params) if isinstance(x, jax.Array)
-                     for shard in x.addressable_shards)
 
 
 def _bytes(params) -> int:

@@ -1,5 +1,5 @@
-"""Resolve what the user named into (config, params, tokenizer): a nanojax checkpoint, or any source that
-convert/ reads (HF folder, hub-cache id, GGUF), converted in memory."""
+"""What the user named as (config, params, tokenizer): a nanojax checkpoint, or a source convert/ reads converted in
+memory."""
 import dataclasses
 import tempfile
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -36,13 +36,11 @@ class LoadedModel:
 
 def load_model(model: "str | LoadedModel | None", dtype: str, place=None,
                on_config: "Callable[[LoadedModel], None] | None" = None) -> LoadedModel:
-    """Resolve `model` and cast its params to `dtype`. The tokenizer of an HF folder or a checkpoint loads on a
-    thread while the weights are read, and may still be loading when this returns (see LoadedModel.resolved).
-    place: applied to each part of a converted source's params (a layer, the rest) while the next ones convert
-    (params_from_source); other params come as they are. on_config: called once, for an HF folder or model id only,
-    before the weights are read, with a LoadedModel of params None: the config of config.json as written where it
-    holds every field (before transformers is imported), else the normalized config with the tokenizer's Futures.
-    The first may differ from the config returned (a field left to transformers' defaults): the caller checks."""
+    """`model` with its params in `dtype`; the tokenizer loads on a thread while the weights are read, and may still
+    be loading (LoadedModel.resolved). place: applied to each part of a converted source's params (params_from_source).
+    on_config: called once for an HF folder or model id, before the weights are read, with params None and the config
+    as written where it holds every field (it may differ from the one returned: the caller checks), else the
+    normalized config with the tokenizer's Futures."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
     if isinstance(model, LoadedModel):
@@ -69,8 +67,7 @@ def load_model(model: "str | LoadedModel | None", dtype: str, place=None,
 
 
 def _config_as_written(path) -> ModelConfig | None:
-    """The config of an HF folder's config.json as it stands (convert.sources.config_as_written), or None where that
-    is no folder or lacks a field ModelConfig reads."""
+    """The config of an HF folder's config.json as written; None where a field ModelConfig reads is left out."""
     written = config_as_written(path) if path.is_dir() else None
     try:
         return None if written is None else ModelConfig.from_hf_config(written)
@@ -79,10 +76,8 @@ def _config_as_written(path) -> ModelConfig | None:
 
 
 def _start_tokenizer(folder) -> tuple:
-    """-> (the tokenizer's Future, its length's Future), or (None, None) for a folder without tokenizer files.
-    hf_tokenizer runs on a thread of its own while the weights are read and placed: the first load of a tokenizer
-    asks transformers' AutoTokenizer which class it is (the answer is kept), and building it imports transformers
-    (with torch, on some versions)."""
+    """(the tokenizer's Future, its length's Future), or (None, None) without tokenizer files: building it imports
+    transformers, so it runs on a thread while the weights are read."""
     if not has_tokenizer_files(folder):
         return None, None
     pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
@@ -94,14 +89,12 @@ def _start_tokenizer(folder) -> tuple:
 
 
 def _cast(params, dtype):
-    """Casts float params to dtype; FP8 projections ({w_t: float8, scale: float32}, convert.quantize) stay as they
-    are."""
-    if isinstance(params, dict) and is_quantized(params):
-        return {k: v if k in ("w_t", "scale") else _cast(v, dtype) for k, v in params.items()}
-    if isinstance(params, (dict, tuple, list)):
-        items = params.items() if isinstance(params, dict) else enumerate(params)
-        cast = {k: _cast(v, dtype) for k, v in items}
-        return cast if isinstance(params, dict) else type(params)(cast.values())
+    """Casts float params to dtype; FP8 projections' w_t and scale keep theirs."""
+    if isinstance(params, dict):
+        kept = ("w_t", "scale") if is_quantized(params) else ()
+        return {k: v if k in kept else _cast(v, dtype) for k, v in params.items()}
+    if isinstance(params, (tuple, list)):
+        return type(params)(_cast(v, dtype) for v in params)
     # Same dtype: no copy (the default checkpoint is stored in float32, the CPU's dtype: its start copies nothing).
     return params if params.dtype == dtype else params.astype(dtype)
 

@@ -16,7 +16,6 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from convert.quantize import is_quantized
 from pallas_kernels.cascade_attention import cascade_decode_attention, cascade_decode_attention_reference
 from pallas_kernels.paged_attention import paged_attention_reference, paged_decode_attention, paged_prefill_attention
 from pallas_kernels.qkv_rope_cache import qkv_rope_cache, qkv_rope_cache_reference
@@ -48,43 +47,43 @@ class Ops:
     pallas: bool = False
     interpret: bool = False
 
-    def project(self, x, p, *, norm_eps=None, residual=None, activation=None):
-        """x: [N, K]; p: {w [K, N'], b [N']?} (an RMSNorm's scale folded into w), or FP8 {w_t float8_e4m3fn [N', K],
-        scale [N'], b?} (convert/quantize.py) -> [N, N_out]; see rmsnorm_matmul_reference. An FP8 projection
+    def project(self, x, p, *, norm_eps=None, residual=None, activation=None, bias=True):
+        """x: [N, K]; p: a nanojax.model.Projection -> [N, N_out]; see rmsnorm_matmul_reference. An FP8 projection
         takes the kernel for one row of a weight up to PALLAS_FP8_MAX_WEIGHT elements, else XLA's dot on the
-        dequantized weight, (x @ w_t.astype(x.dtype)^T) * scale in f32, its rows padded to FP8_XLA_MIN_ROWS."""
+        dequantized weight, its rows padded to FP8_XLA_MIN_ROWS. bias=False leaves p's bias out."""
         kw = {"norm_eps": norm_eps, "residual": residual, "activation": activation}
+        b = p.b[...] if bias and p.b is not None else None
         rows = x.shape[0]
-        if is_quantized(p):
-            kw["w_scale"] = p["scale"]
-            if self.pallas and rows == 1 and p["w_t"].size <= PALLAS_FP8_MAX_WEIGHT:
-                return rmsnorm_matmul(x, p["w_t"], p.get("b"), interpret=self.interpret, **kw)
+        if p.quantized:
+            w, kw["w_scale"] = p.w_t[...], p.scale[...]
+            if self.pallas and rows == 1 and w.size <= PALLAS_FP8_MAX_WEIGHT:
+                return rmsnorm_matmul(x, w, b, interpret=self.interpret, **kw)
             if rows < FP8_XLA_MIN_ROWS:
                 pad = lambda a: jnp.pad(a, ((0, FP8_XLA_MIN_ROWS - rows), (0, 0)))  # noqa: E731
                 kw["residual"] = None if residual is None else pad(residual)
-                return rmsnorm_matmul_reference(pad(x), p["w_t"], p.get("b"), **kw)[:rows]
-            return rmsnorm_matmul_reference(x, p["w_t"], p.get("b"), **kw)
+                return rmsnorm_matmul_reference(pad(x), w, b, **kw)[:rows]
+            return rmsnorm_matmul_reference(x, w, b, **kw)
         max_rows = PALLAS_PROJECTION_MAX_ROWS if norm_eps is None else PALLAS_NORMED_PROJECTION_MAX_ROWS
         if not self.pallas or rows > max_rows:
-            return rmsnorm_matmul_reference(x, p["w"], p.get("b"), **kw)
-        return rmsnorm_matmul(x, p["w"], p.get("b"), interpret=self.interpret, **kw)
+            return rmsnorm_matmul_reference(x, p.w[...], b, **kw)
+        return rmsnorm_matmul(x, p.w[...], b, interpret=self.interpret, **kw)
 
     def row_project(self, x, p, *, residual):
         """o_proj / down_proj: x @ w [+ b] + residual. A tensor-parallel Ops (nanojax.sharding) holds rows of w on
         each device and sums their partial products with one all-reduce."""
         return self.project(x, p, residual=residual)
 
-    def run_layer(self, layer, lp, x, positions, cos_sin, slots, k_pages, v_pages, batch, config):
-        """Runs layer(self, lp, x, ..., config), one decoder layer; a tensor-parallel Ops runs it per shard."""
-        return layer(self, lp, x, positions, cos_sin, slots, k_pages, v_pages, batch, config)
+    def run_layer(self, layer, x, positions, cos_sin, slots, k_pages, v_pages, batch, config):
+        """Runs layer (a nanojax.model.DecoderLayer) on x; a tensor-parallel Ops runs it per shard."""
+        return layer(self, x, positions, cos_sin, slots, k_pages, v_pages, batch, config)
 
     def embed(self, table, ids):
         """table: [V, H]; ids: [N] -> rows [N, H] (a tensor-parallel Ops looks each id up on the device holding it)."""
         return table[ids]
 
-    def vocab_head(self, head_logits, head, hidden):
-        """head_logits(head, hidden) -> logits [..., V] over the whole vocabulary (nanojax.model.lm_logits)."""
-        return head_logits(head, hidden)
+    def vocab_head(self, head, hidden):
+        """head (a nanojax.model.LMHead)(hidden) -> logits [..., V] over the whole vocabulary."""
+        return head(hidden)
 
     def qkv_rope_cache(self, qkv, positions, slots, k_pages, v_pages, cos_sin, q_norm, k_norm, *, eps):
         """qkv: [N, (Hq + 2 Hkv) D]; positions, slots: [N]; cos_sin: [N, D] or None -> (q [N, Hq, D], k_pages,

@@ -1,21 +1,5 @@
-"""KV-cache pages: reference counting and prefix caching (plain Python, no JAX).
-
-The KV cache is a pool of ``num_pages`` pages of ``page_size`` token slots.  A sequence owns the pages
-listed in ``seq.page_table``; its token position ``p`` lives in slot
-``page_table[p // page_size] * page_size + p % page_size``.
-
-Prefix caching: a FULL page whose KV has been computed is registered by :meth:`PageManager.commit`
-under the chained 128-bit hash ``h_i = hash_page_tokens(h_{i-1}, tokens_i)`` of its whole token prefix; a hit
-also compares the page's own token ids, so a forced collision is a miss.  Several pages may hold the same
-prefix (identical prompts computed in one step): all stay reachable, and a hit prefers one in use.
-
-Free pages keep their content: a page whose reference count drops to 0 joins the free list with its hash, so
-a later hit revives it (consuming a free page, which :meth:`PageManager.can_allocate` counts).  Fresh pages
-come from the front of the free list: uncached pages first, then cached ones, least recently freed first; a
-sequence frees its pages last to first, so a prefix's tail is evicted before its head.
-
-Pinning: :meth:`PageManager.pin_pages` takes an extra reference on a sequence's committed pages, so they are
-never evicted and later requests with that prefix hit them, until :meth:`PageManager.unpin`.
+"""KV-cache pages with reference counting and prefix caching (plain Python, no JAX): a full computed page is cached
+under the chained hash of its token prefix, and a freed page keeps its content until reused, so a later hit revives it.
 """
 
 from __future__ import annotations
@@ -32,8 +16,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 def hash_page_tokens(parent: bytes | None, token_ids: SequenceLike[int]) -> bytes:
-    """Chained hash of one full page: 128-bit blake2b of the previous page's hash (None for the
-    first page) and the page's token ids.  Stable across processes, unlike Python's ``hash``."""
+    """128-bit blake2b of the previous page's hash and this page's tokens: stable across processes, unlike ``hash``."""
     h = hashlib.blake2b(parent or b"", digest_size=16)
     h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
     return h.digest()
@@ -54,8 +37,6 @@ class _Allocation:
 
 
 class PageManager:
-    """Reference-counted KV pages with prefix caching; see the module docstring."""
-
     def __init__(self, num_pages: int, page_size: int):
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"num_pages ({num_pages}) and page_size ({page_size}) must be >= 1")
@@ -69,24 +50,20 @@ class PageManager:
         self._pins: dict[int, list[int]] = {}  # handle -> pinned page ids
         self._pin_ids = itertools.count(1)
 
-    # ------------------------------------------------------------------ queries
     @property
     def num_free_pages(self) -> int:
-        """Pages with reference count 0 (including cached ones that a hit could revive)."""
+        """Including cached pages that a hit could revive."""
         return len(self._free)
 
     @property
     def num_pinned_pages(self) -> int:
-        """Distinct pages held by pins."""
         return len({p for pages in self._pins.values() for p in pages})
 
     def num_pages_for(self, num_tokens: int) -> int:
-        """Pages needed to hold ``num_tokens`` token slots."""
         return -(-num_tokens // self.page_size)
 
     def num_cached_tokens(self, seq: "Sequence") -> int:
-        """What :meth:`allocate` would set ``seq.num_computed_tokens`` to, without side effects
-        (a multiple of page_size, at most ``num_tokens - 1``)."""
+        """What :meth:`allocate` would set ``seq.num_computed_tokens`` to, without side effects."""
         return len(self._match(seq)) * self.page_size
 
     def can_allocate(self, seq: "Sequence") -> bool:
@@ -94,18 +71,12 @@ class PageManager:
         return self._pages_to_take(seq, self._match(seq)) <= len(self._free)
 
     def can_ensure_capacity(self, seq: "Sequence", num_tokens: int) -> bool:
-        """Whether :meth:`ensure_capacity` ``(seq, num_tokens)`` would succeed now."""
         self._allocation(seq)
         return self._new_pages(seq, num_tokens) <= len(self._free)
 
-    # ------------------------------------------------------------------ mutations
     def allocate(self, seq: "Sequence") -> None:
-        """Give a sequence with an empty page table pages for all ``seq.num_tokens``.
-
-        The longest cached prefix of full pages within the first ``num_tokens - 1`` tokens is shared
-        (so at least the last token is computed, into a private page); ``seq.num_computed_tokens``
-        and ``seq.num_cached_tokens`` are set to its length.  RuntimeError (changing nothing) if there
-        are not enough free pages: check :meth:`can_allocate` first."""
+        """Pages for all of ``seq``'s tokens, sharing the longest cached prefix short of the last token (which is
+        always computed). RuntimeError, changing nothing, unless :meth:`can_allocate`."""
         if seq.page_table or seq.seq_id in self._seqs:
             raise ValueError(f"sequence {seq.seq_id} already has pages")
         hits = self._match(seq)
@@ -118,25 +89,19 @@ class PageManager:
         self._seqs[seq.seq_id] = _Allocation(seq, len(hits))
 
     def ensure_capacity(self, seq: "Sequence", num_tokens: int) -> None:
-        """Grow ``seq.page_table`` with fresh pages until positions ``0 .. num_tokens-1`` have slots.
-        Never shrinks.  RuntimeError (changing nothing) if there are not enough free pages: check
-        :meth:`can_ensure_capacity` first."""
+        """Slots for positions ``0 .. num_tokens - 1``; RuntimeError, changing nothing, unless can_ensure_capacity."""
         self._allocation(seq)
         new = self._new_pages(seq, num_tokens)
         self._check_free(new, f"grow sequence {seq.seq_id} to {num_tokens} tokens")
         seq.page_table.extend(self._pop_free() for _ in range(new))
 
     def commit(self, seq: "Sequence") -> None:
-        """Register in the prefix cache every full page of ``seq`` lying in
-        ``token_ids[:num_computed_tokens]`` and whose tokens are known (no placeholder: a page is committed
-        once its KV is written or dispatched to be).  Idempotent."""
+        """Registers every full computed page whose tokens are known (its KV written or dispatched); idempotent."""
         alloc, ps = self._allocation(seq), self.page_size
         k = min(seq.num_computed_tokens, seq.num_known) // ps
         if seq.num_computed_tokens > seq.num_tokens or k > len(seq.page_table):
-            raise RuntimeError(
-                f"sequence {seq.seq_id}: {seq.num_computed_tokens} computed tokens but {seq.num_tokens} "
-                f"tokens and {len(seq.page_table)} pages"
-            )
+            raise RuntimeError(f"sequence {seq.seq_id}: {seq.num_computed_tokens} computed tokens but "
+                               f"{seq.num_tokens} tokens and {len(seq.page_table)} pages")
         hashes = self._page_hashes(seq, k)
         for i in range(alloc.num_committed, k):
             page = self._pages[seq.page_table[i]]
@@ -147,9 +112,7 @@ class PageManager:
         alloc.num_committed = max(alloc.num_committed, k)
 
     def free(self, seq: "Sequence") -> None:
-        """Drop the sequence's references (last page first), empty its table and set
-        ``num_computed_tokens`` to 0.  Pages reaching reference count 0 go to the free list keeping
-        their cached content.  Safe on a sequence that holds no pages (e.g. a waiting one)."""
+        """Drops the sequence's pages, last first, and resets ``num_computed_tokens``; a no-op on one without."""
         alloc = self._seqs.pop(seq.seq_id, None)
         self._hashes.pop(seq.seq_id, None)
         if alloc is None and seq.page_table:
@@ -160,16 +123,12 @@ class PageManager:
         seq.num_computed_tokens = 0
 
     def pin_pages(self, seq: "Sequence", num_tokens: int | None = None) -> int:
-        """Take an extra reference on the committed pages covering the first ``num_tokens`` tokens
-        of ``seq`` (``num_tokens // page_size`` pages; all committed pages if None) and return a
-        handle for :meth:`unpin`.  Pinned pages are never evicted.  Call before the sequence is
-        freed; ValueError if those pages are not committed yet."""
+        """A handle for :meth:`unpin` of an extra reference on the committed pages of the first ``num_tokens``
+        (None: all committed pages); ValueError if those pages are not committed yet."""
         alloc = self._allocation(seq)
         k = alloc.num_committed if num_tokens is None else num_tokens // self.page_size
         if k > alloc.num_committed:
-            raise ValueError(
-                f"sequence {seq.seq_id}: cannot pin {k} pages, only {alloc.num_committed} are committed"
-            )
+            raise ValueError(f"sequence {seq.seq_id}: cannot pin {k} pages, only {alloc.num_committed} are committed")
         pages = seq.page_table[:k]
         for pid in pages:
             self._incref(pid)
@@ -178,24 +137,19 @@ class PageManager:
         return handle
 
     def unpin(self, handle: int) -> None:
-        """Release a pin taken by :meth:`pin_pages`."""
-        try:
-            pages = self._pins.pop(handle)
-        except KeyError:
-            raise ValueError(f"unknown pin handle {handle!r}") from None
+        if handle not in self._pins:
+            raise ValueError(f"unknown pin handle {handle!r}")
+        pages = self._pins.pop(handle)
         for pid in reversed(pages):
             self._decref(pid)
 
-    # ------------------------------------------------------------------ internals
     def _allocation(self, seq: "Sequence") -> _Allocation:
-        try:
-            return self._seqs[seq.seq_id]
-        except KeyError:
-            raise ValueError(f"sequence {seq.seq_id} holds no pages") from None
+        if seq.seq_id not in self._seqs:
+            raise ValueError(f"sequence {seq.seq_id} holds no pages")
+        return self._seqs[seq.seq_id]
 
     def _page_hashes(self, seq: "Sequence", k: int) -> list[bytes]:
-        """Chained hashes of at least the first ``k`` pages of ``seq`` (memoized: a full page's
-        tokens never change, and the waiting head is looked up at every step)."""
+        """At least the first ``k`` pages' hashes, memoized: the waiting head is looked up at every step."""
         memo = self._hashes.setdefault(seq.seq_id, [])
         ps = self.page_size
         for i in range(len(memo), k):
@@ -203,8 +157,7 @@ class PageManager:
         return memo
 
     def _match(self, seq: "Sequence") -> list[int]:
-        """Ids of pages holding the longest cached prefix of ``token_ids[:-1]``, one per page (none for a
-        sequence that does not read the cache)."""
+        """Pages holding the longest cached prefix of ``token_ids[:-1]``."""
         if not seq.reads_prefix_cache:
             return []
         ps = self.page_size
@@ -220,7 +173,7 @@ class PageManager:
         return hits
 
     def _pages_to_take(self, seq: "Sequence", hits: list[int]) -> int:
-        """Free pages that allocating ``seq`` with these hits consumes (fresh ones and revived hits)."""
+        """Free pages that allocating ``seq`` consumes: fresh ones and revived hits."""
         revived = sum(1 for p in hits if self._pages[p].ref_count == 0)
         return self.num_pages_for(seq.num_tokens) - len(hits) + revived
 

@@ -263,13 +263,9 @@ class Program:
 class ModelRunner:
     """Holds params, the KV cache and the token tables on device, and runs padded steps.
 
-    engine: the resolved EngineConfig (sizes, dtype, kernels, steps per dispatch, cascade rules); num_pages: the KV
-    pool's pages. vocab_limit: token ids at and past it are never drawn (the tokenizer's length; None: every id of
-    the embedding), data in the token tables, so that the compiled programs do not depend on it. tensor_parallel: a
-    nanojax.sharding.TensorParallel to run the model over its mesh (params as numpy, or placed by its `place`).
-    executable_dir: where nanojax.compilation loads and stores this runner's programs (nanojax.executable_cache);
-    None: nowhere.
-    """
+    vocab_limit: ids from it on are never drawn (the tokenizer's length), data in the token tables so that the
+    programs do not depend on it. tensor_parallel: a nanojax.sharding.TensorParallel (params as numpy, or placed by
+    it). executable_dir: where nanojax.compilation keeps this runner's programs (None: nowhere)."""
 
     def __init__(self, config: ModelConfig, engine: EngineConfig, params, *, num_pages: int,
                  vocab_limit: int | None = None, tensor_parallel=None, executable_dir=None):
@@ -280,8 +276,8 @@ class ModelRunner:
         self.rebuild_kwargs = dict(engine=engine, num_pages=num_pages)
         page_size, pages_per_seq, dtype = engine.page_size, engine.pages_per_seq, jnp.dtype(engine.dtype)
         ops, max_num_seqs, cascade_rules = get_ops(engine.kernels, config), engine.max_num_seqs, engine.cascade_rules
-        # Params given as ShapeDtypeStructs (a compile worker; or keys wanted before the weights are placed, the params'
-        # sharding then given): the device state is shapes too, nothing allocated, placed as the params are.
+        # Params as ShapeDtypeStructs (a compile worker; keys wanted before the weights are placed): the device state
+        # is shapes too, placed as the params are.
         shapes_only = all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))
         if shapes_only and tp is not None:
             raise ValueError("a tensor-parallel runner needs its params")
@@ -314,8 +310,7 @@ class ModelRunner:
         self._layouts: dict[Program, tuple] = {}  # the host arrays each program was lowered for (pack's layout)
         self.executable_dir = executable_dir
         self.compiles = self.loaded = 0  # programs compiled, and loaded from the executable cache (`install`)
-        # Where the last nanojax.compilation.compile_all's time went, and each of its workers' (compile_workers.wait's).
-        self.compile_seconds: dict[str, float] = {}
+        self.compile_seconds: dict[str, float] = {}  # where compile_all's time went, and each worker's
         self.worker_seconds: list[dict] = []
 
     # ----- programs -----
@@ -338,8 +333,7 @@ class ModelRunner:
         return [p for p in programs if p not in self._compiled]
 
     def install(self, p, executable, cached: bool = False) -> None:
-        """Keeps program p's executable for its dispatches, counted as compiled or (cached) as loaded from the
-        executable cache."""
+        """Keeps program p's executable, counted as compiled or (cached) as loaded from the executable cache."""
         self._compiled[p] = executable
         if cached:
             self.loaded += 1
@@ -494,13 +488,11 @@ class ModelRunner:
 
     def prefill(self, chunks: list[tuple], decodes: tuple | None = None, sources: list[int] | None = None
                 ) -> list[tuple["Pending", int]]:
-        """Dispatches prompt chunks (tokens, page_table, seq_len after the chunk, sampling fields of the chunk's
-        request or None when it samples nothing[, targets: per token the next prompt token whose logprob is wanted,
-        -1 for none]), packed into as few dispatches as the largest bucket allows. Returns each chunk's (Pending,
-        row): its sampled token is Pending.tokens()[0, row]; its prompt logprobs fill the PREFILL_ROW-token rows up
-        to that row (Pending.prompt_logprobs). decodes: None, or one decode step of rows (last_tokens, page_tables,
-        seq_lens, sampling fields), run in the first dispatch's forward (a mixed step), sources as decode's; their
-        (Pending, row) follow the chunks'."""
+        """Dispatches prompt chunks (tokens, page_table, seq_len after the chunk, sampling fields or None[, targets:
+        per token the next prompt token whose logprob is wanted, -1 for none]) in as few dispatches as the largest
+        bucket allows. -> each chunk's (Pending, row): its token is Pending.tokens()[0, row]. decodes: None, or one
+        decode step (last_tokens, page_tables, seq_lens, sampling fields) run in the first dispatch's forward (a
+        mixed step), sources as decode's; their (Pending, row) follow the chunks'."""
         results, batch = [], []
         rows_in = lambda cs: sum(-(-len(c[0]) // PREFILL_ROW) for c in cs)  # noqa: E731
         for chunk in chunks:
@@ -558,7 +550,7 @@ class ModelRunner:
                   if isinstance(x, jax.Array) and not x.is_deleted()]
         jax.block_until_ready(arrays)  # a step still running holds them: their memory is free once this returns
         for x in arrays:
-            if not any(shard.data.unsafe_buffer_pointer() in keep for shard in x.addressable_shards):
+            if not buffer_addresses(x) & keep:
                 x.delete()
         self._compiled.clear()
 
@@ -567,6 +559,12 @@ class ModelRunner:
         vocabulary limit is -inf whatever the request's."""
         self.tables = self._program("set_slot")(self.tables, np.int32(slot), counts, flags,
                                                 limited_bias(bias, self.vocab_limit))
+
+
+def buffer_addresses(tree) -> frozenset[int]:
+    """The addresses of the device buffers under tree's jax.Arrays."""
+    return frozenset(shard.data.unsafe_buffer_pointer() for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)
+                     for shard in x.addressable_shards)
 
 
 class Pending:

@@ -1,8 +1,5 @@
-"""Per-request sampling parameters (plain Python, validated on construction).
-
-Each field is declared once: its type and default, its allowed range, and for the fields the compiled step reads,
-the device dtype and the value a row without a request takes (`DEVICE_FIELDS`; nanojax.sampling reads them).
-"""
+"""Per-request sampling parameters, validated on construction. Each field is declared once: its default, its range,
+and for those the compiled step reads, its dtype there (`DEVICE_FIELDS`)."""
 import dataclasses
 import math
 
@@ -13,9 +10,8 @@ _INT32_MAX = 2**31 - 1
 
 
 def _field(default, lo, hi, *, integer: bool = False, lo_open: bool = False, device=None, fill=None):
-    """A SamplingParams field: the default, the range [lo, hi] (lo_open: (lo, hi]) a value must lie in (or be None,
-    where the default is); device: its dtype in the compiled step's SamplingBatch, where `fill` is the value of a
-    row without a request."""
+    """A field in [lo, hi] ((lo, hi] if lo_open; None where the default is); device: its dtype in the compiled step,
+    where `fill` is the value of a row without a request."""
     check = dict(lo=lo, hi=hi, integer=integer, lo_open=lo_open, optional=default is None)
     return dataclasses.field(default=default, metadata=dict(
         check=check, device=None if device is None else (np.dtype(device), fill)))
@@ -23,20 +19,10 @@ def _field(default, lo, hi, *, integer: bool = False, lo_open: bool = False, dev
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 is greedy. top_k 0 and top_p 1 and min_p 0 disable those filters.
-
-    seed: makes this request's samples reproducible whatever else is in the batch.
-    stop_token_ids: end generation (like EOS); stop: strings that end generation, cut from the text.
-    min_tokens: EOS and stop_token_ids cannot end generation before this many tokens.
-    n: independent choices for the prompt (they share its KV pages).
-    logprobs: None, or the number (0..20) of most likely tokens whose logprobs come with each generated token, beside
-    the generated token's own (RequestOutput.logprobs).
-    prompt_logprobs: None, or the same for every prompt token after the first, from the model's distribution at the
-    position before it (RequestOutput.prompt_logprobs; OpenAI's `echo` with `logprobs`). Such a request computes its
-    whole prompt: it reads nothing from the prefix cache.
-    repetition_penalty: HF's, divides positive / multiplies negative logits of seen tokens; presence_penalty:
-    OpenAI's, subtracted once from every token already in the output; frequency_penalty: per occurrence.
-    """
+    """temperature 0 is greedy; top_k 0, top_p 1 and min_p 0 disable those filters; seed: reproducible whatever else is
+    in the batch; stop strings are cut from the text; n choices share the prompt's KV pages. logprobs: how many top
+    tokens' logprobs come with each generated token; prompt_logprobs: with each prompt token after the first (such a
+    request reads nothing from the prefix cache). Penalties: HF's repetition, OpenAI's presence and frequency."""
 
     temperature: float = _field(1.0, 0, 100, device=np.float32, fill=0.0)
     top_k: int = _field(0, 0, _INT32_MAX, integer=True, device=np.int32, fill=0)
@@ -100,15 +86,11 @@ def _is_number(x) -> bool:
 
 
 def _check_range(name: str, value, lo, hi, integer: bool, lo_open: bool, optional: bool) -> None:
-    """ValueError naming the field unless value is a finite number of the field's kind in its range (or None, where
-    that is the default)."""
     if value is None and optional:
         return
-    kind = "an int" if integer else "a number"
     ok = _is_int(value) if integer else _is_number(value)
-    if ok and lo is not None:
-        ok = (value > lo if lo_open else value >= lo) and value <= hi
-    if not ok:
+    if not (ok and (value > lo if lo_open else value >= lo) and value <= hi):
+        kind = "an int" if integer else "a number"
         low = "(" if lo_open else "["
         raise ValueError(f"{name} must be {kind} in {low}{lo}, {hi}], got {value!r}")
 

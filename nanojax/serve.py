@@ -1,9 +1,7 @@
 """python -m nanojax.serve [--model M] [--host 127.0.0.1] [--port 8000] — an OpenAI-compatible HTTP server.
 
-FastAPI + uvicorn over one `LLM`: /v1/completions, /v1/chat/completions (both streamable as server-sent events),
-/v1/models, /health, /metrics (Prometheus), /tokenize, /detokenize. The model is loaded and compiled before the
-port opens, so /health answers only once requests can be served. `build_app(llm, name)` serves an LLM that already
-exists (tests, the serving benchmark).
+/v1/completions, /v1/chat/completions (both streamable), /v1/models, /health, /metrics, /tokenize and /detokenize
+over one `LLM`. The port opens once the model is compiled, so /health answers only when requests can be served.
 """
 import argparse
 import asyncio
@@ -40,9 +38,8 @@ from nanojax.serve_protocol import (ChatCompletionRequest, CompletionRequest, De
 
 @dataclasses.dataclass(frozen=True)
 class ServerLimits:
-    """What one request may ask for (past them: 413 for the body, 400 for the rest; max_tokens None: the model's
-    max_model_len); and how long the engine may take to answer /health's stats query, or go without beginning a
-    turn while it has work, before /health answers 503."""
+    """What one request may ask for (past them: 413 for the body, 400 for the rest; max_tokens None: max_model_len),
+    and how long the engine may leave a stats query unanswered, or have work and begin no turn, before /health fails."""
 
     max_body_bytes: int = 8 << 20
     max_n: int = 16
@@ -77,28 +74,6 @@ def _param_of(message: str, prompt_field: str, renames: dict[str, str]) -> str |
     return renames.get(word, word) if word in _SAMPLING_FIELDS else None
 
 
-def _sampling_params(body, max_tokens: int, logprobs: int | None, limits: ServerLimits,
-                     max_model_len: int, prompt_logprobs: int | None = None) -> SamplingParams:
-    """SamplingParams from the request's fields; past the server's limits (or a malformed logit_bias): 400."""
-    token_limit = limits.max_tokens or max_model_len
-    if max_tokens > token_limit:
-        raise RequestError(400, f"max_tokens={max_tokens} is more than this server allows ({token_limit})",
-                           "max_tokens")
-    if body.n > limits.max_n:
-        raise RequestError(400, f"n={body.n} is more than this server allows ({limits.max_n})", "n")
-    try:
-        bias = {int(t): b for t, b in (body.logit_bias or {}).items()}
-    except ValueError:
-        raise RequestError(400, "logit_bias keys must be token ids (integers as strings)", "logit_bias") from None
-    if any(not -100 <= b <= 100 for b in bias.values()):
-        raise RequestError(400, "logit_bias values must be in [-100, 100]", "logit_bias")
-    # Every body field named as a SamplingParams field goes through as given (SamplingParams checks it); these differ.
-    given = {name: getattr(body, name) for name in _SAMPLING_FIELDS if getattr(body, name, None) is not None}
-    return SamplingParams(**{**given, "top_k": 0 if body.top_k == -1 else body.top_k, "max_tokens": max_tokens,
-                             "stop_token_ids": tuple(body.stop_token_ids or ()), "stop": body.stop or (),
-                             "logit_bias": bias or None, "logprobs": logprobs, "prompt_logprobs": prompt_logprobs})
-
-
 def _completion_prompts(llm, prompt, limits: ServerLimits) -> tuple[list[list[int]], list[str | None]]:
     """-> (token ids, the text as given or None) per prompt."""
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
@@ -112,7 +87,7 @@ def _completion_prompts(llm, prompt, limits: ServerLimits) -> tuple[list[list[in
 
 
 # ----- engine outputs to response fields -----
-_ID_PREFIX = secrets.token_hex(8)
+_ID_PREFIX = secrets.token_hex(8)  # response ids: a counter under a random prefix, unique like a uuid4 and cheaper
 _response_numbers = itertools.count()
 
 
@@ -168,7 +143,6 @@ class _Response:
         self.llm, self.chat, self.body, self.prompts, self.echo, self.arrival = llm, chat, body, prompts, echo, arrival
         self.logprobs = bool(body.logprobs) if chat else body.logprobs is not None
         kind = "chatcmpl" if chat else "cmpl"
-        # A counter under a random prefix: unique like a uuid4, without its system call per request.
         self.head = {"id": f"{kind}-{_ID_PREFIX}{next(_response_numbers):08x}", "created": int(time.time()),
                      "model": model}
         chunk_head = {**self.head, "object": "chat.completion.chunk" if chat else "text_completion"}
@@ -306,20 +280,6 @@ async def _invalid(_, e: RequestValidationError):
     return JSONResponse(error_body(message, param=where[0] if where else None), status_code=400)
 
 
-def _chat_renames(body: ChatCompletionRequest) -> dict[str, str]:
-    """SamplingParams' field -> the chat request's field it came from, where they differ."""
-    return {"logprobs": "top_logprobs",
-            "max_tokens": "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"}
-
-
-def _chat_max_tokens(body: ChatCompletionRequest, num_prompt_tokens: int, limits: ServerLimits,
-                     max_model_len: int) -> int:
-    """The request's max_completion_tokens or max_tokens; neither given: what is left of the context (at least 1),
-    within the server's limit."""
-    default = min(max(1, max_model_len - num_prompt_tokens), limits.max_tokens or max_model_len)
-    return next((m for m in (body.max_completion_tokens, body.max_tokens) if m is not None), default)
-
-
 class _Server:
     """One LLM served under one name (and its aliases): the routes' handlers and what they share."""
 
@@ -328,8 +288,8 @@ class _Server:
         self.names = {model_name, *aliases}
         self.metrics = ServeMetrics()
         self.started = int(time.time())
-        # Tokenizing a long prompt holds a thread for a while: off the event loop (which goes on answering), in a
-        # pool of its own (a flood of them leaves the default pool to /health's stats query)
+        # Tokenizing a long prompt holds a thread: off the event loop, and in a pool of its own so that a flood of
+        # them leaves the default pool to /health's stats query.
         self.tokenizing = ThreadPoolExecutor(thread_name_prefix="nanojax-tokenize")
         self.stats_query: asyncio.Future | None = None
 
@@ -350,18 +310,49 @@ class _Server:
 
     async def tokenized(self, fn, prompt_field: str):
         """engine_call(fn) in the tokenizing pool: for what encodes or decodes text a client sent."""
-        return await asyncio.get_running_loop().run_in_executor(self.tokenizing, self.engine_call, fn, prompt_field,
-                                                                {})
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.tokenizing, self.engine_call, fn, prompt_field, {})
 
     async def chat_prompt(self, messages) -> list[int]:
-        """The messages through the model's chat template, as token ids."""
         return await self.tokenized(lambda: self.llm.apply_chat_template([m.as_template_input() for m in messages]),
                                     "messages")
 
     # ----- generation -----
-    async def respond(self, request: Request, response: _Response, params: SamplingParams, prompt_field: str,
-                      renames: dict[str, str]):
+    async def completions(self, body: CompletionRequest, request: Request):
+        arrival = time.perf_counter()
+        self.check_model(body.model)
+        prompts, texts = await self.tokenized(lambda: _completion_prompts(self.llm, body.prompt, self.limits), "prompt")
+        if body.echo:
+            if self.llm.tokenizer is None:
+                raise RequestError(400, "echo needs a tokenizer, and this model has none", "echo")
+            texts = [t if t is not None else self.llm.tokenizer.decode(ids) for ids, t in zip(prompts, texts)]
+        max_tokens = 16 if body.max_tokens is None else body.max_tokens
+        prompt_logprobs = body.logprobs if body.echo else None  # the echoed prompt's
+        response = _Response(self.llm, False, body, self.model_name, prompts, texts, arrival)
+        return await self.respond(request, response, max_tokens, body.logprobs, prompt_logprobs)
+
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request):
+        arrival = time.perf_counter()
+        self.check_model(body.model)
+        ids = await self.chat_prompt(body.messages)
+        max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
+        if max_tokens is None:  # what is left of the context, within the server's limit
+            token_limit = self.limits.max_tokens or self.llm.max_model_len
+            max_tokens = min(max(1, self.llm.max_model_len - len(ids)), token_limit)
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        response = _Response(self.llm, True, body, self.model_name, [ids], [None], arrival)
+        return await self.respond(request, response, max_tokens, logprobs)
+
+    async def respond(self, request: Request, response: _Response, max_tokens: int, logprobs: int | None,
+                      prompt_logprobs: int | None = None):
         """Adds one engine request per prompt; answers with their events streamed (SSE) or collected whole."""
+        body, prompt_field, renames = response.body, "prompt", {}
+        if response.chat:  # errors name the chat request's fields
+            prompt_field = "messages"
+            renames = {"logprobs": "top_logprobs",
+                       "max_tokens": "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"}
+        params = self.engine_call(lambda: self.sampling_params(body, max_tokens, logprobs, prompt_logprobs),
+                                  prompt_field, renames)
         stream = RequestStream(loop=asyncio.get_running_loop())
         request_ids: list[str] = []
         close = functools.partial(self.close, stream, request_ids)
@@ -371,9 +362,30 @@ class _Server:
             close()
             raise
         events = _events(stream, response, self.metrics)
-        if response.body.stream:
+        if body.stream:
             return _AbortOnClose(_sse(events, response), close)
         return await _collect(request, events, response, close)
+
+    def sampling_params(self, body, max_tokens: int, logprobs: int | None,
+                        prompt_logprobs: int | None) -> SamplingParams:
+        """SamplingParams from the request's fields; past the server's limits (or a malformed logit_bias): 400."""
+        token_limit = self.limits.max_tokens or self.llm.max_model_len
+        if max_tokens > token_limit:
+            raise RequestError(400, f"max_tokens={max_tokens} is more than this server allows ({token_limit})",
+                               "max_tokens")
+        if body.n > self.limits.max_n:
+            raise RequestError(400, f"n={body.n} is more than this server allows ({self.limits.max_n})", "n")
+        try:
+            bias = {int(t): b for t, b in (body.logit_bias or {}).items()}
+        except ValueError:
+            raise RequestError(400, "logit_bias keys must be token ids (integers as strings)", "logit_bias") from None
+        if any(not -100 <= b <= 100 for b in bias.values()):
+            raise RequestError(400, "logit_bias values must be in [-100, 100]", "logit_bias")
+        # Body fields named as SamplingParams fields go through as given (SamplingParams checks them); these differ.
+        given = {name: getattr(body, name) for name in _SAMPLING_FIELDS if getattr(body, name, None) is not None}
+        return SamplingParams(**{**given, "top_k": 0 if body.top_k == -1 else body.top_k, "max_tokens": max_tokens,
+                                 "stop_token_ids": tuple(body.stop_token_ids or ()), "stop": body.stop or (),
+                                 "logit_bias": bias or None, "logprobs": logprobs, "prompt_logprobs": prompt_logprobs})
 
     def add_requests(self, response: _Response, params: SamplingParams, stream: RequestStream,
                      request_ids: list[str]) -> None:
@@ -386,38 +398,9 @@ class _Server:
         """Aborts the requests unless all have finished; counted as aborted if the stream had not finished."""
         if not stream.finished:
             self.metrics.aborted.inc()
-        if stream.all_finished:  # nothing to abort: no message for the engine loop
-            return
-        for request_id in request_ids:
-            self.llm.abort(request_id)
-
-    async def completions(self, body: CompletionRequest, request: Request):
-        arrival = time.perf_counter()
-        self.check_model(body.model)
-        llm = self.llm
-        prompts, texts = await self.tokenized(lambda: _completion_prompts(llm, body.prompt, self.limits), "prompt")
-        if body.echo and llm.tokenizer is None:
-            raise RequestError(400, "echo needs a tokenizer, and this model has none", "echo")
-        echo = [t if t is not None else llm.tokenizer.decode(ids) for ids, t in zip(prompts, texts)] \
-            if body.echo else texts
-        max_tokens = 16 if body.max_tokens is None else body.max_tokens
-        prompt_logprobs = body.logprobs if body.echo else None
-        params = self.engine_call(lambda: _sampling_params(body, max_tokens, body.logprobs, self.limits,
-                                                           llm.max_model_len, prompt_logprobs), "prompt", {})
-        response = _Response(llm, False, body, self.model_name, prompts, echo, arrival)
-        return await self.respond(request, response, params, "prompt", {})
-
-    async def chat_completions(self, body: ChatCompletionRequest, request: Request):
-        arrival = time.perf_counter()
-        self.check_model(body.model)
-        ids = await self.chat_prompt(body.messages)
-        max_tokens = _chat_max_tokens(body, len(ids), self.limits, self.llm.max_model_len)
-        renames = _chat_renames(body)
-        logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = self.engine_call(lambda: _sampling_params(body, max_tokens, logprobs, self.limits,
-                                                           self.llm.max_model_len), "messages", renames)
-        response = _Response(self.llm, True, body, self.model_name, [ids], [None], arrival)
-        return await self.respond(request, response, params, "messages", renames)
+        if not stream.all_finished:  # else nothing to abort: no message for the engine loop
+            for request_id in request_ids:
+                self.llm.abort(request_id)
 
     # ----- the rest -----
     def model_card(self) -> dict:
@@ -432,9 +415,8 @@ class _Server:
         return self.model_card()
 
     async def engine_state(self) -> tuple[EngineStats | None, str | None]:
-        """(the engine's load, None if it cannot be read; why it cannot serve requests, None if it can): it has
-        stopped, it does not answer a stats query within stats_timeout_s (a hung process), or it has work and has
-        not begun a turn for stall_timeout_s."""
+        """(the engine's load or None; why it cannot serve, or None): it has stopped, it leaves a stats query
+        unanswered for stats_timeout_s (hung), or it has work and has begun no turn for stall_timeout_s."""
         if self.llm.dead is not None:
             return None, f"the engine has stopped: {self.llm.dead!r}"
         if self.stats_query is None or self.stats_query.done():
@@ -486,16 +468,16 @@ class _Server:
 
 def build_app(llm, model_name: str, *, aliases: tuple[str, ...] = (), api_key: str | None = None,
               limits: ServerLimits = ServerLimits(), on_shutdown=None) -> FastAPI:
-    """The FastAPI app serving `llm` (an LLM or an EngineProcess) under `model_name` (the name in responses and
-    /v1/models; requests may also name it by one of `aliases`); with api_key, every route but /health and /metrics
-    needs `Authorization: Bearer`. on_shutdown() runs when the server shuts down (uvicorn then re-raises the
-    signal)."""
+    """The app serving `llm` (an LLM or an EngineProcess) as `model_name` (requests may also name it by one of
+    `aliases`); on_shutdown() runs when the server shuts down (uvicorn then re-raises the signal)."""
     server = _Server(llm, model_name, aliases, limits)
 
     @contextlib.asynccontextmanager
     async def lifespan(_):
-        yield
-        server.tokenizing.shutdown(wait=False)
+        try:
+            yield
+        finally:  # its threads would otherwise outlive the app; a tokenize in flight finishes on its own
+            server.tokenizing.shutdown(wait=False, cancel_futures=True)
         if on_shutdown is not None:
             await asyncio.to_thread(on_shutdown)
 
@@ -519,10 +501,8 @@ def build_app(llm, model_name: str, *, aliases: tuple[str, ...] = (), api_key: s
 
 
 async def _events(stream: RequestStream, response: _Response, metrics: ServeMetrics):
-    """The stream's events, a list per wakeup of the event loop holding one event per choice (the events that
-    came meanwhile merged: when the loop falls behind the engine, it sends fewer, larger chunks rather than
-    falling further behind); records finished choices and the finished request in the response and the
-    metrics."""
+    """The stream's events, one list per wakeup of the event loop with the events of each choice merged (a loop
+    behind the engine sends fewer, larger chunks rather than falling further behind); records them as they end."""
     last: dict[int, float] = {}  # choice -> when its previous events came
     async for batch in stream.batches():
         now = time.perf_counter()
@@ -552,9 +532,8 @@ def _merged(events: list[RequestOutput], choice_index) -> list[RequestOutput]:
 
 
 async def _sse(events, response: _Response):
-    """Server-sent events: a chunk per choice that changed, those of one wakeup sent together; the usage chunk if
-    asked, then [DONE]. An engine error mid-stream is sent as an error event (the status line has gone out
-    already)."""
+    """Server-sent events: a chunk per choice that changed, the usage chunk if asked, then [DONE]. An engine error
+    mid-stream goes as an error event: the status line has gone out already."""
     try:
         async for batch in events:
             chunks = [response.chunk([response.choice(event, streamed=True)]) for event in batch
@@ -572,7 +551,12 @@ async def _sse(events, response: _Response):
 
 async def _collect(request: Request, events, response: _Response, close) -> dict:
     """Waits for all the events, aborting the requests if the client goes away; -> the whole response."""
-    watcher = asyncio.create_task(_abort_on_disconnect(request, close))
+    async def abort_on_disconnect():
+        while not await request.is_disconnected():
+            await asyncio.sleep(0.5)
+        close()
+
+    watcher = asyncio.create_task(abort_on_disconnect())
     try:
         async for _ in events:
             pass
@@ -584,12 +568,6 @@ async def _collect(request: Request, events, response: _Response, close) -> dict
         watcher.cancel()
         close()
     return response.whole()
-
-
-async def _abort_on_disconnect(request: Request, close) -> None:
-    while not await request.is_disconnected():
-        await asyncio.sleep(0.5)
-    close()
 
 
 class BackgroundServer:
@@ -667,7 +645,6 @@ def parse_args(argv=None):
 
 
 def engine_options(args) -> EngineConfig:
-    """The engine's knobs the command line sets."""
     return EngineConfig(dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, num_pages=args.num_pages,
                         decode_steps=args.decode_steps, kernels=args.kernels, quantization=args.quantization,

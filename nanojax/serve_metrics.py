@@ -1,9 +1,5 @@
-"""The server's Prometheus metrics, in a registry of its own (several servers may live in one process, as in tests).
-
-Engine state (whether it serves, running / waiting requests, KV pages: the engine's `stats()`) is read when /metrics
-is scraped; token counts, the prefix-cache hit rate and latencies are accumulated from the events the server hands
-to its clients.
-"""
+"""The server's Prometheus metrics, in a registry of its own (several servers may live in one process, as in tests):
+the engine's load is read when /metrics is scraped, the rest counted from the events the server hands out."""
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from nanojax.front import EngineStats

@@ -1,9 +1,7 @@
-"""The OpenAI-compatible request bodies the server accepts (pydantic), and OpenAI's error shape.
+"""The OpenAI-compatible request bodies the server accepts (pydantic; vLLM's extra fields too), and OpenAI's errors.
 
-Unknown fields are refused (400 naming the field) rather than silently ignored: a client that sends `tools` or
-`response_format` learns that this server does not do them. Fields vLLM accepts beside OpenAI's are here too.
-Types are strict (no numeric strings, no booleans as numbers, no infinities or NaN): a value the client did not
-mean is refused rather than guessed at.
+Unknown fields and loose types (numeric strings, booleans as numbers, infinities, NaN) are refused rather than
+ignored or guessed at: a client that sends `tools` learns that this server does not do them.
 """
 from typing import Annotated, Literal
 
@@ -110,5 +108,4 @@ class DetokenizeRequest(_Body):
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict:
-    """OpenAI's error shape."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}

@@ -17,6 +17,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
@@ -210,18 +211,21 @@ class TensorParallelOps(Ops):
     def row_project(self, x, p, *, residual):
         """x: [N, K / size] -> [N, H]: the partial products of this device's rows of w, summed over the devices;
         then the bias and the residual (the same on every device)."""
-        out = jax.lax.psum(self.project(x, {k: v for k, v in p.items() if k != "b"}), AXIS)
-        if "b" in p:
-            out = out + p["b"].astype(out.dtype)
+        out = jax.lax.psum(self.project(x, p, bias=False), AXIS)
+        if p.b is not None:
+            out = out + p.b[...].astype(out.dtype)
         return out + residual
 
-    def run_layer(self, layer, lp, x, positions, cos_sin, slots, k_pages, v_pages, batch, config):
-        def local(lp, x, positions, cos_sin, slots, k_pages, v_pages, batch):
-            return layer(self, lp, x, positions, cos_sin, slots, k_pages, v_pages, batch, self.plan.local_config)
+    def run_layer(self, layer, x, positions, cos_sin, slots, k_pages, v_pages, batch, config):
+        graphdef, state = nnx.split(layer)
+
+        def local(state, x, positions, cos_sin, slots, k_pages, v_pages, batch):
+            return nnx.merge(graphdef, state)(self, x, positions, cos_sin, slots, k_pages, v_pages, batch,
+                                              self.plan.local_config)
 
         return jax.shard_map(local, mesh=self.plan.mesh, out_specs=(P(), _KV_PAGES, _KV_PAGES), check_vma=False,
-                             in_specs=(param_specs(lp), P(), P(), P(), P(), _KV_PAGES, _KV_PAGES, P()))(
-            lp, x, positions, cos_sin, slots, k_pages, v_pages, batch)
+                             in_specs=(param_specs(state), P(), P(), P(), P(), _KV_PAGES, _KV_PAGES, P()))(
+            state, x, positions, cos_sin, slots, k_pages, v_pages, batch)
 
     def embed(self, table, ids):
         """Each device looks up the ids in its vocabulary rows (zeros for the others); one all-reduce of the [N, H]
@@ -246,12 +250,15 @@ class TensorParallelOps(Ops):
         return jax.shard_map(local, mesh=self.plan.mesh, in_specs=(P(), P()), out_specs=P(), check_vma=False)(
             logits, s)
 
-    def vocab_head(self, head_logits, head, hidden):
+    def vocab_head(self, head, hidden):
         """Each device's logits over its vocabulary shard, all-gathered (a few KB per row); the vocabulary padding
         cut off. XLA's own partitioning of the sharded head all-gathered the weights instead."""
-        def local(head, hidden):
-            return jax.lax.all_gather(head_logits(head, hidden), AXIS, axis=hidden.ndim - 1, tiled=True)
+        graphdef, state = nnx.split(head)
 
-        logits = jax.shard_map(local, mesh=self.plan.mesh, in_specs=(param_specs(head), P()), out_specs=P(),
-                               check_vma=False)(head, hidden)
+        def local(state, hidden):
+            logits = nnx.merge(graphdef, state)(hidden)
+            return jax.lax.all_gather(logits, AXIS, axis=hidden.ndim - 1, tiled=True)
+
+        logits = jax.shard_map(local, mesh=self.plan.mesh, in_specs=(param_specs(state), P()), out_specs=P(),
+                               check_vma=False)(state, hidden)
         return logits[..., :self.plan.config.vocab_size]

@@ -1,10 +1,5 @@
-"""The one place for jax-version differences in the Pallas Triton API (supported: jax 0.10.x and 0.11.x), for how
-the kernels' dots lower, and for the GPU size the kernels' automatic tilings aim at.
-
-Both versions export `CompilerParams`, `load` and `store` from `jax.experimental.pallas.triton`. Passing Triton
-compiler params is what selects the Triton lowering: without them jax >= 0.11 lowers GPU kernels with Mosaic GPU,
-which does not support the pointer-gather loads these kernels use.
-"""
+"""What the kernels share: the Pallas Triton API of jax 0.10.x and 0.11.x, their dots, GPU size and input check.
+Triton compiler params select the Triton lowering: jax >= 0.11 would take Mosaic GPU, which lacks pointer gathers."""
 import functools
 import sys
 
@@ -18,11 +13,8 @@ store = plgpu.store
 
 
 def _name_the_triton_dialect_module() -> None:
-    """MLIR's Python bindings import a dialect's module (under each of their search prefixes) whenever they wrap a
-    value or an op of that dialect, until one import succeeds. jaxlib ships the Triton dialect's module as
-    `jaxlib.triton.dialect`, a name they do not search, so every wrap in JAX's Triton lowering walked sys.path in
-    vain (docs/perf_notes.md, "Where the compile goes"). Under the name they search, the first lookup succeeds and is
-    remembered; the ops' classes were registered when the module was imported, so the lowering is unchanged."""
+    """Puts jaxlib's Triton dialect where MLIR's bindings look on every wrap, instead of walking sys.path in vain
+    (docs/perf_notes.md, "Where the compile goes")."""
     try:
         from jaxlib.triton import dialect
     except ImportError:
@@ -38,9 +30,7 @@ H100_SMS = 132
 
 @functools.cache
 def num_sms() -> int:
-    """Streaming multiprocessors of the GPU the kernels run on: the automatic tilings size memory-bound grids to
-    about one program per SM, at trace time. Without a GPU (interpret mode on CPU) H100_SMS stands in, so that CPU
-    runs trace the tilings that GPU gets."""
+    """The GPU's SMs, which memory-bound grids fill; H100_SMS without one, so interpret mode traces its tilings."""
     if jax.default_backend() != "gpu":
         return H100_SMS
     return jax.devices()[0].core_count
@@ -51,8 +41,7 @@ def is_power_of_2(n: int) -> bool:
 
 
 def dot(a, b, *, trans_b=False):
-    """a [M, K] @ b [K, N] (b [N, K] with trans_b) accumulated in f32. HIGHEST keeps f32 inputs in IEEE f32 on GPU:
-    the Triton lowering takes DEFAULT and HIGH as tf32."""
+    """a [M, K] @ b [K, N] (b [N, K] with trans_b) in f32; HIGHEST, as Triton takes DEFAULT and HIGH as tf32."""
     dims = (((1,), (1 if trans_b else 0,)), ((), ()))
     return lax.dot_general(a, b, dims, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
 
@@ -62,12 +51,16 @@ def triton_params(num_warps: int, num_stages: int):
 
 
 def can_lower_for_cuda() -> bool:
-    """Whether Triton kernels can be lowered for 'cuda' here (e.g. on a CPU-only machine, to check the lowering):
-    jaxlib <= 0.10.2 lowers them without a GPU; later versions need one (0.11.2 asks a GPU device for its compute
-    capability; some 0.11 development versions compiled the module while lowering, through the CUDA plugin). Uses
-    jaxlib internals, so anything unexpected means "no"."""
+    """Whether Triton kernels lower for 'cuda' without a GPU (jaxlib <= 0.10.2); anything unexpected means "no"."""
     try:
         from jax._src.lib import triton, version
         return version <= (0, 10, 2) or triton.has_compilation_handler("cuda")
     except (ImportError, AttributeError):
         return False
+
+
+def check_vector(name, x, length, dtype=jnp.int32):
+    """Raises ValueError unless x is a [length] array of dtype."""
+    if x is None or x.shape != (length,) or x.dtype != dtype:
+        got = None if x is None else f"{x.dtype}{x.shape}"
+        raise ValueError(f"{name} must be {jnp.dtype(dtype).name} [{length}], got {got}")

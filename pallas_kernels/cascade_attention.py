@@ -1,18 +1,8 @@
-"""Cascade decode attention: KV pages that several sequences share (a prefix-cached prompt) read once per step for
-all of them, not once per sequence.
-
-The shared prefixes come as work items, planned on the host each step (nanojax.cascade.plan_cascade):
-    item w: KV positions [item_start[w], item_end[w]) of row item_row[w]'s page table, pages that all its member rows
-        item_members[w, :] (-1: none) share. One program per (item, KV head) attends all its members' queries to
-        those pages together: members x query heads per KV head are the rows of one tensor-core dot, so each page
-        is read once per item. Member i's piece (o unnormalized, m, l: paged_decode_attention's return_stats format)
-        fills slot item_slots[w, i] of its row.
-    row b: its pieces, in slots 0 .. num_pieces[b] - 1, cover positions [0, kv_starts[b]) exactly once; its own
-        suffix [kv_starts[b], seq_lens[b]) goes through the paged decode kernel (one KV split, from kv_starts), whose
-        epilogue merges the row's shared pieces into its own by log-sum-exp (paged_attention._merge_pieces).
-
-Layouts as pallas_kernels.paged_attention: k_pages, v_pages [num_pages, Hkv, page_size, D]; q [B, Hq, D], query head
-h reading KV head h // (Hq // Hkv).
+"""Cascade decode attention: KV pages that several sequences share read once per step for all of them. Work item w
+(nanojax.cascade.plan_cascade) covers positions [item_start[w], item_end[w]) of row item_row[w]'s page table, shared
+by rows item_members[w, :] (-1: none); member i's piece (return_stats' format) fills slot item_slots[w, i] of its
+row. Row b's pieces, in slots 0 .. num_pieces[b] - 1, cover [0, kv_starts[b]); the paged decode kernel attends its
+suffix [kv_starts[b], seq_lens[b]) and merges the pieces in its epilogue (_merge_pieces).
 """
 import dataclasses
 import functools
@@ -22,7 +12,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._compat import is_power_of_2, load, store, triton_params
+from pallas_kernels._compat import check_vector, is_power_of_2, load, store, triton_params
 from pallas_kernels.paged_attention import (
     _LOG2E,
     _MASK,
@@ -38,12 +28,7 @@ from pallas_kernels.paged_attention import _default_config as _decode_config
 
 @dataclasses.dataclass(frozen=True)
 class CascadeConfig:
-    """Tiling of the cascade kernel.
-
-    block_m: query rows of one program at most (members x next_pow2(query heads per KV head)), a power of two >= 16;
-        cascade_members_per_item gives the planner the members that fill it.
-    block_k: KV tokens per inner-loop step, a power of two >= 16 (halved for f32, see _default_config).
-    """
+    """block_m: rows of a program at most (members x padded heads per KV head); block_k: KV tokens per loop step."""
     block_m: int = 64
     block_k: int = 64
     num_warps: int = 4
@@ -54,9 +39,7 @@ class CascadeConfig:
             raise ValueError(f"block_m and block_k must be powers of two >= 16, got {self}")
 
 
-# A shared prefix is long and its items have many rows: compute per tile is prefill-like, and the loop streams KV as
-# decode's does. 64 rows and 4 warps, with two waves of items (nanojax/runner.py), won the sweep (docs/perf_notes.md,
-# "Cascade attention").
+# The sweep's choice, with two waves of items (docs/perf_notes.md, "Cascade attention").
 CASCADE_CONFIG = CascadeConfig()
 
 
@@ -68,8 +51,7 @@ def _default_config(dtype):
 
 
 def cascade_members_per_item(num_q_heads: int, num_kv_heads: int, config: CascadeConfig | None = None) -> int:
-    """Member rows per work item that fill the kernel's block_m rows (the planner's members_per_item); config None:
-    CASCADE_CONFIG."""
+    """Member rows per work item that fill block_m (the planner's members_per_item); config None: CASCADE_CONFIG."""
     return (config or CASCADE_CONFIG).block_m // pl.next_power_of_2(num_q_heads // num_kv_heads)
 
 
@@ -84,9 +66,7 @@ def _attend_reference(q, k, v, valid, scale):
 
 def cascade_decode_attention_reference(q, k_pages, v_pages, page_table, seq_lens, kv_starts, num_pieces, item_row,
                                        item_start, item_end, item_members, item_slots, *, scale):
-    """Plain jnp: every item's pieces for its members, each row's suffix [kv_starts, seq_lens), merged per row by
-    membership (num_pieces and item_slots, the kernel's bookkeeping, are not used). Returns [B, Hq, D] in q.dtype.
-    Shapes as cascade_decode_attention."""
+    """Plain jnp: items' pieces and rows' suffixes merged by membership (num_pieces and item_slots go unused)."""
     del num_pieces, item_slots
     batch, num_q_heads, head_dim = q.shape
     _, num_kv_heads, page_size, _ = k_pages.shape
@@ -119,22 +99,14 @@ def cascade_decode_attention_reference(q, k_pages, v_pages, page_table, seq_lens
                                     jnp.stack([suffix[2], sums[1]]), q.dtype)
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Pallas (Triton) kernel: a program per (item, KV head). Its rows are (member, query head of this KV head) pairs,
-# next_pow2(group) rows per member as paged attention's (token, head) rows. The item's pages come from its
-# representative row's page table, read as positions of the flattened [B * P] table (row * P * page_size + position),
-# so the paged kernel's tile loop (_attend) serves it unchanged: full tiles unmasked, the last one masked.
+# A program per (item, KV head), rows (member, query head). The item's pages are positions in the flattened [B * P] page
+# table (row * P * page_size + position), so paged attention's _attend serves.
 
 def _cascade_kernel(item_row_ref, item_start_ref, item_end_ref, members_ref, slots_ref, q_ref, k_ref, v_ref,
                     page_table_ref, o_ref, m_ref, l_ref, *, block_m, group, group_pad, block_k, scale):
-    # item_row_ref, item_start_ref, item_end_ref: [] int32 this item's row (its page table) and KV positions
-    # members_ref, slots_ref: [M] int32 the item's member rows (-1: none) and the slot of each member's piece
-    # q_ref: [B, Hq, D] every row's query
-    # k_ref, v_ref: [num_pages, S, D] the page pool of this program's KV head
-    # page_table_ref: [B * P] int32 every row's page table, flattened
-    # o_ref: [W, B, Hq, D] every row's pieces, unnormalized, in bf16 for bf16 q (_pieces_dtype); m_ref,
-    #   l_ref: [W, B, Hq] f32 their running max (log2 units) and denominator. Only the (slot, member row, head) of
-    #   this program's rows are written.
+    # item_row_ref, item_start_ref, item_end_ref: [] int32; members_ref, slots_ref: [M] int32 (-1: no member)
+    # q_ref: [B, Hq, D]; k_ref, v_ref: [num_pages, S, D] this KV head's pool; page_table_ref: [B * P] int32
+    # o_ref: [W, B, Hq, D] (_pieces_dtype); m_ref, l_ref: [W, B, Hq] f32; written at this program's rows only
     num_members = members_ref.shape[0]
     batch, _, head_dim = q_ref.shape
     member, head, head_ok = _query_rows(0, pl.program_id(1), block_m, group, group_pad)
@@ -142,8 +114,7 @@ def _cascade_kernel(item_row_ref, item_start_ref, item_end_ref, members_ref, slo
     row = load(members_ref.at[member], mask=member_ok, other=-1)
     slot = load(slots_ref.at[member], mask=member_ok, other=0)
     row_ok = row >= 0
-    # Masked lanes point past the batch: interpret mode's masked store writes every lane (the old value on masked
-    # ones), and a masked lane aliasing a written element could put the old value back.
+    # Masked lanes point past the batch: interpret mode's masked store writes old values there, which must not alias.
     row = jnp.where(row_ok, row, batch)
     idx = (row[:, None], head[:, None], jnp.arange(head_dim)[None, :])
     q = load(q_ref.at[idx], mask=row_ok[:, None], other=0.0)
@@ -159,17 +130,14 @@ def _cascade_kernel(item_row_ref, item_start_ref, item_end_ref, members_ref, slo
 
 
 def _pieces_dtype(dtype):
-    """The dtype of the items' unnormalized outputs: bf16 for bf16 q, else f32. Every row reads its pieces in the
-    merge, so their bytes are a step's second largest read after the shared KV (docs/perf_notes.md, "Cascade
-    attention"); bf16 rounds each output once more, by 2^-9 relative, as the merged output is anyway. Not f16: a
-    piece sums up to 1,024 tokens' values, past f16's range for values above 64."""
+    """bf16 pieces for bf16 q, else f32: their bytes are the step's second largest read (docs/perf_notes.md,
+    "Cascade attention"). Not f16: a piece sums up to 1,024 tokens' values, past f16's range for values above 64."""
     return jnp.bfloat16 if jnp.dtype(dtype) == jnp.bfloat16 else jnp.float32
 
 
 def _cascade_pieces(q, k_pages, v_pages, page_table, item_row, item_start, item_end, item_members, item_slots, *,
                     scale, config, interpret):
-    """-> the items' pieces: o [W, B, Hq, D] (_pieces_dtype), m, l [W, B, Hq] f32; slots a row does not fill are
-    garbage."""
+    """-> the items' pieces o [W, B, Hq, D], m, l [W, B, Hq]; slots a row does not fill are garbage."""
     batch, num_q_heads, head_dim = q.shape
     num_pages, num_kv_heads, page_size, _ = k_pages.shape
     num_items, num_members = item_members.shape
@@ -203,10 +171,8 @@ def _cascade_pieces(q, k_pages, v_pages, page_table, item_row, item_start, item_
 def _check_cascade_inputs(q, k_pages, kv_starts, num_pieces, item_row, item_start, item_end,
                           item_members, item_slots, config):
     """Raises ValueError for cascade arrays the kernel cannot take (q, pages, table: _check_inputs)."""
-    batch = q.shape[0]
-    for name, x in (("kv_starts", kv_starts), ("num_pieces", num_pieces)):
-        if x is None or x.shape != (batch,) or x.dtype != jnp.int32:
-            raise ValueError(f"{name} must be int32 [{batch}], got {None if x is None else (x.dtype, x.shape)}")
+    check_vector("kv_starts", kv_starts, q.shape[0])
+    check_vector("num_pieces", num_pieces, q.shape[0])
     if item_members.ndim != 2 or item_slots.shape != item_members.shape:
         raise ValueError(f"item_members and item_slots must both be [num_items, members], got {item_members.shape} "
                          f"and {item_slots.shape}")
@@ -224,18 +190,9 @@ def _check_cascade_inputs(q, k_pages, kv_starts, num_pieces, item_row, item_star
 @functools.partial(jax.jit, static_argnames=("scale", "config", "interpret"))
 def cascade_decode_attention(q, k_pages, v_pages, page_table, seq_lens, kv_starts, num_pieces, item_row, item_start,
                              item_end, item_members, item_slots, *, scale, config=None, interpret=False):
-    """Decode attention with shared prefixes read once per work item (module docstring), equal to
-    paged_decode_attention.
-
-    q: [B, Hq, D]; k_pages, v_pages: [num_pages, Hkv, page_size, D]; page_table: [B, P] int32; seq_lens: [B] int32
-    (0: a padding row, zeros out); kv_starts, num_pieces: [B] int32; item_row, item_start, item_end: [W] int32;
-    item_members, item_slots: [W, M] int32 (nanojax.cascade.plan_cascade's arrays, ARRAY_FIELDS order).
-    Returns [B, Hq, D] in q.dtype. config None: CASCADE_CONFIG (block_k halved for f32); the suffixes take
-    DECODE_CONFIG's tiles in one KV split (a suffix is a row's own few tokens).
-    """
-    if q.ndim != 3:
-        raise ValueError(f"q must be [batch, num_q_heads, head_dim], got shape {q.shape}")
-    _check_inputs(q[:, None], k_pages, v_pages, page_table, seq_lens, None, kv_starts)
+    """paged_decode_attention with shared prefixes read once per work item; plan_cascade's arrays in ARRAY_FIELDS
+    order: kv_starts, num_pieces [B], item_row, item_start, item_end [W], item_members, item_slots [W, M], int32."""
+    _check_inputs(q, k_pages, v_pages, page_table, seq_lens, None, kv_starts)
     config = config or _default_config(q.dtype)
     _check_cascade_inputs(q, k_pages, kv_starts, num_pieces, item_row, item_start, item_end,
                           item_members, item_slots, config)

@@ -1,16 +1,8 @@
-"""Paged attention over the KV page pool.
+"""Paged attention over the KV page pool, one kernel for prefill, chunked prefill and decode.
 
-KV page layout (shared by the model, the cache writer and the kernels):
-    k_pages, v_pages: [num_pages, num_kv_heads, page_size, head_dim]
-A page holds `page_size` consecutive tokens of one sequence for all KV heads. Each (page, kv_head) tile is one
-contiguous page_size x head_dim run, so a kernel program that owns one KV head streams whole tiles with wide,
-coalesced loads, and a page (all heads) is one contiguous block for the cache writer and for page copies.
-
-Query layout (prefill, chunked prefill and decode alike):
-    q: [batch, q_tokens, num_q_heads, head_dim], padded per sequence.
-Row b holds q_lens[b] new tokens whose KV is already written; token t of row b sits at absolute position
-seq_lens[b] - q_lens[b] + t and attends to cached positions 0..that position (causal). Rows t >= q_lens[b] are
-padding and come out as zeros. Query head h reads KV head h // (num_q_heads // num_kv_heads), as HF's repeat_kv.
+k_pages, v_pages: [num_pages, Hkv, page_size, D]: a (page, KV head) tile is one contiguous run, streamed whole by the
+program of its KV head. q: [B, T, Hq, D]: row b's q_lens[b] new tokens, their KV written, sit at positions
+seq_lens[b] - q_lens[b] + t and attend causally; padding tokens give zeros. Query head h reads KV head h // (Hq // Hkv).
 """
 import dataclasses
 import functools
@@ -21,20 +13,15 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._compat import dot, is_power_of_2, load, store, num_sms, triton_params
+from pallas_kernels._compat import check_vector, dot, is_power_of_2, load, num_sms, store, triton_params
 
 
 def paged_attention_reference(q, k_pages, v_pages, page_table, seq_lens, q_lens, *, scale):
-    """Plain jnp paged attention.
-
-    q: [B, T, Hq, D]; k_pages, v_pages: [num_pages, Hkv, S, D]; page_table: [B, pages_per_seq] int32;
-    seq_lens, q_lens: [B] int32. Returns [B, T, Hq, D] in q.dtype (f32 math).
-    """
+    """Plain jnp, f32 math: q [B, T, Hq, D], page_table [B, P], seq_lens, q_lens [B] -> [B, T, Hq, D] in q.dtype."""
     batch, q_tokens, num_q_heads, head_dim = q.shape
     _, num_kv_heads, page_size, _ = k_pages.shape
     group = num_q_heads // num_kv_heads
-    pages_per_seq = page_table.shape[1]
-    ctx = pages_per_seq * page_size
+    ctx = page_table.shape[1] * page_size
 
     def gather(pages):  # -> [B, Hkv, ctx, D]
         seq_pages = pages[page_table]  # [B, P, Hkv, S, D]
@@ -48,8 +35,7 @@ def paged_attention_reference(q, k_pages, v_pages, page_table, seq_lens, q_lens,
     q_pos = (seq_lens - q_lens)[:, None] + t[None, :]  # [B, T]
     k_pos = jnp.arange(ctx)
     valid_q = t[None, :] < q_lens[:, None]  # [B, T]
-    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & valid_q[:, :, None]  # [B, T, ctx]
-    mask = mask[:, None, None]  # [B, 1, 1, T, ctx]
+    mask = ((k_pos[None, None, :] <= q_pos[:, :, None]) & valid_q[:, :, None])[:, None, None]  # [B, 1, 1, T, ctx]
     scores = jnp.where(mask, scores, -jnp.inf)
     row_max = jnp.max(scores, axis=-1, keepdims=True)
     probs = jnp.where(mask, jnp.exp(scores - jnp.where(jnp.isfinite(row_max), row_max, 0.0)), 0.0)
@@ -59,35 +45,20 @@ def paged_attention_reference(q, k_pages, v_pages, page_table, seq_lens, q_lens,
     return out.reshape(batch, q_tokens, num_q_heads, head_dim).astype(q.dtype)
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Pallas (Triton) kernel.
-#
-# One kernel serves decode and prefill. A program owns (sequence, query block, KV head, KV split). Its query rows are
-# (token, query head) pairs of that KV head, `group_pad` = next_pow2(group) rows per token: one K/V tile then feeds
-# every query head that reads it (GQA), and decode's 1..8 heads are padded to the >= 16 rows that tl.dot needs.
-# K/V rows are gathered token by token through the page table, so block_k is independent of page_size (8-token pages
-# work, and a 256-token page is streamed in block_k slices). The softmax runs online, in log2 units.
+# A program owns (sequence, query block, KV head, KV split), rows (token, query head): a K/V tile feeds every head that
+# reads it, and decode's few heads pad to tl.dot's 16 rows. K/V rows are gathered: block_k does not depend on pages.
 
 _LOG2E = math.log2(math.e)
-# Finite "minus infinity": exp2(_MASK - m) == 0 for any real m and _MASK - _MASK == 0, so fully masked rows and empty
-# splits never produce inf - inf = NaN.
+# Finite "minus infinity": exp2(_MASK - m) == 0 and _MASK - _MASK == 0, so masked rows never make inf - inf = NaN.
 _MASK = -1e30
-# A grid of 2-4 programs per SM over long sequences streams them in 2x deeper KV tiles, unsplit: its last, partly
-# filled wave then takes half the loop steps (docs/perf_notes.md, "Decode attention: splits and tile sizes").
+# Tables from this long, in grids of 2-4 programs per SM, take doubled tiles unsplit (see _kv_tiling).
 _LONG_KV_TOKENS = 4096
 
 
 @dataclasses.dataclass(frozen=True)
 class PagedAttentionConfig:
-    """Tiling of the paged attention kernel.
-
-    block_m: query rows per program, an upper bound (shrunk to the chunk, never below 16); a power of two.
-    block_k: KV tokens per inner-loop step; a power of two >= 16, independent of page_size.
-    k_splits: programs sharing one query block's KV tiles, dealt round-robin (flash decoding); None picks one
-        program per SM, and doubles block_k, unsplit, for grids of 2-4 programs per SM with long sequences and
-        for grids under one wave over tables of two tiles (see _kv_tiling), and caps num_stages for short loops
-        (see _num_stages).
-    """
+    """block_m: query rows a program at most; block_k: KV tokens a loop step; k_splits: programs sharing a query
+    block's KV tiles (flash decoding), None for the automatic tiling (_kv_tiling)."""
     block_m: int = 128
     block_k: int = 64
     k_splits: int | None = 1
@@ -101,60 +72,37 @@ class PagedAttentionConfig:
             raise ValueError(f"k_splits must be None or >= 1, got {self.k_splits}")
 
 
-# num_stages: the page-table load is one level of indirection in front of the K/V loads, and Triton's pipeliner
-# splits the stages between the two; 5 stages give K/V two buffers (one tile computing, one in flight), fewer give one
-# buffer and no overlap of loads with compute inside a program (checked on Triton 3.6 TTGIR for sm_90).
-# Decode is memory-bound: 16 rows, 2 x 16 KiB K/V tiles (D=128, bf16), ~72 KiB shared memory, k_splits fills the GPU.
+# Decode is memory-bound. Triton's pipeliner splits the stages between the page-table load and the K/V loads behind
+# it: 5 stages give K/V two buffers (one computing, one in flight), fewer give one and no overlap.
 DECODE_CONFIG = PagedAttentionConfig(block_m=16, block_k=64, k_splits=None, num_warps=4, num_stages=5)
-# Prefill is compute-bound: FlashAttention-2's usual 128 x 64 tiles.
+# Prefill is compute-bound: FlashAttention-2's 128 x 64 tiles.
 PREFILL_CONFIG = PagedAttentionConfig()
 
 
 def _default_config(config, dtype):
-    """config (DECODE_CONFIG or PREFILL_CONFIG, sized for 2-byte dtypes), with block_m and block_k halved for f32
-    so that the pipelined tiles fit in shared memory and the f32 operands in registers (no spills at D=128)."""
+    """config, with block_m and block_k halved for f32: its tiles fit shared memory and its operands registers."""
     if jnp.dtype(dtype).itemsize <= 2:
         return config
     return dataclasses.replace(config, block_m=max(16, config.block_m // 2), block_k=max(16, config.block_k // 2))
 
 
-def _cdiv(a, b):
-    """Ceil division of non-negative traced ints with lax.div (jnp's // adds floor-rounding fix-ups)."""
-    return lax.div(a + (b - 1), b)
-
-
 def _query_rows(first_token, kv_head, block_m, group, group_pad):
-    """-> token, query head, head_ok: each [block_m], for this program's query rows."""
+    """-> token, query head, head_ok: each [block_m], of this program's rows."""
     rows = jnp.arange(block_m)
     slot = lax.rem(rows, group_pad)
     return first_token + lax.div(rows, group_pad), kv_head * group + slot, slot < group
 
 
-def _kv_end(seq_len, q_len, first_token, block_tokens):
-    """-> the end of the KV positions a query block attends to. Causal skip: the block needs the positions up to its
-    last valid query, a block of padding tokens none."""
-    last_token = jnp.minimum(q_len, first_token + block_tokens)
-    return jnp.where(first_token < q_len, seq_len - q_len + last_token, 0)
-
-
 def _tiles_of_split(end, split, k_splits, block_k):
-    """How many of the block_k tiles that end by `end` (tile t covers [t * block_k, (t + 1) * block_k)) go to this
-    split. Tiles are dealt round-robin, split s takes s, s + k_splits, ...: every split's first tile then sits at a
-    position known before the length is loaded (contiguous chunks start at a multiple of length / k_splits), which
-    lets decode fetch it early (see _load_kv_tile), and the splits' work differs by at most one tile."""
-    return _cdiv(jnp.maximum(lax.div(end, block_k) - split, 0), k_splits)
+    """The tiles ending by `end` this split takes, round-robin: its first tile is known before the length is. lax.div
+    rounds up a non-negative count without the floor-rounding fix-ups of jnp's //."""
+    tiles = jnp.maximum(lax.div(end, block_k) - split, 0)
+    return lax.div(tiles + (k_splits - 1), k_splits)
 
 
 def _load_kv_tile(k_ref, v_ref, page_table_ref, pos, valid, *, decode=False):
-    """Gathers the K and V rows of KV positions pos [N] -> two [N, D] tiles (valid None: all positions are valid).
-
-    Masking the loads, not just the scores, keeps stale or NaN cache slots and unused page-table entries out: a masked
-    lane is never read, whereas a 0 probability times a NaN V row would poison the output.
-    decode: the page-table entries and K rows are read unmasked (table entries and page ids clamped, so every lane
-    reads inside the pool), and only V waits for `valid`. Valid depends on the sequence's length, a load of its own:
-    unmasked, a program's first page-table and K loads go out together with the length's instead of after it. The
-    caller masks the scores of invalid positions (jnp.where selects, so a NaN K row drops out).
-    """
+    """K and V rows of positions pos [N] -> two [N, D] tiles. Masked loads keep stale NaN slots out (0 * NaN is NaN).
+    decode: table entries (clamped) and K load unmasked, beside the length's load; the caller masks the scores."""
     num_pages, page_size, head_dim = k_ref.shape
     entry = lax.div(pos, page_size)
     if valid is None:
@@ -171,18 +119,8 @@ def _load_kv_tile(k_ref, v_ref, page_table_ref, pos, valid, *, decode=False):
 
 def _attend(q, q_pos, row_ok, k_ref, v_ref, page_table_ref, split, k_splits, kv_end, full_end, *, block_k, scale,
             decode, kv_start=None):
-    """Online softmax of q [M, D] over this split's tiles of the KV positions [kv_start, kv_end), causal on q_pos [M].
-
-    kv_start None means 0 (the trace is then the one without it). Tiles start at kv_start, not at a multiple of
-    block_k: a range that starts mid-tile (a cascade piece, a suffix behind shared pages) takes no extra tile.
-
-    Prefill: tiles that end by full_end hold only positions every row sees, so they run without the mask (no compare
-    or select on the [M, block_k] scores); rows that are not row_ok get garbage there, which the caller zeroes.
-    Decode (block_m 16, little compute per tile): one loop of masked tiles loaded as _load_kv_tile's decode, at least
-    one step, so that the first tile's loads need not wait for the length to know whether there is one
-    (docs/perf_notes.md, "Decode attention: loads, and the split merge").
-    -> o [M, D] f32 unnormalized, m [M] running max (log2 units), l [M] softmax denominator.
-    """
+    """Online softmax (log2 units) of q [M, D] over this split's tiles of [kv_start, kv_end) -> o [M, D], m, l [M].
+    Tiles ending by full_end skip the mask (garbage in rows not row_ok); decode runs one masked loop of 1+ steps."""
     def body(j, carry, masked):
         o, m, l = carry
         pos = (split + j * k_splits) * block_k + jnp.arange(block_k)
@@ -216,10 +154,8 @@ def _attend(q, q_pos, row_ok, k_ref, v_ref, page_table_ref, split, k_splits, kv_
 
 
 def _merge_pieces(o, m, l, row_ok, kv_head, group, pieces_refs):
-    """Decode's epilogue for a sequence's shared pieces (cascade_attention): the log-sum-exp merge of this program's
-    o [M, D], m, l [M] (row r < group: query head kv_head * group + r of the one token) with the sequence's first
-    `count` pieces. pieces_refs: o_ref [W, Hq, D] unnormalized, m_ref, l_ref [W, Hq] f32, count_ref [] int32.
-    -> the merged (o, m, l)."""
+    """Decode's epilogue for cascade_attention: o [M, D], m, l [M] (row r: query head kv_head * group + r) merged with
+    the sequence's first `count` pieces. pieces_refs: o [W, Hq, D], m, l [W, Hq] f32, count [] int32."""
     po_ref, pm_ref, pl_ref, count_ref = pieces_refs
     num_items, _, head_dim = po_ref.shape
     rows = jnp.arange(o.shape[0])
@@ -242,18 +178,12 @@ def _merge_pieces(o, m, l, row_ok, kv_head, group, pieces_refs):
 
 def _paged_attention_kernel(q_ref, k_ref, v_ref, page_table_ref, seq_len_ref, q_len_ref, kv_start_ref, pieces_refs,
                             o_ref, *stat_refs, block_m, group, group_pad, block_k, k_splits, scale):
-    # q_ref: [T, Hq, D] this sequence's queries
-    # k_ref, v_ref: [num_pages, S, D] the page pool of this program's KV head
-    # page_table_ref: [P] this sequence's pages
-    # seq_len_ref, q_len_ref: [] cached tokens (this chunk included) and new tokens; q_len_ref is None for decode
-    # kv_start_ref: [] the first KV position attended to (decode only), or None for 0
-    # pieces_refs: None, or (decode, one split) this sequence's shared pieces merged into the output: o [W, Hq, D]
-    #   unnormalized, m, l [W, Hq] f32, count [] int32 (its first count pieces hold one); see _merge_pieces
-    # o_ref: [T, Hq, D] the output, or (with stat_refs) this split's f32 unnormalized output
-    # stat_refs: () or (m_ref, l_ref), each [T, Hq] f32: this split's running max (log2 units) and denominator
+    # q_ref: [T, Hq, D]; k_ref, v_ref: [num_pages, S, D] this KV head's pool; page_table_ref: [P]
+    # seq_len_ref, q_len_ref: [] (q_len_ref None: decode); kv_start_ref: [] first KV position, or None (0)
+    # pieces_refs: None, or shared pieces to merge (_merge_pieces); o_ref: [T, Hq, D]
+    # stat_refs: () or (m_ref, l_ref) [T, Hq] f32; with them o_ref holds this split's unnormalized f32 output
     num_tokens, _, head_dim = q_ref.shape
-    # Query blocks in reverse: causal work grows with the block index, and launching the heaviest first shortens the
-    # tail of the grid.
+    # The heaviest (last, causal) query blocks launch first: a shorter tail of the grid.
     q_block = pl.num_programs(1) - 1 - pl.program_id(1)
     kv_head = pl.program_id(2)
     split = pl.program_id(3) if k_splits > 1 else 0
@@ -266,7 +196,9 @@ def _paged_attention_kernel(q_ref, k_ref, v_ref, page_table_ref, seq_len_ref, q_
     row_ok = head_ok & (token < q_len)
     idx = (token[:, None], head[:, None], jnp.arange(head_dim)[None, :])
     q = load(q_ref.at[idx], mask=row_ok[:, None], other=0.0)
-    kv_end = _kv_end(seq_len, q_len, first_token, block_tokens)
+    # The block attends up to its last valid query (causal); a block of padding tokens to nothing.
+    last_token = jnp.minimum(q_len, first_token + block_tokens)
+    kv_end = jnp.where(first_token < q_len, seq_len - q_len + last_token, 0)
     # Every row sees the positions up to the block's first token: unmasked tiles end there.
     full_end = jnp.minimum(kv_end, seq_len - q_len + first_token + 1)
     o, m, l = _attend(q, seq_len - q_len + token, row_ok, k_ref, v_ref, page_table_ref, split, k_splits, kv_end,
@@ -294,9 +226,7 @@ def combine_splits_reference(o, m, l, dtype):
 
 
 def _combine_splits_kernel(o_ref, m_ref, l_ref, out_ref):
-    # o_ref: [k_splits, D] f32 the splits' unnormalized outputs of one (sequence, token, query head)
-    # m_ref, l_ref: [k_splits] f32 their running max (log2 units) and softmax denominator
-    # out_ref: [D] the merged output
+    # o_ref: [k_splits, D] f32 unnormalized; m_ref, l_ref: [k_splits] f32; out_ref: [D]
     k_splits, head_dim = o_ref.shape
     split = jnp.arange(pl.next_power_of_2(k_splits))
     ok = split < k_splits
@@ -310,9 +240,7 @@ def _combine_splits_kernel(o_ref, m_ref, l_ref, out_ref):
 
 
 def _combine_splits(o, m, l, dtype, interpret):
-    """combine_splits_reference as one kernel, a program per (sequence, token, query head), where XLA emits up to
-    three (docs/perf_notes.md, "Decode attention: loads, and the split merge").
-    o: [k_splits, B, T, Hq, D] f32; m, l: [k_splits, B, T, Hq] f32 -> [B, T, Hq, D] in dtype."""
+    """combine_splits_reference in one kernel (docs/perf_notes.md, "Decode attention: loads, and the split merge")."""
     k_splits, batch, num_tokens, num_q_heads, head_dim = o.shape
     stat_spec = pl.BlockSpec((k_splits, None, None, None), lambda b, t, h: (0, b, t, h))
     return pl.pallas_call(
@@ -329,27 +257,21 @@ def _combine_splits(o, m, l, dtype, interpret):
 
 
 def _kv_tiling(config, programs, max_kv_tokens, itemsize):
-    """-> (block_k, k_splits) for a grid of `programs` (sequences x query blocks x KV heads) over page tables of
-    max_kv_tokens, for KV of itemsize bytes; config's own when it sets k_splits."""
+    """-> (block_k, k_splits): doubled 2-byte tiles unsplit for long or two-tile tables, else a program per SM
+    (docs/perf_notes.md, "Decode attention: splits and tile sizes")."""
     if config.k_splits is not None:
         return config.block_k, config.k_splits
-    # Doubled tiles, unsplit, for 2-byte KV only (f32's do not fit in shared memory). A table of two tiles under one
-    # wave takes one doubled tile: the split merge's launch costs more than the second tile's loads
-    # (docs/perf_notes.md, "Decode attention: splits and tile sizes").
     sms = num_sms()
     long_grid = 2 * sms <= programs < 4 * sms and max_kv_tokens >= _LONG_KV_TOKENS
     two_tiles = programs < sms and config.block_k < max_kv_tokens <= 2 * config.block_k
     if itemsize <= 2 and (long_grid or two_tiles):
         return 2 * config.block_k, 1
-    # One program per SM, and at most one split per KV tile of the table (the same subject).
     return config.block_k, max(1, min(sms // programs, max_kv_tokens // config.block_k))
 
 
 def _num_stages(config, block_k, k_splits, max_kv_tokens):
-    """-> the pipeline depth for a tiling (block_k, k_splits) over page tables of max_kv_tokens: config's, and for the
-    automatic tiling at most one more than the loop's steps: deeper stages only add masked-off prologue loads and
-    shared memory that keeps other programs off the SM (docs/perf_notes.md, "Decode attention: pipeline depth and
-    warps")."""
+    """config's pipeline depth; for the automatic tiling at most the loop's steps plus one (docs/perf_notes.md,
+    "Decode attention: pipeline depth and warps")."""
     if config.k_splits is not None:
         return config.num_stages
     steps = pl.cdiv(pl.cdiv(max_kv_tokens, block_k), k_splits)
@@ -358,11 +280,8 @@ def _num_stages(config, block_k, k_splits, max_kv_tokens):
 
 def _paged_attention(q, k_pages, v_pages, page_table, seq_lens, q_lens, *, scale, config, interpret, kv_starts=None,
                      stats=False, pieces=None):
-    """q: [B, T, Hq, D] -> [B, T, Hq, D]; q_lens None means decode (q_len = min(seq_len, 1)). kv_starts: None or
-    [B] (decode only), each row's first KV position. stats: return the splits' pieces (o [k_splits, B, T, Hq, D],
-    m, l [k_splits, B, T, Hq], all f32) instead of their merge. pieces: None, or (decode with k_splits 1) more
-    pieces merged into each row's output in the kernel's epilogue: (o [W, B, Hq, D] unnormalized, m, l [W, B, Hq]
-    f32, counts [B] int32), of which row b has counts[b] (the first ones; the others are never read)."""
+    """q: [B, T, Hq, D] -> [B, T, Hq, D]; q_lens None: decode. stats: the splits' f32 pieces, unmerged. pieces:
+    (decode, one split) o [W, B, Hq, D], m, l [W, B, Hq], counts [B]: row b's first counts[b] merged into it."""
     batch, num_tokens, num_q_heads, head_dim = q.shape
     num_pages, num_kv_heads, page_size, _ = k_pages.shape
     pages_per_seq = page_table.shape[1]
@@ -409,16 +328,24 @@ def _paged_attention(q, k_pages, v_pages, page_table, seq_lens, q_lens, *, scale
     return _combine_splits(*out, q.dtype, interpret)
 
 
-def _check_inputs(q, k_pages, v_pages, page_table, seq_lens, q_lens, kv_starts=None):
-    """Raises ValueError for inputs the kernel cannot take; q is [B, T, Hq, D] here."""
+def check_kv_pages(x_name, x, k_pages, v_pages):
+    """Raises ValueError unless k_pages and v_pages are both [num_pages, Hkv, page_size, D] of x's float dtype."""
     if k_pages.ndim != 4 or v_pages.shape != k_pages.shape:
         raise ValueError(f"k_pages and v_pages must both be [num_pages, Hkv, page_size, D], got {k_pages.shape} "
                          f"and {v_pages.shape}")
-    batch, _, num_q_heads, head_dim = q.shape
+    if not x.dtype == k_pages.dtype == v_pages.dtype or not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"{x_name}, k_pages and v_pages must share one float dtype, got {x.dtype}, {k_pages.dtype} "
+                         f"and {v_pages.dtype}")
+
+
+def _check_inputs(q, k_pages, v_pages, page_table, seq_lens, q_lens, kv_starts=None):
+    """Raises ValueError for inputs the kernel cannot take; q: [B, Hq, D] if q_lens is None (decode), else 4-D."""
+    if q.ndim != (3 if q_lens is None else 4):
+        layout = "[batch, num_q_heads, head_dim]" if q_lens is None else "[batch, q_tokens, num_q_heads, head_dim]"
+        raise ValueError(f"q must be {layout}, got shape {q.shape}")
+    check_kv_pages("q", q, k_pages, v_pages)
+    batch, num_q_heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
     _, num_kv_heads, page_size, kv_head_dim = k_pages.shape
-    if not q.dtype == k_pages.dtype == v_pages.dtype or not jnp.issubdtype(q.dtype, jnp.floating):
-        raise ValueError(f"q, k_pages and v_pages must share one float dtype, got {q.dtype}, {k_pages.dtype}, "
-                         f"{v_pages.dtype}")
     if num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
     if head_dim != kv_head_dim or head_dim < 16 or not is_power_of_2(head_dim):
@@ -428,27 +355,17 @@ def _check_inputs(q, k_pages, v_pages, page_table, seq_lens, q_lens, kv_starts=N
     if page_table.ndim != 2 or page_table.shape[0] != batch or page_table.dtype != jnp.int32:
         raise ValueError(f"page_table must be int32 [{batch}, pages_per_seq], got {page_table.dtype}{page_table.shape}")
     for name, lens in (("seq_lens", seq_lens), ("q_lens", q_lens), ("kv_starts", kv_starts)):
-        if lens is not None and (lens.shape != (batch,) or lens.dtype != jnp.int32):
-            raise ValueError(f"{name} must be int32 [{batch}], got {lens.dtype}{lens.shape}")
+        if lens is not None:
+            check_vector(name, lens, batch)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "config", "interpret", "return_stats"))
 def paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, *, scale, config=None, interpret=False,
                            kv_starts=None, return_stats=False):
-    """One new token per sequence, its KV already in the cache (position seq_lens - 1).
-
-    q: [B, Hq, D]; k_pages, v_pages: [num_pages, Hkv, page_size, D]; page_table: [B, P] int32; seq_lens: [B] int32
-    (0 marks a padding row, whose output is zeros). Returns [B, Hq, D] in q.dtype, as paged_attention_reference with
-    T = 1 and q_lens = 1. config None: DECODE_CONFIG (smaller blocks for f32).
-    kv_starts: None (0), or [B] int32: row b attends to positions kv_starts[b] .. seq_lens[b] - 1 only (the ones
-    before are attended elsewhere: cascade_decode_attention's shared prefixes).
-    return_stats: return, instead of the output, the KV splits' pieces for a log-sum-exp merge with others:
-    (o [k_splits, B, Hq, D] unnormalized, m [k_splits, B, Hq] running max of the scores times scale in log2 units,
-    l [k_splits, B, Hq] softmax denominator), all f32; empty pieces have o = 0, m = -1e30, l = 0.
-    """
-    if q.ndim != 3:
-        raise ValueError(f"q must be [batch, num_q_heads, head_dim], got shape {q.shape}")
-    _check_inputs(q[:, None], k_pages, v_pages, page_table, seq_lens, None, kv_starts)
+    """paged_attention_reference for one new token a sequence (seq_lens 0: padding); kv_starts: first positions.
+    return_stats: the splits' pieces (o [k_splits, B, Hq, D] unnormalized, m, l [k_splits, B, Hq]; empty: 0, _MASK, 0)
+    instead of their merge."""
+    _check_inputs(q, k_pages, v_pages, page_table, seq_lens, None, kv_starts)
     config = config or _default_config(DECODE_CONFIG, q.dtype)
     out = _paged_attention(q[:, None], k_pages, v_pages, page_table, seq_lens, None, scale=scale, config=config,
                            interpret=interpret, kv_starts=kv_starts, stats=return_stats)
@@ -460,14 +377,7 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, *, scale, 
 @functools.partial(jax.jit, static_argnames=("scale", "config", "interpret"))
 def paged_prefill_attention(q, k_pages, v_pages, page_table, seq_lens, q_lens, *, scale, config=None,
                             interpret=False):
-    """Ragged chunked prefill with prefix cache: exactly paged_attention_reference (see the module docstring).
-
-    q: [B, T, Hq, D]; k_pages, v_pages: [num_pages, Hkv, page_size, D]; page_table: [B, P] int32;
-    seq_lens, q_lens: [B] int32 with q_lens <= T and q_lens <= seq_lens <= P * page_size. Returns [B, T, Hq, D].
-    config None: PREFILL_CONFIG (smaller blocks for f32).
-    """
-    if q.ndim != 4:
-        raise ValueError(f"q must be [batch, q_tokens, num_q_heads, head_dim], got shape {q.shape}")
+    """paged_attention_reference for ragged chunked prefill: q_lens <= T and q_lens <= seq_lens <= P * page_size."""
     _check_inputs(q, k_pages, v_pages, page_table, seq_lens, q_lens)
     config = config or _default_config(PREFILL_CONFIG, q.dtype)
     return _paged_attention(q, k_pages, v_pages, page_table, seq_lens, q_lens, scale=scale, config=config,

@@ -1,34 +1,12 @@
-"""Fused QKV epilogue: split of the QKV projection, per-head RMSNorm of q and k (Qwen3's q_norm / k_norm), RoPE of q
-and k, and the write of k and v into the paged KV cache, in one kernel.
+"""Fused QKV epilogue: the QKV projection's split, Qwen3's q/k RMSNorm, RoPE of q and k, and the write of k and v into
+the paged KV cache (pallas_kernels.paged_attention's layout), in one kernel over a flat list of N tokens:
 
-Token layout: one flat list of N tokens, decode and prefill alike (a [B, T] batch flattened, padding included).
-    qkv:       [N, (Hq + 2 * Hkv) * D]   the projection: Hq query heads, then Hkv key heads, then Hkv value heads
-    positions: [N] int32                 absolute position of each token; -1 marks a padding token
-    cos_sin:   [N, D] in qkv's dtype      each token's RoPE table (rope_cos_sin): cos of its D/2 angles, then sin
-    slots:     [N] int32                 flat cache slot of the token's KV, page * page_size + offset in page;
-                                         -1 (or anything outside [0, num_pages * page_size)) writes nothing
-    k_pages, v_pages: [num_pages, Hkv, page_size, D], the layout of pallas_kernels.paged_attention
-The caller computes slots from its page table, e.g. for a Batch (nanojax.kv_cache):
-    pos = batch.positions(T); safe = max(pos, 0)
-    slots = where(pos >= 0, page_table[b, safe // page_size] * page_size + safe % page_size, -1)
+    qkv:       [N, (Hq + 2 * Hkv) * D]   Hq query heads, then Hkv key heads, then Hkv value heads
+    positions: [N] int32                 absolute positions; -1 marks a padding token (q zero, no KV write)
+    cos_sin:   [N, D] in qkv's dtype      each token's RoPE table (rope_cos_sin)
+    slots:     [N] int32                 page * page_size + offset of the token's KV; -1 (or outside the pool): none
 
-Semantics (qkv_rope_cache_reference, which is also the model's reference path for this step):
-    q, k, v = split(qkv) per head
-    q = rms_norm(q, q_norm, eps) if q_norm is given;  k = rms_norm(k, k_norm, eps) if k_norm is given
-    q, k = rope(q, cos_sin), rope(k, cos_sin) if cos_sin is given
-    k_pages[slot // page_size, :, slot % page_size] = k; the same for v   (tokens with position >= 0 and a valid slot)
-    returns q [N, Hq, D] in qkv.dtype, zero on padding tokens, and the updated k_pages, v_pages.
-A token with position >= 0 and slot -1 gets its q but writes no KV.
-
-Rounding (dtype = qkv.dtype), as the model's XLA ops: rms_norm in f32, rounded to dtype, then times
-weight.astype(dtype); the RoPE table in f32 from f32(position) * inv_freq (exact positions up to 2**24), rounded to
-dtype; the rotation's products and sums in dtype. In f32 the kernel matches the reference to a few ulps; in bf16 a
-compiler may contract a product and a sum into one fma (Triton does; XLA:GPU may keep a fusion's intermediates in
-f32), so results can differ by one bf16 ulp.
-
-In place: k_pages and v_pages are aliased to the kernel's second and third outputs (input_output_aliases), and only
-the tokens' slots are stored. The pools are copied unless the caller donates them (as nanojax.runner's steps donate
-the KV cache) and drops the old arrays.
+Rounding as the model's XLA ops, up to one bf16 ulp where a compiler makes an fma; pools update in place if donated.
 """
 import dataclasses
 import functools
@@ -38,14 +16,13 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._compat import is_power_of_2, load, store, triton_params
+from pallas_kernels._compat import check_vector, is_power_of_2, load, store, triton_params
+from pallas_kernels.paged_attention import check_kv_pages
 from pallas_kernels.rms_norm import rms_norm
 
 
 def rope_cos_sin(positions, inv_freq, dtype):
-    """The RoPE table of the module docstring: positions [N] int32, inv_freq [D/2] f32 -> [N, D] in dtype, the cos of
-    each token's D/2 angles then their sin. Computed once per forward: every layer and head of a token rotates by
-    the same angles."""
+    """positions [N], inv_freq [D/2] -> [N, D]: cos, then sin of the angles; once a forward, for every layer."""
     freqs = positions.astype(jnp.float32)[:, None] * inv_freq  # [N, D/2]
     return jnp.concatenate([jnp.cos(freqs), jnp.sin(freqs)], axis=-1).astype(dtype)
 
@@ -59,19 +36,12 @@ def _apply_rope(x, cos_sin):
 
 def qkv_rope_cache_reference(qkv, positions, slots, k_pages, v_pages, cos_sin=None, q_norm=None, k_norm=None, *,
                              eps=None):
-    """Plain jnp: the semantics of qkv_rope_cache (see the module docstring).
-
-    qkv: [N, (Hq + 2 * Hkv) * D]; positions, slots: [N] int32; k_pages, v_pages: [num_pages, Hkv, page_size, D];
-    cos_sin: [N, D] in qkv.dtype (rope_cos_sin) or None (no RoPE); q_norm, k_norm: [D] or None (no norm); eps: the
-    norms' epsilon. Returns (q [N, Hq, D] in qkv.dtype, k_pages, v_pages).
-    """
+    """Plain jnp, shapes as qkv_rope_cache -> (q [N, Hq, D], zero on padding tokens; k_pages, v_pages)."""
     num_pages, num_kv_heads, page_size, head_dim = k_pages.shape
     num_tokens, width = qkv.shape
     num_q_heads = width // head_dim - 2 * num_kv_heads
-    q, k, v = jnp.split(qkv, [num_q_heads * head_dim, (num_q_heads + num_kv_heads) * head_dim], axis=-1)
-    q = q.reshape(num_tokens, num_q_heads, head_dim)
-    k = k.reshape(num_tokens, num_kv_heads, head_dim)
-    v = v.reshape(num_tokens, num_kv_heads, head_dim)
+    q, k, v = (x.reshape(num_tokens, -1, head_dim) for x in jnp.split(
+        qkv, [num_q_heads * head_dim, (num_q_heads + num_kv_heads) * head_dim], axis=-1))
     if q_norm is not None:
         q = rms_norm(q, q_norm, eps)
     if k_norm is not None:
@@ -88,28 +58,14 @@ def qkv_rope_cache_reference(qkv, positions, slots, k_pages, v_pages, cos_sin=No
     return q, k_pages, v_pages
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Pallas (Triton) kernel.
-#
-# A program owns (token block, KV head): block_t tokens' query heads of that KV head's group (group_pad =
-# next_pow2(group) rows per token, as in paged_attention), their key head and their value head. Every tensor is a
-# [rows, D/2] half (RoPE rotates the two halves of D, so they are loaded and stored as two tiles) or a [block_t, D]
-# value tile: power-of-two shapes whatever N, the GQA ratio or page_size; masks cover the rest. All loads and stores are
-# pointer gathers/scatters (a row's D/2 or D elements are contiguous, so they vectorize). Nothing loops: the work is a
-# few KiB per program, so the kernel is one memory round trip in, some f32 math, and one out.
-#
-# Masked lanes: a padding row never loads (its q is stored as zeros) and a token without a valid slot never stores KV.
-# Masked KV stores index page num_pages, out of range: on the GPU the mask skips them; in interpret mode a masked store
-# becomes a scatter of the old values, which drops out-of-range indices, so no masked lane can collide with a real one.
+# A program owns (token block, KV head): its query heads (group_pad rows a token), key and value heads, as [rows, D/2]
+# halves (RoPE rotates the two) or [block_t, D] tiles. Nothing loops: one round trip in, some f32 math, one out.
+# Masked KV stores index page num_pages: interpret mode's masked store scatters old values there, which are dropped.
 
 
 @dataclasses.dataclass(frozen=True)
 class QkvRopeCacheConfig:
-    """Tiling of the fused kernel.
-
-    block_rows: query rows (token x padded query head of one KV group) per program, a power of two; a program takes
-        max(1, block_rows // next_pow2(group)) tokens, fewer when N is smaller.
-    """
+    """block_rows: query rows (tokens x padded query heads of a group) a program, fewer when N is smaller."""
     block_rows: int = 32
     num_warps: int = 4
     num_stages: int = 1  # no loop to pipeline
@@ -121,20 +77,14 @@ class QkvRopeCacheConfig:
             raise ValueError(f"num_warps must be a power of two, got {self.num_warps}")
 
 
-# Decode (N <= 256, one token per sequence): latency-bound; small one-warp programs, so that even batch 1 spreads over
-# Hkv programs and batch 64 over a few hundred. Each thread holds ~8 f32 of each [8, D/2] tile at D = 128.
+# Decode (N <= 256): latency-bound; small one-warp programs, so that even batch 1 spreads over Hkv programs.
 DECODE_CONFIG = QkvRopeCacheConfig(block_rows=8, num_warps=1)
-# Prefill: bandwidth-bound; 4 warps on [32, D/2] tiles, the same ~8-16 f32 per thread per tile. Not tuned on a GPU.
+# Prefill: bandwidth-bound; 4 warps on [32, D/2] tiles, as many values per thread. Not tuned on a GPU.
 PREFILL_CONFIG = QkvRopeCacheConfig(block_rows=32, num_warps=4)
 
 
-def _default_config(num_tokens):
-    return DECODE_CONFIG if num_tokens <= 256 else PREFILL_CONFIG
-
-
 def _norm_rope(x1, x2, token, token_ok, norm_ref, cos_sin_ref, *, eps):
-    """x1, x2: [M, D/2] the two halves of M head vectors, of tokens token: [M] (token_ok: those < N) -> the normed
-    (if norm_ref) and roped (if cos_sin_ref) halves, rounded as rms_norm and _apply_rope."""
+    """x1, x2: [M, D/2] halves of token's [M] heads -> normed and roped halves, rounded as rms_norm and _apply_rope."""
     dtype, half = x1.dtype, x1.shape[1]
     d = jnp.arange(half)
     if norm_ref is not None:
@@ -152,15 +102,10 @@ def _norm_rope(x1, x2, token, token_ok, norm_ref, cos_sin_ref, *, eps):
 
 def _qkv_rope_cache_kernel(qkv_ref, pos_ref, slot_ref, k_in_ref, v_in_ref, cos_sin_ref, q_norm_ref, k_norm_ref,
                            q_ref, k_ref, v_ref, *, eps, num_kv_heads, group, group_pad, block_t):
-    # qkv_ref: [N, (Hq + 2 * Hkv) * D] every token's projection
-    # pos_ref: [N] int32 absolute positions, -1 on padding tokens
-    # slot_ref: [N] int32 flat cache slots (page * page_size + offset), -1: no KV write
-    # k_in_ref, v_in_ref: [num_pages, page_size, D] this program's KV head of the pools; aliased to k_ref and v_ref,
-    #     never read (they are here only as the operands that the outputs alias)
-    # cos_sin_ref: [N, D] every token's RoPE table (rope_cos_sin), or None (no RoPE)
-    # q_norm_ref, k_norm_ref: [D] RMSNorm weights, or None (no norm)
-    # q_ref: [N, Hq, D] the normed and roped queries
-    # k_ref, v_ref: [num_pages, page_size, D] this program's KV head of the pools, written at the tokens' slots only
+    # qkv_ref: [N, (Hq + 2 * Hkv) * D]; pos_ref, slot_ref: [N] int32; cos_sin_ref: [N, D] or None
+    # k_in_ref, v_in_ref: [num_pages, page_size, D], never read: the operands k_ref and v_ref alias
+    # q_norm_ref, k_norm_ref: [D] or None; q_ref: [N, Hq, D]
+    # k_ref, v_ref: [num_pages, page_size, D] this KV head's pools, written at the tokens' slots only
     del k_in_ref, v_in_ref
     num_tokens, _ = qkv_ref.shape
     num_q_heads = q_ref.shape[1]
@@ -175,7 +120,7 @@ def _qkv_rope_cache_kernel(qkv_ref, pos_ref, slot_ref, k_in_ref, v_in_ref, cos_s
     pos = load(pos_ref.at[token], mask=token_ok, other=-1)
     slot = load(slot_ref.at[token], mask=token_ok, other=-1)
     write = (pos >= 0) & (slot >= 0) & (slot < num_pages * page_size)
-    page = jnp.where(write, lax.div(slot, page_size), num_pages)  # out of range where masked (see above)
+    page = jnp.where(write, lax.div(slot, page_size), num_pages)  # out of range where masked
     offset = jnp.where(write, lax.rem(slot, page_size), 0)
     k_col = (num_q_heads + kv_head) * head_dim
     k1, k2 = (load(qkv_ref.at[token[:, None], (k_col + cols)[None, :]], mask=write[:, None], other=0.0)
@@ -206,9 +151,8 @@ def _qkv_rope_cache_kernel(qkv_ref, pos_ref, slot_ref, k_in_ref, v_in_ref, cos_s
 
 def _check_inputs(qkv, positions, slots, k_pages, v_pages, cos_sin, q_norm, k_norm, eps):
     """Raises ValueError for inputs the kernel cannot take; -> num_q_heads."""
-    if k_pages.ndim != 4 or v_pages.shape != k_pages.shape:
-        raise ValueError(f"k_pages and v_pages must both be [num_pages, Hkv, page_size, D], got {k_pages.shape} "
-                         f"and {v_pages.shape}")
+    # One dtype: a narrower cache would round k and v once more, a wider one keep excess precision of the bf16 RoPE.
+    check_kv_pages("qkv", qkv, k_pages, v_pages)
     num_pages, num_kv_heads, page_size, head_dim = k_pages.shape
     if head_dim < 16 or not is_power_of_2(head_dim):
         raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
@@ -221,14 +165,8 @@ def _check_inputs(qkv, positions, slots, k_pages, v_pages, cos_sin, q_norm, k_no
     if num_q_heads < 1 or num_q_heads % num_kv_heads:
         raise ValueError(f"qkv's {qkv.shape[1] // head_dim} heads minus 2 * {num_kv_heads} KV heads leave "
                          f"{num_q_heads} query heads, not a positive multiple of num_kv_heads")
-    if not qkv.dtype == k_pages.dtype == v_pages.dtype or not jnp.issubdtype(qkv.dtype, jnp.floating):
-        # One dtype: a narrower cache would round k and v once more, a wider one would keep whatever excess precision
-        # the compiler gave the bf16 RoPE arithmetic, and neither is what the model computes.
-        raise ValueError(f"qkv, k_pages and v_pages must share one float dtype, got {qkv.dtype}, {k_pages.dtype} "
-                         f"and {v_pages.dtype}")
-    for name, ids in (("positions", positions), ("slots", slots)):
-        if ids.shape != (num_tokens,) or ids.dtype != jnp.int32:
-            raise ValueError(f"{name} must be int32 [{num_tokens}], got {ids.dtype}{ids.shape}")
+    check_vector("positions", positions, num_tokens)
+    check_vector("slots", slots, num_tokens)
     if cos_sin is not None and (cos_sin.shape != (num_tokens, head_dim) or cos_sin.dtype != qkv.dtype):
         raise ValueError(f"cos_sin must be {qkv.dtype} [{num_tokens}, {head_dim}] or None, got "
                          f"{cos_sin.dtype}{cos_sin.shape}")
@@ -243,22 +181,14 @@ def _check_inputs(qkv, positions, slots, k_pages, v_pages, cos_sin, q_norm, k_no
 @functools.partial(jax.jit, static_argnames=("eps", "config", "interpret"))
 def qkv_rope_cache(qkv, positions, slots, k_pages, v_pages, cos_sin=None, q_norm=None, k_norm=None, *, eps=None,
                    config=None, interpret=False):
-    """Split + q/k RMSNorm + RoPE + paged KV write, fused: the semantics of qkv_rope_cache_reference.
-
-    qkv: [N, (Hq + 2 * Hkv) * D]; positions: [N] int32 (-1: padding token); slots: [N] int32 flat cache slots
-    (page * page_size + offset; -1: write nothing); k_pages, v_pages: [num_pages, Hkv, page_size, D];
-    cos_sin: [N, D] in qkv.dtype (rope_cos_sin) or None (no RoPE); q_norm, k_norm: [D] or None (no norm); eps: the
-    norms' epsilon. Returns (q [N, Hq, D] in qkv.dtype, zero on padding tokens; k_pages; v_pages), the pools updated
-    in place at the tokens' slots when the caller donates them (see the module docstring). Two tokens must not share
-    a slot.
-    config None: DECODE_CONFIG for N <= 256, else PREFILL_CONFIG.
-    """
+    """Split + q/k RMSNorm + RoPE + paged KV write, fused: qkv_rope_cache_reference (shapes: module docstring).
+    cos_sin, q_norm, k_norm: None for no RoPE, no norm. Two tokens must not share a slot. config None: by N."""
     num_q_heads = _check_inputs(qkv, positions, slots, k_pages, v_pages, cos_sin, q_norm, k_norm, eps)
     num_tokens = qkv.shape[0]
     num_pages, num_kv_heads, page_size, head_dim = k_pages.shape
     group = num_q_heads // num_kv_heads
     group_pad = pl.next_power_of_2(group)
-    config = config or _default_config(num_tokens)
+    config = config or (DECODE_CONFIG if num_tokens <= 256 else PREFILL_CONFIG)
     block_t = min(max(1, config.block_rows // group_pad), pl.next_power_of_2(num_tokens))
 
     def whole(x):
@@ -276,7 +206,7 @@ def qkv_rope_cache(qkv, positions, slots, k_pages, v_pages, cos_sin=None, q_norm
         out_specs=[whole(q_shape), kv_spec, kv_spec],
         out_shape=[q_shape, jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
                    jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)],
-        # Flat operand indices (None operands do not count; the pools come before the optional ones).
+        # Flat operand indices: None operands do not count, and the pools come before the optional ones.
         input_output_aliases={3: 1, 4: 2},
         compiler_params=triton_params(config.num_warps, config.num_stages),
         interpret=interpret,

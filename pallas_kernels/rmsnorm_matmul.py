@@ -5,18 +5,9 @@
     gate/up:  rmsnorm_matmul(x, w_gate_up, b_gate_up, norm_eps=eps, activation="silu_mul")
     down:     rmsnorm_matmul(h, w_down, b_down, residual=x)                            # x + h @ w_down
 
-The RMSNorm is split in two: its scale is folded into the rows of the next projection by convert/ (convert/keys.py,
-fold_norm_scale), its statistic stays here. Per row, (scale * x * rstd) @ w equals rstd * (x @ (scale[:, None] * w)),
-so the kernel streams raw x against the folded w and scales its f32 accumulator by rstd at the end instead of
-normalizing every x tile (docs/perf_notes.md, "The RMSNorm statistic in the fused projections").
-
-FP8 weights (convert/quantize.py: float8_e4m3fn [N, K], one row per output channel, f32 scales [N]) are read as
-[block_n, block_k] tiles that are the dot's left operand ("swap AB": x's few rows are the narrow side of the
-tensor-core tile), upcast in registers to f16 with x, as E4M3 -> f16 is one hardware conversion and -> bf16 is not
-(docs/perf_notes.md, "FP8 weights"). x enters f16 times FP8_X_SCALE = 2^-4, exact for bf16 values with
-2^-13 <= |x| < 2^20 (smaller ones round by at most 2^-21); unscaled, f16's 65504 would be within 2.6x of the embedded
-SmolLM2-135M's largest activation into a projection. f32 x keeps f32. The channel scales (over FP8_X_SCALE) multiply
-the f32 accumulator before the epilogue.
+The RMSNorm's scale is folded into w's rows at conversion (convert/keys.py, fold_norm_scale), so the kernel streams
+raw x and scales its f32 accumulator by rstd at the end. FP8 weights [N, K] (convert/quantize.py) are the dot's left
+operand ("swap AB"), upcast in registers to f16 with x (docs/perf_notes.md, "FP8 weights").
 """
 import dataclasses
 import functools
@@ -26,7 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._compat import dot, is_power_of_2, load, store, num_sms, triton_params
+from pallas_kernels._compat import dot, is_power_of_2, load, num_sms, store, triton_params
 from pallas_kernels.rms_norm import rms_normalize
 
 ACTIVATIONS = (None, "silu_mul")
@@ -34,24 +25,8 @@ NORM_STATS = (None, "rows", "gram")
 
 
 def rmsnorm_matmul_reference(x, w, bias=None, *, w_scale=None, norm_eps=None, residual=None, activation=None):
-    """The semantics of rmsnorm_matmul, in plain jnp with the decoder's rounding (RMSNorm, linear, SwiGLU and
-    residual add), so that the fused kernel is a drop-in for those steps:
-
-        h = x                                               if norm_eps is None
-          = rms_normalize(x, norm_eps)                      else: x * rsqrt(mean(x^2) + eps) in f32, cast to x.dtype
-        p = (h @ w [* w_scale] [+ bias]).astype(x.dtype)    dot accumulated in f32 (h @ w^T for FP8 [N, K]), bias
-                                                            added in f32 (`linear`)
-        p = silu(p[:, :N/2]) * p[:, N/2:]                   if activation == "silu_mul", in x.dtype (gate | up)
-        out = residual + p                                  if residual is not None, in x.dtype
-
-    With a norm, w holds the norm's scale in its rows (convert/keys.py, fold_norm_scale), so h @ w is HF's
-    RMSNorm(x) @ w_hf up to where the scale is rounded (once, into w, instead of onto each normalized x).
-    x: [..., K]; w: [K, N] in x.dtype, or float8_e4m3fn [N, K] (a row per output channel) with w_scale [N] float32
-    its per-channel scales (upcast to x.dtype for the dot, scaled in f32 after it: dequantize-then-dot); bias: [N] or
-    None; residual: [..., N] ([..., N/2] with silu_mul) -> x.dtype. The kernel scales the f32 dot of raw x by rstd,
-    keeps the activation and the residual add in f32 and rounds once at the end: it can differ from this by about one
-    rounding of x.dtype (nothing for f32).
-    """
+    """rmsnorm_matmul in plain jnp, rounded as the decoder's RMSNorm, linear, SwiGLU and residual add; the kernel
+    rounds once, at the end, so it can differ by about one rounding of x.dtype. x: [..., K] -> [..., N_out]."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     h = x if norm_eps is None else rms_normalize(x, norm_eps)
@@ -71,38 +46,21 @@ def rmsnorm_matmul_reference(x, w, bias=None, *, w_scale=None, norm_eps=None, re
     return out
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Pallas (Triton) kernel. A program owns a block_m x block_n output tile. It streams K in block_k slices and accumulates
-# in f32 one dot per weight column group: [w[:, j:j+bn]], or with silu_mul [w[:, j:j+bn] (gate), w[:, I+j:I+j+bn]
-# (up)] of the same [K, 2I] array. With a norm, the sum of squares of its x rows comes one of two ways, neither of
-# which makes the weight stream wait or adds work to the loop's critical path:
-# - "rows" (few rows): the rows' x slices over all of K are loaded before the loop, so those loads fly with the first
-#   weight tiles, and reduced after it, when they have long arrived. They stay in registers across the loop, so this
-#   is for up to ROW_STAT_BYTES of rows (decode batches up to 16 at hidden 1024). Every program then knows the whole
-#   row's rstd, split K included.
-# - "gram": a second tensor-core dot per K slice, gram += x @ x^T ([block_m, block_m], both operands the x slice
-#   already loaded for the projection), whose diagonal is the sum of squares. With split K each split's partial sum
-#   goes out next to its partial accumulators.
-# Not a row reduction inside the loop (it breaks the software pipeline), nor a pre-pass (every program would re-read
-# all of x first): docs/perf_notes.md, "The RMSNorm statistic in the fused projections".
-# The epilogue (rstd, bias, SiLU * up, residual) runs on the f32 accumulators and the tile is rounded to x.dtype
-# once. At decode sizes (M <= 64) the cost is streaming w once, and num_stages keeps several w slices in flight per
-# program. With k_splits > 1 (split K), k_splits programs share an output tile's K range and store f32 partial sums;
-# XLA adds them up and runs the same epilogue in one fusion after the kernel. That costs a launch and a few KiB of
-# traffic, and pays where N is too narrow for the tiles alone to cover the SMs (o_proj / down_proj with N = hidden).
+# A program streams K in block_k slices into f32 accumulators of its output tile, one per weight column group (silu_mul:
+# gate and up). A norm's sum of squares stays off the weight stream's critical path (docs/perf_notes.md, "The RMSNorm
+# statistic in the fused projections"): "rows" loads the x rows over all of K before the loop and reduces them after
+# it; "gram" adds a dot x @ x^T per K slice, whose diagonal is the sum. XLA finishes split K's f32 partials.
 
 
 @dataclasses.dataclass(frozen=True)
 class RmsNormMatmulConfig:
-    """Tiling of the fused kernel. block_m is used as is above 16 rows; up to 16 rows the kernel takes 16 (tl.dot's
-    minimum). All blocks are powers of two >= 16; K and N need not be multiples of them. norm_stat: how a norm's
-    sum of squares is taken ("rows" or "gram", see above); None picks "rows" when the rows fit ROW_STAT_BYTES."""
+    """Up to 16 rows the kernel takes block_m 16 (tl.dot's minimum). norm_stat: "rows", "gram" or None (by size)."""
     block_m: int = 16
     block_n: int = 32
     block_k: int = 256
     num_warps: int = 4
     num_stages: int = 4
-    k_splits: int = 1  # programs sharing one output tile's K range; their f32 partials are summed by XLA
+    k_splits: int = 1  # programs sharing an output tile's K range
     norm_stat: str | None = None
 
     def __post_init__(self):
@@ -114,31 +72,23 @@ class RmsNormMatmulConfig:
             raise ValueError(f"norm_stat must be one of {NORM_STATS}, got {self.norm_stat!r}")
 
 
-# Tilings from scripts/tune_projections.py on Qwen3-0.6B's projections (docs/perf_notes.md, "Fused projections: tiling
-# and split K" and "The RMSNorm statistic in the fused projections").
-# Decode (M <= 16): memory-bound on w. Tiles 64 columns wide (128 contiguous bytes of each w row) and 128 deep, with
-# split K giving the grid about one program per SM (k_splits is set per shape by _default_config).
+# Tilings from scripts/tune_projections.py (docs/perf_notes.md, "Fused projections: tiling and split K").
+# Decode (M <= 16), memory-bound on w: 64 columns (128 contiguous bytes of a w row), split K set per shape.
 DECODE_CONFIG = RmsNormMatmulConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)
-# Batched decode (16 < M <= 64): 32 columns give QKV and gate/up 128 and 96 programs without split K, as fast as 64
-# columns with 2 splits, and no split-K epilogue kernel.
+# Batched decode (16 < M <= 64): 32 columns fill the GPU without split K and its epilogue.
 BATCHED_DECODE_CONFIG = RmsNormMatmulConfig(block_m=64, block_n=32, block_k=128, num_warps=4, num_stages=4)
 # Prefill: compute-bound tiles.
 PREFILL_CONFIG = RmsNormMatmulConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
-# FP8 weights [N, K] at decode sizes (M <= 16; nanojax.ops sends one row of a small weight here): 32 rows of 256
-# bytes per tile, 64 x 128 for gate/up (two tiles per step already), with split K up to FP8_SPLIT_PROGRAMS programs
-# per SM and two K blocks per split: the sweep's choice (scripts/tune_projections.py --fp8; docs/perf_notes.md, "FP8
-# weights").
+# FP8 weights [N, K] at decode sizes: rows of 256 bytes a tile (docs/perf_notes.md, "FP8 weights").
 FP8_DECODE_CONFIG = RmsNormMatmulConfig(block_m=16, block_n=32, block_k=256, num_warps=4, num_stages=3)
 FP8_GATE_UP_DECODE_CONFIG = RmsNormMatmulConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
 FP8_SPLIT_PROGRAMS = 4
-# x's factor on its way into f16 for FP8 weights (a power of two: exact), undone in f32 after the loop; see the module
-# docstring.
+# x's factor into f16 for FP8 weights, undone in f32: exact for bf16 2^-13 <= |x| < 2^20, and below f16's 65504.
 FP8_X_SCALE = 2.0 ** -4
 
 # Shared memory of one pipeline stage: at 4 stages, 48 KiB compiled and ran on sm_90, 64 KiB did not.
 STAGE_BYTES = 56 << 10
-# The "rows" statistic keeps this many bytes of x per program in registers across the loop: 64 registers of a
-# 128-thread program (16 rows of K = 1024 in bf16).
+# Bytes of x per program that the "rows" statistic keeps in registers across the loop (16 rows of K = 1024 in bf16).
 ROW_STAT_BYTES = 32 << 10
 
 
@@ -147,17 +97,11 @@ def _block_m(config, m):
 
 
 def _stage_bytes(block_m, block_n, block_k, *, itemsize, w_tiles):
-    """Shared memory of one pipeline stage: the x tile and w_tiles weight tiles."""
     return block_k * (block_m + w_tiles * block_n) * itemsize
 
 
 def _default_config(m, k, n_out, dtype, *, silu_mul=False, fp8=False):
-    """The preset for m rows (the FP8 presets for FP8 weights), adapted to the problem:
-    - block_k halves until a pipeline stage fits STAGE_BYTES (f32, or the two w tiles of silu_mul at M = 64);
-    - M <= 64 (memory-bound on w): k_splits doubles, up to 8, while the grid stays within num_sms() programs and
-      every split keeps at least one K block (an empty split would be a program that stores zeros): at M <= 16 QKV
-      and gate/up of Qwen3-0.6B get 2 splits, o_proj and down_proj (N = 1024) 8.
-    """
+    """The preset for m rows, block_k halved to fit STAGE_BYTES, split K up to num_sms() programs to 64 rows."""
     if fp8:
         return _fp8_config(m, k, n_out, silu_mul)
     preset = DECODE_CONFIG if m <= 16 else BATCHED_DECODE_CONFIG if m <= 64 else PREFILL_CONFIG
@@ -169,33 +113,33 @@ def _default_config(m, k, n_out, dtype, *, silu_mul=False, fp8=False):
     k_splits = 1
     if m <= 64:
         tiles = pl.cdiv(m, block_m) * pl.cdiv(n_out, preset.block_n)
-        k_blocks = pl.cdiv(k, block_k)
-        while (k_splits < 8 and 2 * k_splits * tiles <= num_sms()
-               and (2 * k_splits - 1) * pl.cdiv(k_blocks, 2 * k_splits) < k_blocks):
-            k_splits *= 2
+        k_splits = _k_splits(tiles, pl.cdiv(k, block_k), num_sms(), min_blocks=1)
     return dataclasses.replace(preset, block_k=block_k, k_splits=k_splits)
 
 
 def _fp8_config(m, k, n_out, silu_mul):
-    """FP8 weights: the decode preset up to 16 rows, with k_splits doubling (up to 8) while the grid stays within
-    FP8_SPLIT_PROGRAMS programs per SM and every split gets two K blocks or more; PREFILL_CONFIG above (a stage of f32
-    x and FP8 w tiles fits STAGE_BYTES)."""
+    """The FP8 decode preset up to 16 rows (FP8_SPLIT_PROGRAMS per SM, two K blocks a split), else PREFILL_CONFIG."""
     if m > 16:
         return PREFILL_CONFIG
     preset = FP8_GATE_UP_DECODE_CONFIG if silu_mul else FP8_DECODE_CONFIG
     tiles, k_blocks = pl.cdiv(n_out, preset.block_n), pl.cdiv(k, preset.block_k)
-    k_splits = 1
-    while k_splits < 8 and 2 * k_splits * tiles <= FP8_SPLIT_PROGRAMS * num_sms():
-        per_split = pl.cdiv(k_blocks, 2 * k_splits)
-        if per_split < 2 or (2 * k_splits - 1) * per_split >= k_blocks:
-            break
-        k_splits *= 2
+    k_splits = _k_splits(tiles, k_blocks, FP8_SPLIT_PROGRAMS * num_sms(), min_blocks=2)
     return dataclasses.replace(preset, k_splits=k_splits)
 
 
+def _k_splits(tiles, k_blocks, max_programs, *, min_blocks):
+    """k_splits doubled, up to 8, while the grid fits max_programs and every split keeps min_blocks K blocks."""
+    k_splits = 1
+    while k_splits < 8 and 2 * k_splits * tiles <= max_programs:
+        per_split = pl.cdiv(k_blocks, 2 * k_splits)
+        if per_split < min_blocks or (2 * k_splits - 1) * per_split >= k_blocks:
+            break
+        k_splits *= 2
+    return k_splits
+
+
 def _row_stat_rows(config, m, k, itemsize):
-    """-> how many x rows a program loads for the "rows" statistic (1 for a single row, else block_m), or 0 for the
-    "gram" statistic."""
+    """-> the x rows a program loads for the "rows" statistic (1 for a single row, else block_m), 0 for "gram"."""
     rows = 1 if m == 1 else _block_m(config, m)
     row_bytes = rows * pl.cdiv(k, config.block_k) * config.block_k * itemsize
     stat = config.norm_stat or ("rows" if row_bytes <= ROW_STAT_BYTES else "gram")
@@ -210,11 +154,9 @@ def _k_slice(kb, block_k, k):
 
 def _rmsnorm_matmul_kernel(x_ref, w_ref, w_scale_ref, bias_ref, res_ref, o_ref, *sum_sq_refs, norm_eps, stat_rows,
                            silu_mul, block_m, block_n, block_k, n_out, k_blocks_per_split, partial):
-    # x_ref: [M, K]; w_ref: [K, N], or FP8 [N, K] with w_scale_ref [N] f32 (None for x.dtype weights);
-    # bias_ref: [N] or None; res_ref: [M, N_out] or None;
-    # o_ref: [M, N_out] with N_out = N, or N / 2 for silu_mul; if partial (split K): [k_splits, M, N] f32, where this
-    #     program stores its split's accumulators and leaves bias, activation and residual to _epilogue in XLA;
-    # sum_sq_refs: (sum_sq_ref [k_splits, M] f32,) with split K and the "gram" statistic: each split's x^2 sums.
+    # x_ref: [M, K]; w_ref: [K, N], or FP8 [N, K] with w_scale_ref [N] f32 (else None); bias_ref: [N] or None
+    # res_ref: [M, N_out] or None; o_ref: [M, N_out] (N_out: N / 2 for silu_mul), or partial: [k_splits, M, N] f32
+    # sum_sq_refs: () or, with split K and "gram", (sum_sq_ref [k_splits, M] f32,)
     m, k = x_ref.shape
     norm, gram = norm_eps is not None, norm_eps is not None and not stat_rows
     rows = pl.program_id(0) * block_m + jnp.arange(block_m)
@@ -222,7 +164,6 @@ def _rmsnorm_matmul_kernel(x_ref, w_ref, w_scale_ref, bias_ref, res_ref, o_ref, 
     row_ok, n_ok = rows < m, cols_n < n_out
     first_kb = pl.program_id(2) * k_blocks_per_split
     num_kb = jnp.minimum(pl.cdiv(k, block_k) - first_kb, k_blocks_per_split)
-    # The w (and bias) columns this program reads: its output columns, or the gate and the up columns for them.
     col_groups = (cols_n, cols_n + n_out) if silu_mul else (cols_n,)
 
     def x_tile(x_rows, cols_k, k_ok):  # -> [len(x_rows), block_k], zeros outside x
@@ -233,7 +174,9 @@ def _rmsnorm_matmul_kernel(x_ref, w_ref, w_scale_ref, bias_ref, res_ref, o_ref, 
         stat_tiles = [x_tile(stat_x_rows, *_k_slice(kb, block_k, k)) for kb in range(pl.cdiv(k, block_k))]
 
     fp8 = w_scale_ref is not None
-    dot_dtype, x_scale = _fp8_dot(x_ref.dtype) if fp8 else (x_ref.dtype, 1.0)
+    # FP8 tiles meet 16-bit x in f16, one conversion from E4M3 (docs/perf_notes.md, "FP8 weights").
+    f16_dot = fp8 and x_ref.dtype != jnp.float32
+    dot_dtype, x_scale = (jnp.float16, FP8_X_SCALE) if f16_dot else (x_ref.dtype, 1.0)
 
     def body(i, carry):
         accs, gram_acc = carry
@@ -275,16 +218,8 @@ def _rmsnorm_matmul_kernel(x_ref, w_ref, w_scale_ref, bias_ref, res_ref, o_ref, 
     store(o_ref.at[rows[:, None], cols_n[None, :]], _epilogue(accs, biases, residual, o_ref.dtype), mask=tile_mask)
 
 
-def _fp8_dot(x_dtype):
-    """-> (the dtype FP8 weight tiles and x meet in the dot, x's factor on its way there): f16 and FP8_X_SCALE for
-    16-bit x (E4M3 -> f16 is one conversion; the factor keeps x in f16's range and is undone on the accumulators),
-    f32 and 1 for f32 x."""
-    return (jnp.float32, 1.0) if x_dtype == jnp.float32 else (jnp.float16, FP8_X_SCALE)
-
-
 def _epilogue(accs, biases, residual, dtype):
-    """f32 accumulators (gate and up for silu_mul) [+ bias] [-> silu(gate) * up] [+ residual], rounded once to dtype.
-    Shared by the kernel and the split-K path, which runs it in XLA on the summed partials."""
+    """f32 accumulators [+ bias] [-> silu(gate) * up] [+ residual], rounded once: the kernel's, or XLA's for split K."""
     if biases is not None:
         accs = tuple(acc + b.astype(jnp.float32)[None, :] for acc, b in zip(accs, biases))
     if len(accs) == 2:
@@ -336,18 +271,8 @@ def _check_inputs(x, w, w_scale, bias, residual, norm_eps, activation):
 @functools.partial(jax.jit, static_argnames=("norm_eps", "activation", "config", "interpret"))
 def rmsnorm_matmul(x, w, bias=None, *, w_scale=None, norm_eps=None, residual=None, activation=None, config=None,
                    interpret=False):
-    """[RMSNorm](x) @ w [+ bias] [-> silu(gate) * up] [+ residual] in one kernel: rmsnorm_matmul_reference's
-    semantics (see there), up to one rounding of x.dtype (the reference rounds the normalized x and the projection
-    before the activation / residual add; the kernel rounds once at the end).
-
-    x: [M, K]; w: [K, N] in x.dtype, with the norm's scale folded into its rows when norm_eps is given, or
-    float8_e4m3fn [N, K] (a row per output channel, convert/quantize.py) with w_scale [N] float32 its channel scales;
-    bias: [N] or None; norm_eps: the RMSNorm's epsilon, or None for no norm; residual: [M, N_out] (x.dtype) or None;
-    activation: None, or "silu_mul" with w's N holding the gate columns then the up columns (N_out = N / 2) ->
-    [M, N_out] in x.dtype. config None picks DECODE_CONFIG for M <= 16, BATCHED_DECODE_CONFIG for M <= 64 and
-    PREFILL_CONFIG above, adapted to the shape (see _default_config; FP8 weights: _fp8_config); a given config is used
-    as is.
-    """
+    """x [M, K] @ w ([K, N] in x.dtype, or FP8 [N, K] with f32 w_scale [N]) -> [M, N_out]: rmsnorm_matmul_reference.
+    silu_mul: w's N holds the gate columns, then the up columns. config None: a preset by M, fit to the shape."""
     n_out = _check_inputs(x, w, w_scale, bias, residual, norm_eps, activation)
     (m, k), silu_mul, fp8 = x.shape, activation == "silu_mul", w_scale is not None
     config = config or _default_config(m, k, n_out, x.dtype, silu_mul=silu_mul, fp8=fp8)
@@ -374,7 +299,6 @@ def rmsnorm_matmul(x, w, bias=None, *, w_scale=None, norm_eps=None, residual=Non
     )(x, w, w_scale, bias, residual)
     if not partial:
         return outs[0]
-    # Split K: XLA sums the partials and runs the epilogue, one fusion after the kernel.
     acc = outs[0].sum(axis=0)
     if gram_partials:
         acc = acc * lax.rsqrt(outs[1].sum(axis=0) / k + norm_eps)[:, None]

@@ -1,23 +1,9 @@
 """Sampling filters without a sort: per row, the tokens top-k / top-p / min-p keep, and the top-N logprob tokens.
 
-The sampler's filters keep a prefix of the descending order of a row's logits (ties in token-id order, as a stable
-sort gives). That prefix is described by its last token: a row keeps every token whose order key (`order_keys`) is
-above `cut_key`, and those at `cut_key` up to id `cut_id`. A plain row (greedy, or no filter) gets cut_key =
-INT32_MIN and cut_id = V: it keeps everything, so the draw that follows is one elementwise mask for every row.
-
-A row that needs no filter and no logprobs returns at once, so the step has no host-side branch (a `lax.cond` reads
-its predicate on the host and would make a multi-step dispatch synchronous) and a batch pays only for its filtered
-rows. A filtered row finds its cuts as a radix select does, by searches over the 32-bit keys, two bits a pass (16
-passes of four candidates): the k-th largest key for top-k, the largest key whose tokens and those above reach the
-top-p mass, then the k-th largest again for the tightest of the three; top logprobs take one more search and a pass
-that writes the tokens out.
-
-A pass over one row is too little work for one SM (docs/perf_notes.md, "Sampling"), so `splits` programs share a
-row, each reading its slice, and after every pass exchange partial sums through global memory: each writes its slot,
-adds itself to the row's arrival count (an acquire-release atomic) and spins until the row's programs have all
-arrived. That is safe because a row's programs are adjacent in launch order (the split is the grid's fastest axis)
-and the GPU runs far more than `splits` programs at once. Partials are summed in a fixed order: the cut is the same
-in every run.
+A row keeps the prefix of its logits' descending order (ties by id) up to its last token: order keys above `cut_key`,
+and those at it up to id `cut_id`. Cuts come from radix-select passes, whose partial sums the `splits` programs of a
+row exchange through global memory, spinning on an arrival count: safe, as a row's programs are adjacent in launch
+order (docs/perf_notes.md, "Sampling"). Partials are summed in a fixed order: the cut is the same in every run.
 """
 import dataclasses
 import functools
@@ -28,26 +14,22 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._compat import is_power_of_2, load, store, triton_params
+from pallas_kernels._compat import check_vector, is_power_of_2, load, store, triton_params
 
 INT32_MIN = -(2**31)
 
 
 @dataclasses.dataclass(frozen=True)
 class FilterConfig:
-    """splits: programs that share a row (each reads V / splits of it and they exchange partial sums after every
-    pass; 1 in interpret mode, which runs programs one after another); block: logits a program reads per loop step
-    (a power of two); num_warps, num_stages: Triton's."""
-
+    """splits: programs sharing a row (1 in interpret mode: one after another); block: logits a loop step reads."""
     splits: int = 32
     block: int = 512
     num_warps: int = 4
     num_stages: int = 3
 
 
-# Exchange slots per row and phase (the filters, then the top logprobs): the most passes a phase makes (53 and 18
-# plus one per bit of the vocabulary size, for the ties' binary search: 71 and 36 at Qwen3's 151,936, 77 and 42 at
-# the largest vocabulary taken, 2**24 - 1).
+# Exchange slots per row and phase (the filters, the top logprobs): the most passes a phase makes, 53 and 18 plus one
+# per bit of the vocabulary for the ties' binary search (77 and 42 at the largest, 2**24 - 1).
 MAX_EXCHANGES = 80
 
 
@@ -73,8 +55,7 @@ def no_filters(batch: int, vocab: int, num_top: int):
 
 
 def kept(logits, cut_key, cut_id):
-    """logits [B, V], cut_key / cut_id [B] -> [B, V] bool: the tokens a row's filters keep (elementwise: XLA fuses it
-    into the draw's argmax)."""
+    """logits [B, V], cut_key / cut_id [B] -> [B, V] bool, the kept tokens: elementwise, fused into the draw."""
     keys, ids = order_keys(logits), jnp.arange(logits.shape[1])[None, :]
     return (keys > cut_key[:, None]) | ((keys == cut_key[:, None]) & (ids <= cut_id[:, None]))
 
@@ -85,15 +66,9 @@ def is_filtered(temperature, top_k, top_p, min_p):
 
 
 def sampling_filters_reference(logits, temperature, top_k, top_p, min_p, logprobs, *, num_top):
-    """Plain jnp, by a full sort. logits: [B, V] f32; temperature, top_p, min_p: [B] f32; top_k, logprobs: [B] int32.
-
-    Top-k, then top-p over the top-k tokens' renormalized probabilities (a token is kept while the mass before it is
-    below top_p), then min-p (p >= min_p * p_max), always the top token; probabilities are those of logits /
-    temperature. Returns (cut_key [B] int32, cut_id [B] int32, top_ids [B, num_top] int32, top_logits [B, num_top]
-    f32): the cut of the kept prefix (INT32_MIN, V for rows not filtered), and the num_top largest logits with their
-    ids in descending order (ties by id) for rows with logprobs > 0; past V, or for other rows, ids 0 and -inf.
-    """
-    batch, vocab = logits.shape
+    """Plain jnp, by a full sort: top-k, top-p within top-k, min-p, always the top token -> cut_key, cut_id [B] (all
+    kept: INT32_MIN, V); top_ids, top_logits [B, num_top] descending (ties by id), else 0 and -inf."""
+    vocab = logits.shape[1]
     order = jnp.argsort(-logits, axis=-1)  # stable: ties in id order; temperature does not change the order
     scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
     probs = jax.nn.softmax(jnp.take_along_axis(scaled, order, axis=-1), axis=-1)
@@ -120,10 +95,10 @@ def sampling_filters_reference(logits, temperature, top_k, top_p, min_p, logprob
 def _filters_kernel(logits_ref, temperature_ref, top_k_ref, top_p_ref, min_p_ref, logprobs_ref, arrivals_ref,
                     cut_key_ref, cut_id_ref, top_ids_ref, top_logits_ref, partials_ref, arrivals_out_ref, *, vocab,
                     block, splits, num_top, interpret):
-    # logits_ref: [V] f32, this program's row; temperature_ref, top_k_ref, top_p_ref, min_p_ref, logprobs_ref: []
-    # arrivals_ref (aliased by arrivals_out_ref): [2] int32, the row's programs' arrivals at the exchanges of each
-    # phase, 0 at the start; cut_key_ref, cut_id_ref: [] int32; top_ids_ref: [num_top] int32, top_logits_ref:
-    # [num_top] f32; partials_ref: [2, MAX_EXCHANGES, splits, 4] f32, each program's partial results of each exchange
+    # logits_ref: [V] f32; temperature_ref, top_k_ref, top_p_ref, min_p_ref, logprobs_ref: []
+    # arrivals_ref (aliased by arrivals_out_ref): [2] int32 arrivals per phase, 0 at the start
+    # cut_key_ref, cut_id_ref: [] int32; top_ids_ref: [num_top] int32; top_logits_ref: [num_top] f32
+    # partials_ref: [2, MAX_EXCHANGES, splits, 4] f32 each program's partial results of each exchange
     del arrivals_out_ref
     row = _Row(logits_ref, partials_ref, arrivals_ref, vocab, block, splits, interpret, pl.program_id(0))
     temperature, top_k, top_p, min_p = (ref[...] for ref in (temperature_ref, top_k_ref, top_p_ref, min_p_ref))
@@ -148,8 +123,7 @@ def _filters_kernel(logits_ref, temperature_ref, top_k_ref, top_p_ref, min_p_ref
 
 
 def _filter_cut(row: "_Row", temperature, top_k, top_p, min_p):
-    """(cut key, cut id) of a filtered row: top-k's k-th key, top-p's cut within the top-k mass, min-p's count, and
-    the k-th key of the tightest (the exchanges of phase 0)."""
+    """(cut key, cut id) of a filtered row: the k-th of the tightest of top-k, top-p within top-k, and min-p."""
     vocab = row.vocab
     every, seq = row.exchange(jnp.full((4,), jnp.max(row.over_chunk(lambda m, x, keys, ids, valid: jnp.maximum(m, x),
                                                                     jnp.full((row.block,), -jnp.inf)))),
@@ -179,16 +153,13 @@ def _filter_cut(row: "_Row", temperature, top_k, top_p, min_p):
 
 
 def _write_top(row: "_Row", top_ids_ref, top_logits_ref, num_top: int) -> None:
-    """Writes the row's num_top largest logits and their ids, in id order (the exchanges of phase 1): each program
-    its slice's, after those of the programs before it."""
+    """Writes the row's num_top largest logits and ids in id order, each program after the programs before it."""
     key, cut_id, seq = row.kth_cut(jnp.int32(min(num_top, row.vocab)), [], (1, jnp.int32(0)))
 
     def taken(x, keys, ids, valid):
         return valid & ((keys > key) | ((keys == key) & (ids <= cut_id)))
 
-    mine = jnp.sum(row.over_chunk(lambda c, x, keys, ids, valid: c + taken(x, keys, ids, valid).astype(jnp.float32),
-                                  jnp.zeros((row.block,))))
-    every, seq = row.exchange(jnp.where(jnp.arange(4) == 0, mine, 0.0), seq)
+    every, seq = row.counts(taken, seq)
     before = jnp.sum(jnp.where(jnp.arange(every.shape[0])[:, None] < row.split, every, 0.0)).astype(jnp.int32)
 
     def write(written, x, keys, ids, valid):  # the block's taken tokens, in id order
@@ -211,12 +182,8 @@ def _count(x, valid):
 
 @dataclasses.dataclass(frozen=True)
 class _Row:
-    """The passes over one row, shared by its `splits` programs (this one: `split`). A pass's partial results go
-    through `exchange`; `seq` is (phase, exchanges so far in it), threaded through every pass.
-
-    Work a row may skip is a loop of zero trips, not a lax.cond: Triton's lowering of a branch cannot return an
-    argument given as a constant. Loops carry per-lane partial results ([block] vectors), reduced once after the
-    loop: a reduction across the program's threads in every step stalled it."""
+    """The passes over one row, `seq` (phase, exchanges so far) threaded through. Skippable work loops zero times (a
+    Triton branch cannot return a constant); loops carry [block] partials (a reduction a step stalled them)."""
 
     logits_ref: object  # [V] f32
     partials_ref: object  # [2, MAX_EXCHANGES, splits, 4] f32
@@ -228,8 +195,7 @@ class _Row:
     split: jax.Array
 
     def over_chunk(self, fn, init, run=True):
-        """fn(carry, x [block] f32, keys [block] int32, ids [block] int32, valid [block] bool) over this program's
-        blocks of the row (if run)."""
+        """fn(carry, x, keys, ids, valid), each [block], over this program's blocks of the row (if run)."""
         blocks = pl.cdiv(pl.cdiv(self.vocab, self.block), self.splits)
 
         def body(i, carry):
@@ -241,9 +207,7 @@ class _Row:
         return _loop(_trips(blocks, run), body, init)
 
     def exchange(self, values, seq, pad=0.0):
-        """values: [4] f32, this program's partial results -> ([splits', 4] every program's (rows past splits:
-        pad), seq after), once every program of the row has written its own: each writes its slot, counts itself
-        in, and waits for the count."""
+        """values [4] f32, this program's partials -> (every program's [splits', 4], padded with pad; seq after)."""
         (phase, n), lanes = seq, jnp.arange(4)
         store(self.partials_ref.at[phase, n, self.split, lanes], values)
         if not self.interpret:  # every thread's store is done (and seen by the arrival's release) before reading
@@ -260,9 +224,8 @@ class _Row:
         return every, (phase, n + 1)
 
     def search(self, weigh, target, seq, run=True):
-        """(The largest key T with sum(weigh(x, valid)[keys >= T]) >= target, seq after): weights >= 0 and 0 where
-        not valid, target at most the row's total. T's bits two at a time from the top, four candidates a pass,
-        over unsigned offsets from INT32_MIN (int32 adds wrap). INT32_MIN if not run."""
+        """(The largest key T with sum(weigh(x, valid)[keys >= T]) >= target, seq after), INT32_MIN if not run: T's
+        bits two at a time from the top, over unsigned offsets from INT32_MIN (int32 adds wrap)."""
         def next_digits(p, t_seq):
             t, seq = t_seq
             shift = 30 - 2 * p
@@ -289,19 +252,22 @@ class _Row:
                                                                  jnp.sum(at).astype(jnp.float32)))
         every, seq = self.exchange(values, seq)
         total = jnp.sum(every, axis=0)
-        pick = lambda lane: jnp.sum(jnp.where(lanes == lane, total, 0.0))  # noqa: E731
+        pick = lambda lane: jnp.sum(jnp.where(lanes == lane, total, 0.0))
         return pick(0).astype(jnp.int32), pick(1), pick(2).astype(jnp.int32), seq
+
+    def counts(self, fn, seq, run=True):
+        """Every program's count of fn(x, keys, ids, valid) -> [block] bool (exchange's result, lane 0), seq after."""
+        n = jnp.sum(self.over_chunk(lambda c, x, keys, ids, valid: c + fn(x, keys, ids, valid).astype(jnp.float32),
+                                    jnp.zeros((self.block,)), run))
+        return self.exchange(jnp.where(jnp.arange(4) == 0, n, 0.0), seq)
 
     def count_in_row(self, fn, seq, run=True):
         """The row's count of fn(x, keys, ids, valid) -> [block] bool, seq after."""
-        n = jnp.sum(self.over_chunk(lambda c, x, keys, ids, valid: c + fn(x, keys, ids, valid).astype(jnp.float32),
-                                    jnp.zeros((self.block,)), run))
-        every, seq = self.exchange(jnp.where(jnp.arange(4) == 0, n, 0.0), seq)
+        every, seq = self.counts(fn, seq, run)
         return jnp.sum(every).astype(jnp.int32), seq
 
     def cut_in_ties(self, t, needed, tied, seq):
-        """(The id of the needed-th token (from 1) with key t in id order, seq after): V - 1 when every tied token is
-        needed, else by a binary search over ids (a cut inside a tie is rare: one pass per bit of V)."""
+        """(The id of the needed-th token (from 1) at key t, seq after): a binary search unless all are needed."""
         def halve(_, carry):
             lo, hi, seq = carry
             mid = (lo + hi) // 2
@@ -313,8 +279,7 @@ class _Row:
         return jnp.where(needed < tied, lo, self.vocab - 1), seq
 
     def kth_cut(self, k, known, seq):
-        """(key, id) of the k-th token of the descending order, seq after. known: (key, count above, count at) of
-        keys found before, one of which may be the k-th's: then no search."""
+        """(key, id, seq after) of the k-th token, unsearched if a known (key, count above, count at) holds it."""
         if not known:
             key, seq = self.search(_count, k.astype(jnp.float32), seq)
         else:
@@ -330,24 +295,20 @@ class _Row:
 
 
 def _trips(n: int, run):
-    """n if run else 0: a Python int when run is True (a static loop), else int32. (In Triton's lowering a select
-    between constants took the predicate's type.)"""
+    """n if run else 0, as int32 unless run is True (Triton's select between constants took the predicate's type)."""
     return n if run is True else n * run.astype(jnp.int32)
 
 
 def _loop(trips, body, init):
-    """lax.fori_loop(0, trips, body, init). A traced trip count gets a traced start: Triton's loop needs both bounds
-    of one type, and a constant start lowered to another."""
+    """lax.fori_loop(0, trips, body, init), with a traced start for traced trips: Triton's loop needs one type."""
     return lax.fori_loop(0 if isinstance(trips, int) else trips - trips, trips, body, init)
 
 
 @functools.partial(jax.jit, static_argnames=("num_top", "config", "interpret"))
 def sampling_filters(logits, temperature, top_k, top_p, min_p, logprobs, *, num_top: int,
                      config: FilterConfig = FilterConfig(), interpret: bool = False):
-    """The Pallas version of `sampling_filters_reference` (same arguments and results); the top tokens leave the
-    kernel in id order and are ranked here ([B, num_top]: a few elementwise ops). The exchange slots are a scratch
-    output of 2 x MAX_EXCHANGES x splits x 4 floats a row (80 KB at 32 splits: 21 MB at 256 rows), written only by
-    the rows that do work."""
+    """sampling_filters_reference's arguments and results. The top tokens leave the kernel in id order and are ranked
+    here; the exchange slots are a scratch output that only the rows doing work write."""
     _check_inputs(logits, temperature, top_k, top_p, min_p, logprobs, num_top, config)
     batch, vocab = logits.shape
     splits = 1 if interpret else config.splits
@@ -362,17 +323,16 @@ def sampling_filters(logits, temperature, top_k, top_p, min_p, logprobs, *, num_
         in_specs=[pl.BlockSpec((None, vocab), lambda s, b: (b, 0))] + 5 * [row] + [arrivals],
         out_specs=[row, row, tops, tops,
                    pl.BlockSpec((None, 2, MAX_EXCHANGES, splits, 4), lambda s, b: (b, 0, 0, 0, 0)), arrivals],
-        out_shape=[jax.ShapeDtypeStruct((batch,), jnp.int32), jax.ShapeDtypeStruct((batch,), jnp.int32),
-                   jax.ShapeDtypeStruct((batch, num_top), jnp.int32),
-                   jax.ShapeDtypeStruct((batch, num_top), jnp.float32),
-                   jax.ShapeDtypeStruct((batch, 2, MAX_EXCHANGES, splits, 4), jnp.float32),
-                   jax.ShapeDtypeStruct((batch, 2), jnp.int32)],
+        out_shape=[jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in (
+            ((batch,), jnp.int32), ((batch,), jnp.int32), ((batch, num_top), jnp.int32),
+            ((batch, num_top), jnp.float32), ((batch, 2, MAX_EXCHANGES, splits, 4), jnp.float32),
+            ((batch, 2), jnp.int32))],
         input_output_aliases={6: 5},
         compiler_params=triton_params(config.num_warps, config.num_stages),
         interpret=interpret,
         name="sampling_filters",
     )(logits, temperature, top_k, top_p, min_p, logprobs, jnp.zeros((batch, 2), jnp.int32))
-    # rank: how many entries come before each (a larger logit, or the same with a smaller id; -inf pads last)
+    # rank: the entries before each (a larger logit, or the same with a smaller id; -inf pads last)
     before = (top[:, None, :] > top[:, :, None]) | ((top[:, None, :] == top[:, :, None]) & (
         jnp.arange(num_top)[None, :] < jnp.arange(num_top)[:, None])[None])
     rank = jnp.sum(before, axis=-1)
@@ -384,12 +344,10 @@ def sampling_filters(logits, temperature, top_k, top_p, min_p, logprobs, *, num_
 def _check_inputs(logits, temperature, top_k, top_p, min_p, logprobs, num_top, config):
     if logits.ndim != 2 or logits.dtype != jnp.float32:
         raise ValueError(f"logits must be [B, V] float32, got {logits.shape} {logits.dtype}")
-    batch = logits.shape[0]
     for name, x, dtype in (("temperature", temperature, jnp.float32), ("top_k", top_k, jnp.int32),
                            ("top_p", top_p, jnp.float32), ("min_p", min_p, jnp.float32),
                            ("logprobs", logprobs, jnp.int32)):
-        if x.shape != (batch,) or x.dtype != dtype:
-            raise ValueError(f"{name} must be [{batch}] {jnp.dtype(dtype).name}, got {x.shape} {x.dtype}")
+        check_vector(name, x, logits.shape[0], dtype)
     if logits.shape[1] >= 2**24:  # counts are exchanged as float32, exact below 2**24 (and MAX_EXCHANGES holds)
         raise ValueError(f"the vocabulary must be below 2**24 tokens, got {logits.shape[1]}")
     if num_top < 1:

@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).parents[1]))
 from bench_kernels import EPS, kernel_time_per_call, normal, rotations, time_per_call  # noqa: E402
 
 from convert.quantize import is_quantized, quantize_weight  # noqa: E402
+from nanojax.model import Projection  # noqa: E402
 from nanojax.ops import Ops  # noqa: E402
 from pallas_kernels.rmsnorm_matmul import _default_config, rmsnorm_matmul  # noqa: E402
 
@@ -78,7 +79,7 @@ def main():
             return rmsnorm_matmul(x, w, w_scale=p.get("scale"), activation=activation, config=config,
                                   **step_kw(second))
 
-        t_xla = time_per_call(lambda x, second, p: Ops().project(x, p, activation=activation, **step_kw(second)),
+        t_xla = time_per_call(lambda x, second, p: Ops().project(x, Projection(p), activation=activation, **step_kw(second)),
                               sets, work_seconds=w_bytes / args.hbm_bw, repeats=args.repeats, dep_arg=dep_arg)
 
         timings = []

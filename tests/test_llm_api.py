@@ -224,7 +224,7 @@ def test_a_generate_calls_requests_reach_the_engine_together(qwen3, monkeypatch)
 
     folder, _ = qwen3
     llm = LLM(folder, dtype="float32", page_size=4, max_model_len=96)
-    sequence, schedule, seen = llm.core._sequence, llm.scheduler.schedule, []
+    sequence, schedule, seen = llm.core.output._sequence, llm.scheduler.schedule, []
 
     def slow_sequence(*args):
         time.sleep(0.05)  # the loop thread would run steps meanwhile if each request went in on its own
@@ -234,7 +234,7 @@ def test_a_generate_calls_requests_reach_the_engine_together(qwen3, monkeypatch)
         seen.append(len(llm.scheduler.waiting) + len(llm.scheduler.running))
         return schedule(**kw)
 
-    monkeypatch.setattr(llm.core, "_sequence", slow_sequence)
+    monkeypatch.setattr(llm.core.output, "_sequence", slow_sequence)
     monkeypatch.setattr(llm.scheduler, "schedule", recording_schedule)
     llm.generate(random_prompts(97, [5, 9, 3, 7], seed=8), GREEDY, use_tqdm=False)
     assert seen[0] == 4

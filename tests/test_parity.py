@@ -5,12 +5,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from flax import nnx
 from conftest import TINY, hf_greedy, random_prompts
 
 from convert import open_source, params_from_source
 from nanojax import LLM, SamplingParams
 from nanojax.kv_cache import Batch, KVCache
-from nanojax.model import forward, lm_logits
+from nanojax.model import Decoder, Projection, forward, lm_logits
 from nanojax.ops import PALLAS_NORMED_PROJECTION_MAX_ROWS, Ops, kernel_support
 
 ARCHS = sorted(TINY)
@@ -59,7 +60,7 @@ def test_logits_prefill_and_decode_match_hf(hf_model_dir, name, ops):
 def test_projection_kernel_rows():
     """The fused projection kernel runs for one row without a norm and up to PALLAS_NORMED_PROJECTION_MAX_ROWS with
     one (there it replaces XLA's norm and GEMM); more rows take XLA's GEMM (faster there on the H100)."""
-    ops, w = Ops(pallas=True, interpret=True), {"w": jnp.ones((32, 48))}
+    ops, w = Ops(pallas=True, interpret=True), Projection({"w": jnp.ones((32, 48))})
     for rows, norm_eps, kernel in ((1, None, True), (2, None, False), (1, 1e-6, True), (2, 1e-6, True),
                                    (PALLAS_NORMED_PROJECTION_MAX_ROWS, 1e-6, True),
                                    (PALLAS_NORMED_PROJECTION_MAX_ROWS + 1, 1e-6, False)):
@@ -79,3 +80,15 @@ def test_greedy_tokens_match_hf(hf_model_dir, name):
         assert out.finish_reason == "length"
     one_by_one = [llm.generate([p], greedy, use_tqdm=False)[0].token_ids for p in prompts]
     assert one_by_one == [o.token_ids for o in batched]
+
+
+@pytest.mark.parametrize("name", ["gpt2", "qwen3"])
+def test_the_modules_state_is_the_converted_params(hf_model_dir, name):
+    """The decoder's Flax NNX state holds the converted arrays themselves, at the paths of the params' keys (layers
+    by index): loading is handing the params over, nothing copied or renamed."""
+    config, params = params_from_source(open_source(hf_model_dir(name)[0]), "float32")
+    state = nnx.to_pure_dict(nnx.state(Decoder(config, params)))
+    state["layers"] = tuple(state["layers"][i] for i in range(config.num_layers))
+    body = {k: v for k, v in params.items() if k != "lm_head"}
+    assert jax.tree.structure(state) == jax.tree.structure(body)
+    assert all(a is b for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(body), strict=True))

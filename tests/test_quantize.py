@@ -12,7 +12,7 @@ from conftest import random_prompts
 from convert import open_source, params_from_source
 from convert.quantize import CLIP_RATIOS, FP8_MAX, PROJECTIONS, dequantize, quantize_params, quantize_weight
 from nanojax.kv_cache import Batch, KVCache
-from nanojax.model import forward, lm_logits
+from nanojax.model import Projection, forward, lm_logits
 from nanojax.ops import Ops
 from pallas_kernels.rmsnorm_matmul import rmsnorm_matmul_reference
 
@@ -206,9 +206,9 @@ def test_fp8_projection_rows(monkeypatch):
         ops = Ops(pallas=pallas, interpret=pallas)
         kernel = pallas and rows == 1 and max_weight == w.size
         for kw in ({}, {"norm_eps": 1e-6}, {"residual": residual[:rows]}):
-            jaxpr = str(jax.make_jaxpr(lambda x: ops.project(x, p, **kw))(x[:rows]))
+            jaxpr = str(jax.make_jaxpr(lambda x: ops.project(x, Projection(p), **kw))(x[:rows]))
             assert ("pallas_call" in jaxpr) == kernel, (rows, kw, max_weight, pallas)
-            out = ops.project(x[:rows], p, **kw)
+            out = ops.project(x[:rows], Projection(p), **kw)
             ref = rmsnorm_matmul_reference(x[:rows], p["w_t"], w_scale=p["scale"], **kw)
             assert out.shape == ref.shape
             np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
