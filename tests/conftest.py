@@ -5,6 +5,13 @@ import os
 os.environ.setdefault("XLA_FLAGS",
                       f"--xla_force_host_platform_device_count={os.environ.get('NANOJAX_TEST_DEVICES', '1')}")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One thread per process for torch's operators (the HF references) and the processes tests start: CI runs two workers
+# on two cores, and an operator split over two threads waited at each of its joins for a core the other worker held.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+# For the tiny models' engines that tests start in processes of their own: their programs compile for seconds and run
+# for milliseconds, and XLA's older elemental emitters without LLVM's optimizations compile them several times faster.
+# Not for the tests' own processes: the 135M default model decodes slower so.
+CHILD_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -37,9 +44,15 @@ TINY = {
 
 
 def pytest_collection_modifyitems(items):
-    """Tests marked `long` first: pytest-xdist hands tests out in this order, and a long one handed out last ran
-    alone on one of CI's two cores for its last ~5 minutes."""
-    items.sort(key=lambda item: item.get_closest_marker("long") is None)
+    """The modules with a test marked `long` first, each led by its long tests: pytest-xdist hands tests out in this
+    order, and a long one handed out last ran alone on one of CI's two cores for its last ~5 minutes. A module's tests
+    stay together, so that its module-scoped fixtures (a compiled LLM) are built once."""
+    long_modules = {item.module for item in items if item.get_closest_marker("long")}
+    first = {}
+    for i, item in enumerate(items):
+        first.setdefault(item.module, i)
+    items.sort(key=lambda item: (item.module not in long_modules, first[item.module],
+                                 item.get_closest_marker("long") is None))
 
 
 def requires_gpu(test):

@@ -2,6 +2,7 @@
 (nanojax served at two decode-steps values beside its offline rows, then `transformers serve` on the same weights)."""
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -12,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
 import bench_serving
 import random_model
 from bench_serving import Scenario, parse_scenario
+from conftest import CHILD_XLA_FLAGS
 from transformers_serve_peer import prompt_text, save_peer_folder
 
 TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
@@ -67,12 +69,14 @@ def test_tiny_launch_with_the_transformers_peer(tmp_path, monkeypatch):
     (tmp_path / "configs" / "tiny-llama.json").write_text(json.dumps(TINY_LLAMA))
     monkeypatch.setattr(random_model, "CONFIGS", tmp_path / "configs")
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")  # --peer sets it when unset: undone after the test
+    # For the engine processes: this one starts no JAX backend here, so its own flags stay as they were.
+    monkeypatch.setenv("XLA_FLAGS", f"{os.environ['XLA_FLAGS']} {CHILD_XLA_FLAGS}")
     out = tmp_path / "serving.json"
     report = bench_serving.main([
         "--launch", "tiny-llama", "--scenario", "12,6,5,-", "--scenario", "12,6,3,1", "--decode-steps", "2", "4",
-        "--vocab-size", "200", "--warmup-requests", "1", "--peer", "transformers", "--peer-num-prompts", "2",
-        "--peer-timeout", "120", "--peer-args", "--cb-num-blocks 32 --cb-max-batch-tokens 64", "--out", str(out),
-        "--save-detailed"])
+        "--vocab-size", "200", "--max-num-seqs", "5", "--warmup-requests", "1", "--peer", "transformers",
+        "--peer-num-prompts", "2", "--peer-timeout", "120", "--peer-args", "--cb-num-blocks 32 --cb-max-batch-tokens 64",
+        "--out", str(out), "--save-detailed"])
     assert json.loads(out.read_text()) == report and "peer_error" not in report
     rows = {(r["server"], r["decode_steps"], r["scenario"]): r for r in report["rows"]}
     assert len(rows) == len(report["rows"]) == 2 * 2 * 2 + 2 + 2  # served and offline, the engine rows, the peer

@@ -15,7 +15,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from conftest import TINY, build_hf_model, hf_greedy, random_prompts
+from conftest import CHILD_XLA_FLAGS, TINY, build_hf_model, hf_greedy, random_prompts
 
 from nanojax import LLM, SamplingParams
 from nanojax.sharding import TensorParallel
@@ -32,6 +32,9 @@ TP_TINY = {
     "ernie4_5": dict(TINY["ernie4_5"], num_attention_heads=8),
     "gpt2": dict(TINY["gpt2"], n_head=8),
 }
+# For the kernels' tests: qwen3 (a head_dim the kernels take) in one layer, since every layer's kernels, interpreted,
+# lengthen each compile, and a second layer checks nothing more of them.
+KERNELS_TINY = dict(TP_TINY["qwen3"], num_hidden_layers=1)
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
 
@@ -45,7 +48,7 @@ PARTS = {"greedy-1": [f"::{_GREEDY}[{name}]" for name in ("ernie4_5", "gpt2", "l
 @pytest.mark.skipif(jax.device_count() >= DEVICES, reason="already on 8 host devices")
 @pytest.mark.parametrize("part", sorted(PARTS))
 def test_on_8_host_devices(part):
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES}",
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES} {CHILD_XLA_FLAGS}",
            "NANOJAX_TEST_DEVICES": str(DEVICES)}
     targets = [__file__ + x if x.startswith("::") or x == "" else x for x in PARTS[part]]
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "no:xdist",
@@ -61,7 +64,7 @@ def tp_model(tmp_path_factory):
 
     def make(name):
         if name not in made:
-            model = build_hf_model(TP_TINY[name])
+            model = build_hf_model(KERNELS_TINY if name == "kernels" else TP_TINY[name])
             folder = tmp_path_factory.mktemp(f"tp-{name}")
             model.save_pretrained(folder)
             made[name] = (str(folder), model)
@@ -85,7 +88,7 @@ def test_greedy_tokens_match_hf_at_every_size(tp_model, name):
     prompts = scenario(model.config.vocab_size)
     expected = [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts]
     for size in (1, 2, 4, 8):
-        llm = LLM(folder, dtype="float32", page_size=4, max_model_len=64, num_pages=16, max_num_seqs=4,
+        llm = LLM(folder, dtype="float32", page_size=4, max_model_len=64, num_pages=12, max_num_seqs=2,
                   max_num_batched_tokens=16, decode_steps=4, tensor_parallel_size=size, progress=False)
         first = llm.generate([prompts[0]], GREEDY, use_tqdm=False)[0]
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
@@ -97,7 +100,7 @@ def test_greedy_tokens_match_hf_at_every_size(tp_model, name):
 
 @on_host_devices
 def test_pallas_kernels_per_shard(tp_model):
-    folder, model = tp_model("qwen3")
+    folder, model = tp_model("kernels")
     prompts = random_prompts(model.config.vocab_size, [7, 2], seed=3)
     llm = LLM(folder, dtype="float32", page_size=8, max_model_len=32, max_num_seqs=2, decode_steps=2,
               kernels="interpret", tensor_parallel_size=2, progress=False)
@@ -127,7 +130,7 @@ def test_cascade_per_shard(tp_model, kernels):
     size 2 with 4 KV heads: HF's greedy tokens."""
     from nanojax.cascade import CascadeRules
 
-    folder, model = tp_model("qwen3")
+    folder, model = tp_model("kernels")
     system, doc, *questions = random_prompts(model.config.vocab_size, [18, 9, 1, 3, 5, 2, 4], seed=5)
     rules = CascadeRules(min_shared_tokens=8, min_piece_tokens=4, min_saved_tokens=1, min_batch=1, num_items=8)
     llm = LLM(folder, dtype="float32", page_size=4, max_model_len=64, decode_steps=4, kernels=kernels,
@@ -222,9 +225,9 @@ def test_fp8_weights_per_shard(tp_model, kernels):
     """LLM(quantization="fp8") split over 2 and 4 devices (each with its columns' or rows' FP8 slices and their
     scales, qkv re-ordered per device with its scales) gives the unsharded FP8 engine's greedy tokens; with the
     kernels (interpreted), one-row projections read each shard's FP8 slice in the fused kernel."""
-    # 8 q heads, 2 KV heads (replicated at size 4); the kernels need qwen3's head_dim of 16, and one sequence decodes
+    # 8 q heads, 2 KV heads (replicated at size 4); the kernels need KERNELS_TINY's head_dim, and one sequence decodes
     # one row, which the FP8 kernel takes
-    folder, model = tp_model("llama" if kernels == "reference" else "qwen3")
+    folder, model = tp_model("llama" if kernels == "reference" else "kernels")
     prompts = scenario(model.config.vocab_size)[slice(None) if kernels == "reference" else slice(2, 3)]
     kw = dict(dtype="float32", page_size=4, max_model_len=64, max_num_seqs=4, decode_steps=4, quantization="fp8",
               kernels=kernels, progress=False)
