@@ -50,15 +50,11 @@ def remembered(kind: str, key: bytes, compute: Callable[[], Any]) -> Any:
     classes, with torch (docs/perf_notes.md, "Transformers and the tokenizer"). An unwritable cache is no error."""
     digest = hashlib.sha256(key + version("transformers").encode()).hexdigest()
     path = cache_dir() / "answers" / kind / f"{digest}.json"
-    try:
+    with contextlib.suppress(OSError, ValueError):
         return json.loads(path.read_text())
-    except (OSError, ValueError):
-        pass
     value = json.loads(json.dumps(compute()))  # as a later start reads it back (tuples become lists)
-    try:
+    with contextlib.suppress(OSError):
         write_whole(path, json.dumps(value).encode())
-    except OSError:
-        pass
     return value
 
 

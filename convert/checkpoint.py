@@ -32,12 +32,12 @@ QUANTIZATIONS = (None, "fp8")
 FP8_FORMAT = 2
 
 
-def params_from_source(source: Source, dtype: str, progress: bool = False,
+def params_from_source(source: Source, dtype: str,
                        place: Callable[[dict], dict] | None = None) -> tuple[ModelConfig, dict]:
     """The whole model in memory, its layers converted on a thread per core (docs/perf_notes.md, "Conversion and
     placement"). place: applied to each part on a thread of its own while the next parts convert."""
     config = ModelConfig.from_hf_config(source.hf_config)
-    parts = _parts(source, config, dtype, progress, threads=min(16, os.cpu_count() or 1))
+    parts = _parts(source, config, dtype, progress=False, threads=min(16, os.cpu_count() or 1))
     if place is not None:
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="place") as pool:
             placing = [(name, pool.submit(place, part)) for name, part in parts]
@@ -71,17 +71,10 @@ def convert(src, dst, dtype: str = "bfloat16", overwrite: bool = False, progress
         num_parameters = _save_params(tmp / PARAMS, parts)
         (tmp / "config.json").write_text(json.dumps(source.hf_config, indent=2, default=str))
         has_tokenizer = source.save_tokenizer(tmp)
-        manifest = {
-            "source": source.description,
-            "format": source.format,
-            "architecture": config.architecture,
-            "dtype": dtype,
-            "quantization": quantization,
-            **({"fp8_format": FP8_FORMAT} if quantization == "fp8" else {}),
-            "params_format": PARAMS_FORMAT,
-            "num_parameters": num_parameters,
-            "tokenizer": has_tokenizer,
-        }
+        manifest = {"source": source.description, "format": source.format, "architecture": config.architecture,
+                    "dtype": dtype, "quantization": quantization,
+                    **({"fp8_format": FP8_FORMAT} if quantization == "fp8" else {}),
+                    "params_format": PARAMS_FORMAT, "num_parameters": num_parameters, "tokenizer": has_tokenizer}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
         move_into_place(tmp, dst)
     return dst
@@ -92,19 +85,15 @@ def is_checkpoint(path) -> bool:
 
 
 def params_format(path) -> int:
-    """The params layout of the checkpoint at `path`."""
-    return _layout(read_json(Path(path) / MANIFEST), "params_format")
-
-
-def _layout(manifest: dict, key: str) -> int:
-    return manifest.get(key, 1)  # 1: written before the layout was recorded
+    """The params layout of the checkpoint at `path` (1: written before the layout was recorded)."""
+    return read_json(Path(path) / MANIFEST).get("params_format", 1)
 
 
 def load_checkpoint(path) -> tuple[ModelConfig, dict, dict]:
     """-> (config, params as numpy arrays, manifest); CheckpointError for a layout this code does not read."""
     path = Path(path)
     manifest = read_json(path / MANIFEST)
-    params_layout, fp8_layout = _layout(manifest, "params_format"), _layout(manifest, "fp8_format")
+    params_layout, fp8_layout = manifest.get("params_format", 1), manifest.get("fp8_format", 1)
     if params_layout != PARAMS_FORMAT:
         raise CheckpointError(
             f"{path} holds params format {params_layout} (written by another nanojax version), this nanojax "

@@ -59,17 +59,13 @@ class ModelConfig:
         if model_type not in _BUILDERS:
             raise ConfigError(f"unknown architecture: model_type={model_type!r} architectures={archs}; "
                               f"supported model_type values: {sorted(_BUILDERS)}")
-        fields = _BUILDERS[model_type](hf)
-        config = cls(architecture=archs[0] if archs else model_type, **fields, **_token_ids(hf))
-        config.validate()
+        config = cls(architecture=archs[0] if archs else model_type, **_BUILDERS[model_type](hf), **_token_ids(hf))
+        if config.num_heads % config.num_kv_heads:
+            raise ConfigError(f"num_attention_heads={config.num_heads} is not a multiple of "
+                              f"num_key_value_heads={config.num_kv_heads}")
+        if config.head_dim % 2 and config.rope_theta is not None:
+            raise ConfigError(f"head_dim={config.head_dim} must be even for RoPE")
         return config
-
-    def validate(self) -> None:
-        if self.num_heads % self.num_kv_heads:
-            raise ConfigError(f"num_attention_heads={self.num_heads} is not a multiple of "
-                              f"num_key_value_heads={self.num_kv_heads}")
-        if self.head_dim % 2 and self.rope_theta is not None:
-            raise ConfigError(f"head_dim={self.head_dim} must be even for RoPE")
 
 
 def _get(hf: dict, key: str):
@@ -89,20 +85,23 @@ def _rope(hf: dict) -> dict:
     rope_type = params.get("rope_type", "default")
     llama3 = None
     if rope_type == "llama3":
-        llama3 = RopeLlama3(
-            factor=float(params["factor"]),
-            low_freq_factor=float(params["low_freq_factor"]),
-            high_freq_factor=float(params["high_freq_factor"]),
-            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
-        )
+        llama3 = RopeLlama3(*(float(params[k]) for k in ("factor", "low_freq_factor", "high_freq_factor")),
+                            int(params["original_max_position_embeddings"]))
     elif rope_type != "default":
         raise ConfigError(f"rope_parameters.rope_type={rope_type!r} is not supported (default, llama3)")
     return {"rope_theta": float(params["rope_theta"]), "rope_llama3": llama3}
 
 
-def _decoder(hf: dict, *, qkv_bias: bool, o_bias: bool, mlp_bias: bool, qk_norm: bool) -> dict:
+def _decoder(hf: dict) -> dict:
+    """Llama, Qwen2, Qwen3 and ERNIE 4.5: they differ in their biases and Qwen3's q/k norms."""
     if _get(hf, "hidden_act") != "silu":
         raise ConfigError(f"hidden_act={hf['hidden_act']!r} is not supported (silu)")
+    model_type = hf["model_type"]
+    bias = bool(hf.get("use_bias" if model_type == "ernie4_5" else "attention_bias", False))
+    # ERNIE 4.5 rotates interleaved (x0, x1) pairs; convert/ permutes its q/k rows to the half-split layout the
+    # shared decoder uses, which leaves every q.k product unchanged.
+    qkv_bias, o_bias, mlp_bias = {"llama": (bias, bias, bool(hf.get("mlp_bias", False))), "qwen2": (True, False, False),
+                                  "qwen3": (bias, bias, False), "ernie4_5": (bias, bias, bias)}[model_type]
     heads = _get(hf, "num_attention_heads")
     return {
         "vocab_size": _get(hf, "vocab_size"),
@@ -119,31 +118,10 @@ def _decoder(hf: dict, *, qkv_bias: bool, o_bias: bool, mlp_bias: bool, qk_norm:
         "qkv_bias": qkv_bias,
         "o_bias": o_bias,
         "mlp_bias": mlp_bias,
-        "qk_norm": qk_norm,
+        "qk_norm": model_type == "qwen3",
         "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
         **_rope(hf),
     }
-
-
-def _llama(hf):
-    bias = bool(hf.get("attention_bias", False))
-    return _decoder(hf, qkv_bias=bias, o_bias=bias, mlp_bias=bool(hf.get("mlp_bias", False)), qk_norm=False)
-
-
-def _qwen2(hf):
-    return _decoder(hf, qkv_bias=True, o_bias=False, mlp_bias=False, qk_norm=False)
-
-
-def _qwen3(hf):
-    bias = bool(hf.get("attention_bias", False))
-    return _decoder(hf, qkv_bias=bias, o_bias=bias, mlp_bias=False, qk_norm=True)
-
-
-def _ernie4_5(hf):
-    # ERNIE 4.5 rotates interleaved (x0, x1) pairs; convert/ permutes its q/k rows to the half-split layout
-    # the shared decoder uses, which leaves every q.k product unchanged.
-    bias = bool(hf.get("use_bias", False))
-    return _decoder(hf, qkv_bias=bias, o_bias=bias, mlp_bias=bias, qk_norm=False)
 
 
 def _gpt2(hf):
@@ -177,4 +155,4 @@ def _gpt2(hf):
     }
 
 
-_BUILDERS = {"llama": _llama, "qwen2": _qwen2, "qwen3": _qwen3, "ernie4_5": _ernie4_5, "gpt2": _gpt2}
+_BUILDERS = {"llama": _decoder, "qwen2": _decoder, "qwen3": _decoder, "ernie4_5": _decoder, "gpt2": _gpt2}

@@ -1,14 +1,10 @@
-"""A llama.cpp GGUF file as a source: its metadata as an HF config, its tensors renamed to HF names and read when
-asked for. Architectures llama, qwen2 and qwen3; tensor types SUPPORTED_TYPES. convert/keys.py checks every tensor's
-presence and shape; a GGUF tensor without an HF name keeps its GGUF name, which that table reports as unmapped.
+"""A llama.cpp GGUF file (llama, qwen2, qwen3) as a source: its metadata as an HF config, its tensors by HF name, read
+when asked for (a tensor without an HF name keeps its GGUF name: convert/keys.py reports it unmapped).
 
-GGUF stores dims fastest-first, so its shape [in, out] is HF's [out, in]. llama.cpp permutes the q/k rows of the llama
-arch only (its "normal" RoPE rotates adjacent pairs, HF's the two halves of each head); reading undoes that, as
-transformers' LlamaTensorProcessor does. Llama 3's RoPE scaling comes back from the rope_freqs tensor; the scalings
-GGUF records in metadata (linear, yarn) are refused, as convert/config.py refuses them.
+GGUF dims run fastest-first: its [in, out] is HF's [out, in]. llama.cpp permutes the llama arch's q/k rows (its RoPE
+rotates adjacent pairs, HF's the halves of each head); reading undoes that, as transformers does. Llama 3's RoPE
+scaling comes back from the rope_freqs tensor; scalings in metadata (linear, yarn) are refused, as in config.py.
 """
-from __future__ import annotations
-
 import contextlib
 import math
 import os
@@ -35,24 +31,18 @@ class GGUFError(ValueError):
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
-SUPPORTED_TYPES = frozenset({
-    GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16, GGMLQuantizationType.Q8_0,
-    GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K,
-})
+SUPPORTED_TYPES = frozenset(GGMLQuantizationType[name] for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1",
+                                                                     "Q4_K", "Q6_K"))
 
 # GGUF tensor name -> HF name, outside the layers and (after "blk.{i}." -> "model.layers.{i}.") inside them.
 _TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
               "output.weight": "lm_head.weight"}
 _LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias", "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
     "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
+    **{f"attn_{name}.{kind}": f"self_attn.{hf}_proj.{kind}" for name, hf in zip(("q", "k", "v", "output"), "qkvo")
+       for kind in ("weight", "bias")},
+    **{f"ffn_{name}.weight": f"mlp.{name}_proj.weight" for name in ("gate", "up", "down")},
 }
 _TOP_FROM_HF = {hf: name for name, hf in _TOP_NAMES.items()}
 _LAYER_FROM_HF = {hf: name for name, hf in _LAYER_NAMES.items()}
@@ -60,18 +50,11 @@ _LAYER_FROM_HF = {hf: name for name, hf in _LAYER_NAMES.items()}
 # _llama3_rope_scaling turns it back into the config's rope_scaling. Only the llama arch has it.
 _ROPE_FREQS = "rope_freqs.weight"
 
-_SCALAR_BYTES = {GGUFValueType.UINT8: 1, GGUFValueType.INT8: 1, GGUFValueType.BOOL: 1, GGUFValueType.UINT16: 2,
-                 GGUFValueType.INT16: 2, GGUFValueType.UINT32: 4, GGUFValueType.INT32: 4, GGUFValueType.FLOAT32: 4,
-                 GGUFValueType.UINT64: 8, GGUFValueType.INT64: 8, GGUFValueType.FLOAT64: 8}
+_SCALAR_BYTES = {kind: np.dtype(t).itemsize for kind, t in gguf.GGUFReader.gguf_scalar_to_np.items()}
 _INT_TYPES = {t for t in _SCALAR_BYTES if "INT" in t.name}
 # The value types _meta accepts for each Python type it is asked for.
-_VALUE_TYPES = {
-    int: _INT_TYPES,
-    float: _INT_TYPES | {GGUFValueType.FLOAT32, GGUFValueType.FLOAT64},
-    str: {GGUFValueType.STRING},
-    bool: {GGUFValueType.BOOL},
-    list: {GGUFValueType.ARRAY},
-}
+_VALUE_TYPES = {int: _INT_TYPES, float: _INT_TYPES | {GGUFValueType.FLOAT32, GGUFValueType.FLOAT64},
+                str: {GGUFValueType.STRING}, bool: {GGUFValueType.BOOL}, list: {GGUFValueType.ARRAY}}
 
 
 def hf_name(name: str) -> str | None:
@@ -227,27 +210,16 @@ def _f32_value(x: float) -> float:
 def _kv_heads(reader, arch: str, n_head: int) -> int:
     key = f"{arch}.attention.head_count_kv"
     field = reader.fields.get(key)
-    if field is None:
-        return n_head  # llama.cpp's default
-    if field.types and field.types[0] == GGUFValueType.ARRAY:  # per-layer list (llama.cpp allows it)
+    if field is not None and field.types and field.types[0] == GGUFValueType.ARRAY:  # per layer (llama.cpp allows it)
         values = _meta(reader, key, list)
         if not values or len(set(values)) != 1:
             raise GGUFError(f"metadata field {key!r}: per-layer KV head counts {values} are not supported")
         value = int(values[0])
     else:
-        value = _meta(reader, key, int)
+        value = _meta(reader, key, int, n_head)  # n_head: llama.cpp's default
     if value <= 0 or n_head % value:
         raise GGUFError(f"metadata field {key!r} = {value} does not divide head_count {n_head}")
     return value
-
-
-def _check_rope_scaling(reader, arch: str) -> None:
-    kind = _meta(reader, f"{arch}.rope.scaling.type", str, "none")
-    if kind != "none":
-        raise GGUFError(f"metadata field '{arch}.rope.scaling.type' = {kind!r}: RoPE scaling is not supported "
-                        "(Llama 3's, from tensor 'rope_freqs.weight', is)")
-    if _meta(reader, f"{arch}.rope.scale_linear", float, 1.0) != 1.0:  # pre-2023 key
-        raise GGUFError(f"metadata field '{arch}.rope.scale_linear': linear RoPE scaling is not supported")
 
 
 def _head_dim(reader, arch: str, hidden: int, n_head: int) -> int:
@@ -315,13 +287,9 @@ def _llama3_rope_scaling(factors: np.ndarray, head_dim: int, theta: float) -> di
                            (float(orig), 1.0, float(high))]
     for orig, low, high in candidates:
         if np.allclose(_llama3_factors(wavelen, factor, low, high, orig), factors, rtol=1e-4, atol=1e-6):
-            return {
-                "rope_type": "llama3",
-                "factor": _f32_value(factor),
-                "low_freq_factor": low,
-                "high_freq_factor": high,
-                "original_max_position_embeddings": int(orig) if float(orig).is_integer() else orig,
-            }
+            return {"rope_type": "llama3", "factor": _f32_value(factor), "low_freq_factor": low,
+                    "high_freq_factor": high,
+                    "original_max_position_embeddings": int(orig) if float(orig).is_integer() else orig}
     raise GGUFError(f"tensor {_ROPE_FREQS!r} does not match any llama3 rope scaling; refusing to guess the RoPE "
                     "frequencies")
 
@@ -339,7 +307,12 @@ def _build_config(reader, arch: str, tinfo: dict, path: Path) -> dict:
     expert_count = _meta(reader, f"{arch}.expert_count", int, 0)
     if expert_count:
         raise GGUFError(f"metadata field '{arch}.expert_count' = {expert_count}: mixture-of-experts is not supported")
-    _check_rope_scaling(reader, arch)
+    kind = _meta(reader, f"{arch}.rope.scaling.type", str, "none")
+    if kind != "none":
+        raise GGUFError(f"metadata field '{arch}.rope.scaling.type' = {kind!r}: RoPE scaling is not supported "
+                        "(Llama 3's, from tensor 'rope_freqs.weight', is)")
+    if _meta(reader, f"{arch}.rope.scale_linear", float, 1.0) != 1.0:  # pre-2023 key
+        raise GGUFError(f"metadata field '{arch}.rope.scale_linear': linear RoPE scaling is not supported")
     cfg: dict[str, Any] = {
         "architectures": [_ARCHITECTURES[arch]],
         "model_type": arch,
@@ -376,11 +349,8 @@ def _torch_dtype(tinfo: dict) -> str:
     """f16 / bf16 where every matrix is stored that way, else float32 (quantized values are exact in float32 only;
     HF loads GGUF as float32 too). 1-D tensors do not count: llama.cpp keeps norms and biases in F32."""
     types = {t.tensor_type for t in tinfo.values() if len(t.shape) >= 2}
-    if types == {GGMLQuantizationType.F16}:
-        return "float16"
-    if types == {GGMLQuantizationType.BF16}:
-        return "bfloat16"
-    return "float32"
+    names = {GGMLQuantizationType.F16: "float16", GGMLQuantizationType.BF16: "bfloat16"}
+    return names[types.pop()] if len(types) == 1 and types <= names.keys() else "float32"
 
 
 def dequantize(name: str, qtype: GGMLQuantizationType, shape: tuple[int, ...], raw: np.ndarray) -> np.ndarray:
@@ -469,11 +439,8 @@ def save_gguf_tokenizer(path: str | os.PathLike, dst_dir: str | os.PathLike) -> 
     if template is not None and tok.chat_template != template:
         tok.chat_template = template
     for attr, idx in special.items():
-        if idx is None:
-            continue
-        token = tok.convert_ids_to_tokens(idx)
-        if getattr(tok, attr) != token:
-            setattr(tok, attr, token)
+        if idx is not None and getattr(tok, attr) != tok.convert_ids_to_tokens(idx):
+            setattr(tok, attr, tok.convert_ids_to_tokens(idx))
     os.makedirs(dst_dir, exist_ok=True)
     # Without save_jinja_files=False, transformers 5 writes the chat template to a chat_template.jinja of its own.
     tok.save_pretrained(os.fspath(dst_dir), save_jinja_files=False)
@@ -514,9 +481,8 @@ def _transformers_tokenizer(path: Path, model: str, pre: str | None):
                         "loader, which needs torch: pip install torch (byte-level BPE vocabularies are built without)")
     # A private folder holding only a link to the file: tokenizer files beside the GGUF cannot be mixed in.
     with tempfile.TemporaryDirectory(prefix="nanojax-gguf-tok-") as tmp:
-        link = Path(tmp) / path.name
         try:
-            os.symlink(path.resolve(), link)
+            os.symlink(path.resolve(), Path(tmp) / path.name)
             src_dir = tmp
         except OSError:
             src_dir = str(path.parent)

@@ -29,12 +29,8 @@ def can_build(model: str, pre: str | None, has_merges: bool) -> bool:
 def byte_alphabet() -> dict[int, str]:
     """GPT-2's map from bytes to printable characters, in which byte-level vocabularies are spelled."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    spelled, extra = dict(zip(printable, map(chr, printable))), 0
-    for b in range(256):
-        if b not in spelled:
-            spelled[b] = chr(256 + extra)
-            extra += 1
-    return spelled
+    others = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
 
 
 def build(tokens: list[str], merges: list[str], token_types: list[int] | None, pre: str | None, *,

@@ -1,11 +1,10 @@
-"""The one key table from HF tensor names to nanojax params, per architecture, with the fusing and transposing.
+"""The key table from HF tensor names to nanojax params, per architecture, with the fusing and transposing.
 
-Every tensor is shape-checked against the config; a missing, unmapped or duplicated one is an error naming it. The
-params come out a layer at a time, cast to the checkpoint's dtype, so a conversion holds one layer in float32 at most.
-Linear weights arrive as HF's [out, in] and leave as [in, out] (GPT-2's Conv1D already is). The scale of the RMSNorm
-before a projection is folded into its weight rows: the fused projection needs only the norm's statistic
-(pallas_kernels/rmsnorm_matmul.py). GPT-2's LayerNorms, the final norm (the tied embedding after it must stay
-unscaled) and Qwen3's q/k norms stay as they are.
+Every tensor is shape-checked; a missing or unmapped one is an error naming it. Params come out a layer at a time in
+the checkpoint's dtype, so a conversion holds one layer in float32 at most. Linear weights go from HF's [out, in] to
+[in, out] (GPT-2's Conv1D already is). An RMSNorm's scale is folded into the rows of the projection after it, which
+then needs only the norm's statistic (pallas_kernels/rmsnorm_matmul.py); GPT-2's LayerNorms, the final norm (the tied
+embedding after it must stay unscaled) and Qwen3's q/k norms stay as they are.
 """
 import collections
 import concurrent.futures
@@ -40,12 +39,6 @@ class _Reader:
         if array.shape != shape:
             raise CheckpointError(f"tensor {self.label(full)} has shape {array.shape}, config expects {shape}")
         return array
-
-    def check_all_used(self, ignored: set[str]) -> None:
-        unmapped = sorted(set(self.tensors) - self.used - ignored)
-        if unmapped:
-            raise CheckpointError(f"{len(unmapped)} unmapped tensor(s) in the checkpoint: "
-                                  f"[{', '.join(map(self.label, unmapped[:8]))}]")
 
 
 def fold_norm_scale(scale: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -117,7 +110,7 @@ def param_parts(config: ModelConfig, model_type: str, tensors: Mapping[str, Call
                 threads: int = 1) -> Iterator[tuple[str, dict]]:
     """Yields ("layers/{i}", layer) for each layer, then ("top", the rest), in `dtype`; unmapped tensors are an error
     after the last. threads: layers converted at once (numpy releases the GIL), and held at a time."""
-    c, vh = config, (config.vocab_size, config.hidden_size)
+    c, h, vh = config, config.hidden_size, (config.vocab_size, config.hidden_size)
     gpt2 = model_type == "gpt2"
     prefix = "transformer." if gpt2 and any(n.startswith("transformer.") for n in tensors) else ""
     r = _Reader(tensors, prefix, label)
@@ -130,16 +123,11 @@ def param_parts(config: ModelConfig, model_type: str, tensors: Mapping[str, Call
     for i, part in enumerate(layers):
         yield f"layers/{i}", part
     if gpt2:
-        top = {
-            "embed": r.get("wte.weight", vh),
-            "pos_embed": r.get("wpe.weight", (c.max_position_embeddings, c.hidden_size)),
-            "final_norm": {"scale": r.get("ln_f.weight", (c.hidden_size,)),
-                           "bias": r.get("ln_f.bias", (c.hidden_size,))},
-        }
+        top = {"embed": r.get("wte.weight", vh), "pos_embed": r.get("wpe.weight", (c.max_position_embeddings, h)),
+               "final_norm": {"scale": r.get("ln_f.weight", (h,)), "bias": r.get("ln_f.bias", (h,))}}
     else:
         top = {"embed": r.get("model.embed_tokens.weight", vh),
-               "final_norm": {"scale": r.get("model.norm.weight", (c.hidden_size,))}}
-    ignored = {n for n in tensors if gpt2 and n.endswith(_IGNORED_SUFFIXES)}
+               "final_norm": {"scale": r.get("model.norm.weight", (h,))}}
     if c.tie_word_embeddings:
         if "lm_head.weight" in tensors:  # a tied copy some checkpoints still store
             r.used.add("lm_head.weight")
@@ -149,15 +137,15 @@ def param_parts(config: ModelConfig, model_type: str, tensors: Mapping[str, Call
     else:
         r.prefix = ""
         top["lm_head"] = r.get("lm_head.weight", vh).T
-    r.check_all_used(ignored)
+    unmapped = sorted(n for n in set(tensors) - r.used if not (gpt2 and n.endswith(_IGNORED_SUFFIXES)))
+    if unmapped:
+        raise CheckpointError(f"{len(unmapped)} unmapped tensor(s) in the checkpoint: "
+                              f"[{', '.join(map(label, unmapped[:8]))}]")
     yield "top", _cast(top, dtype)
 
 
 def _in_order(fn: Callable[[int], dict], n: int, threads: int) -> Iterator[dict]:
     """fn(0), ..., fn(n - 1) in order, computed on `threads` threads with at most that many results held."""
-    if threads <= 1:
-        yield from map(fn, range(n))
-        return
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:
         running = collections.deque()
         for i in range(n):

@@ -103,12 +103,17 @@ def config_as_written(folder: Path) -> dict | None:
 
 
 def _read_config(folder: Path) -> dict:
-    """config.json with the end-of-turn ids of generation_config.json."""
-    config_file = folder / "config.json"
+    """config.json with the end-of-turn ids of generation_config.json, where chat models list extra ones: generation
+    stops on all of them."""
+    config_file, generation_config = folder / "config.json", folder / "generation_config.json"
     if not config_file.is_file():
         raise CheckpointError(f"{folder}: no config.json")
     raw = read_json(config_file)
-    _merge_generation_eos(raw, folder / "generation_config.json")
+    if generation_config.is_file():
+        ids = [i for value in (raw.get("eos_token_id"), read_json(generation_config).get("eos_token_id"))
+               if value is not None for i in np.atleast_1d(value).tolist()]
+        if ids:
+            raw["eos_token_id"] = list(dict.fromkeys(ids))
     return raw
 
 
@@ -117,7 +122,10 @@ def _hf_folder_source(folder: Path) -> Source:
     shards = sorted(folder.glob("*.safetensors"))
     if not shards:
         raise CheckpointError(f"{folder}: no *.safetensors files")
-    _check_index(folder, shards)
+    index = folder / "model.safetensors.index.json"  # a shard it lists but the folder lacks: an incomplete copy
+    absent = sorted(set(read_json(index)["weight_map"].values()) - {s.name for s in shards}) if index.is_file() else []
+    if absent:
+        raise CheckpointError(f"{folder}: shard(s) {absent} listed in {index.name} are missing")
     return Source(str(folder), "safetensors", normalized_hf_config(raw), _safetensors_tensors(shards),
                   lambda dst: _save_hf_tokenizer(folder, dst))
 
@@ -135,28 +143,7 @@ def _gguf_source(path: Path) -> Source:
     return Source(str(path), "gguf", normalized_hf_config(cfg), tensors, save_tokenizer, tensor_label)
 
 
-def _merge_generation_eos(raw: dict, generation_config: Path) -> None:
-    """Chat models list extra end-of-turn ids in generation_config.json; generation stops on all of them."""
-    if not generation_config.is_file():
-        return
-    ids = []
-    for value in (raw.get("eos_token_id"), read_json(generation_config).get("eos_token_id")):
-        ids += [] if value is None else np.atleast_1d(value).tolist()
-    if ids:
-        raw["eos_token_id"] = list(dict.fromkeys(ids))
-
-
-def _check_index(folder: Path, shards: list[Path]) -> None:
-    """A shard the index lists but the folder lacks (an incomplete copy) would otherwise be missing tensors."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        absent = sorted(set(read_json(index)["weight_map"].values()) - {s.name for s in shards})
-        if absent:
-            raise CheckpointError(f"{folder}: shard(s) {absent} listed in {index.name} are missing")
-
-
 def _safetensors_tensors(shards: list[Path]) -> dict[str, Callable[[], np.ndarray]]:
-    tensors: dict[str, Callable[[], np.ndarray]] = {}
     owner: dict[str, Path] = {}
     for shard in shards:
         try:
@@ -166,11 +153,10 @@ def _safetensors_tensors(shards: list[Path]) -> dict[str, Callable[[], np.ndarra
             raise CheckpointError(f"{shard}: cut short, damaged or unreadable safetensors file ({e}); "
                                   f"{recovery(shard.parent)}") from None
         for name in names:
-            if name in tensors:
+            if name in owner:
                 raise CheckpointError(f"tensor {name!r} appears in both {owner[name].name} and {shard.name}")
             owner[name] = shard
-            tensors[name] = _loader(shard, name)
-    return tensors
+    return {name: _loader(shard, name) for name, shard in owner.items()}
 
 
 def _loader(shard: Path, name: str) -> Callable[[], np.ndarray]:
@@ -210,7 +196,9 @@ def hf_tokenizer(folder) -> "tuple[int, Callable[[], object]] | None":
         try:
             built["tokenizer"] = tokenizer = AutoTokenizer.from_pretrained(folder)
         except Exception:
-            _check_json_files(folder)  # transformers' error for a damaged one names no file
+            for file_name in _TOKENIZER_INPUTS:  # transformers' error for a damaged JSON file names no file
+                if file_name.endswith(".json") and (folder / file_name).is_file():
+                    read_json(folder / file_name)
             raise
         return [type(tokenizer).__module__, type(tokenizer).__qualname__, len(tokenizer)]
 
@@ -220,13 +208,6 @@ def hf_tokenizer(folder) -> "tuple[int, Callable[[], object]] | None":
     if "tokenizer" in built:
         return size, lambda: built["tokenizer"]
     return size, lambda: getattr(importlib.import_module(module), name).from_pretrained(folder)
-
-
-def _check_json_files(folder: Path) -> None:
-    """A CheckpointError naming the first damaged JSON file of the tokenizer, if one is."""
-    for name in _TOKENIZER_INPUTS:
-        if name.endswith(".json") and (folder / name).is_file():
-            read_json(folder / name)
 
 
 def load_hf_tokenizer(folder):

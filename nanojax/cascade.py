@@ -1,6 +1,6 @@
 """Cascade grouping (host numpy, each decode dispatch): decode rows whose page tables start with the same physical
-pages (prefix caching stores a shared prompt once), laid out as fixed-shape work items for
-pallas_kernels.cascade_attention, which reads each shared page once per step for all its rows.
+pages (a prefix-cached prompt), as fixed-shape work items for pallas_kernels.cascade_attention, which reads each shared
+page once per step for all its rows.
 """
 import dataclasses
 
@@ -43,8 +43,8 @@ class Segment:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class CascadePlan:
-    """A step's shared-prefix work. Shapes depend only on the batch bucket B, members_per_item M and num_items W, so
-    the compiled step never recompiles. An item is one piece of one segment for up to M of its members."""
+    """A step's shared-prefix work, shaped by the batch bucket B, members_per_item M and num_items W only (one compiled
+    program). An item is one piece of one segment for up to M of its members."""
 
     kv_starts: np.ndarray  # [B] first position of each row's own suffix, 0 for rows in no group
     num_pieces: np.ndarray  # [B] shared-prefix pieces of each row, in its slots 0 .. num_pieces - 1
@@ -153,9 +153,9 @@ def _within_budget(segments, num_rows, members_per_item, num_items):
 
 def plan_cascade(page_tables, seq_lens, *, batch: int, page_size: int, members_per_item: int,
                  rules: CascadeRules = CascadeRules(), wave_items: int | None = None) -> CascadePlan:
-    """The shared prefixes of the live rows (as find_segments, at most `batch`) as fixed-shape work items of
-    members_per_item rows (cascade_attention.cascade_members_per_item). Pieces are sized to fill about wave_items items
-    (SMs / KV heads: one wave; None: all items left), the fastest measured (docs/perf_notes.md, "Cascade attention")."""
+    """The shared prefixes of the live rows (find_segments', at most `batch`) as fixed-shape work items of up to
+    members_per_item rows. Pieces are sized to fill about wave_items items (one wave of SMs; None: all items left),
+    the fastest measured (docs/perf_notes.md, "Cascade attention")."""
     if len(page_tables) > batch:
         raise ValueError(f"{len(page_tables)} rows do not fit batch {batch}")
     if members_per_item < 1:

@@ -14,9 +14,8 @@ from nanojax.runner import ModelRunner
 
 def compile_all(runner, progress: bool = True, threads: int | None = None,
                 workers: "int | list[compile_workers.Running] | None" = None) -> None:
-    """Compiles or loads every program of `runner` now. workers: how many to spawn (None: compile_workers.WORKERS on
-    a GPU, else none), or those spawned already, some maybe handed this runner's programs by `hand_out`. Times go to
-    `runner.compile_seconds` and `runner.worker_seconds`."""
+    """Compiles or loads every program of `runner` now, timed in runner.compile_seconds and worker_seconds. workers:
+    how many to spawn (None: compile_workers.WORKERS on a GPU, else none), or those spawned already (`hand_out`)."""
     spawned = workers if isinstance(workers, list) else []
     try:
         _compile_all(runner, progress, threads, None if spawned else workers, spawned)

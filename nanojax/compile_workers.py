@@ -1,6 +1,7 @@
 """Worker processes that compile shares of the programs into the executable cache (nanojax.compilation), spawned, or
 forked before JAX starts a backend here so that they skip importing it (docs/perf_notes.md, "Compile workers").
 """
+import contextlib
 import json
 import logging
 import os
@@ -111,11 +112,9 @@ def fork_ahead(n: int) -> list[Running]:
 def start(forked: list[Running]) -> None:
     """Lets forked workers start their backends."""
     for worker in forked:
-        try:
+        with contextlib.suppress(OSError):  # it died: wait() reports it
             worker.process.stdin.write(b"g")
             worker.process.stdin.flush()
-        except OSError:  # it died: wait() reports it
-            pass
 
 
 def _forked_life(job_fd: int, log, out) -> None:
@@ -147,11 +146,9 @@ def _forked_life(job_fd: int, log, out) -> None:
 
 def send(worker: Running, job: Job) -> Running:
     worker.job = job
-    try:
+    with contextlib.suppress(OSError):  # it died at once: wait() reports it
         worker.process.stdin.write(pickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL))
         worker.process.stdin.close()
-    except OSError:  # it died at once: wait() reports it
-        pass
     return worker
 
 

@@ -1,10 +1,8 @@
-"""The engine's knobs: one frozen `EngineConfig`, checked once, with the per-platform defaults in one place.
-
-`LLM(model, **knobs)`, the generate CLI and the server build one; `resolved(on_gpu)` fills the defaults left as
-None, `for_model(config)` the context length the model allows. The scheduler takes its part (`scheduler_config`),
-the runner and the compile workers the resolved config itself.
-"""
+"""The engine's knobs: one frozen `EngineConfig`, checked once; `resolved(on_gpu)` fills the per-platform defaults
+left as None, `for_model(config)` the context length the model allows."""
+import argparse
 import dataclasses
+import json
 
 from convert.config import ModelConfig
 from nanojax.cascade import CascadeRules
@@ -16,17 +14,60 @@ DEFAULT_MODEL_LEN = 4096  # when the model allows more
 
 
 @dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (nanojax.speculative), vLLM's terms: "ngram" proposes the num_speculative_tokens tokens
+    that followed the latest earlier occurrence of the sequence's last n tokens (prompt_lookup_min <= n <=
+    prompt_lookup_max) in its prompt and output."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+
+    def __post_init__(self):
+        if self.method != "ngram":  # a draft model's method is not built yet
+            raise ValueError(f"speculative_config method must be 'ngram', got {self.method!r}")
+        for name, hi in (("num_speculative_tokens", 16), ("prompt_lookup_min", 16), ("prompt_lookup_max", 16)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= hi:
+                raise ValueError(f"{name} must be an int in [1, {hi}], got {value!r}")
+        if self.prompt_lookup_max < self.prompt_lookup_min:
+            raise ValueError(f"prompt_lookup_max={self.prompt_lookup_max} is below prompt_lookup_min="
+                             f"{self.prompt_lookup_min}")
+
+    @classmethod
+    def of(cls, value) -> "SpeculativeConfig | None":
+        """From None, a SpeculativeConfig, a dict of its fields (LLM's speculative_config) or that dict as JSON."""
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not JSON: {e}") from None
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict, got {value!r}")
+        if unknown := set(value) - {f.name for f in dataclasses.fields(cls)}:
+            raise ValueError(f"speculative_config has unknown keys {sorted(unknown)}")
+        return cls(**value)
+
+
+def speculative_option(text: str) -> SpeculativeConfig:
+    """--speculative-config's JSON (argparse refuses it with the config's own message)."""
+    try:
+        return SpeculativeConfig.of(text)
+    except (ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """dtype: "bfloat16" or "float32". max_model_len: prompt + output tokens of one sequence (None: 4096, or the
-    model's positions if fewer). num_pages: KV pages in the pool (None: sized from `memory_fraction` of the device
-    after the weights). max_num_seqs, max_num_batched_tokens: sequences running at once and tokens per step; prompts
-    are prefilled in chunks of at most chunk_size tokens (None: the step's budget) that share the budget.
-    decode_steps: decode steps run on the device per dispatch of a decode-only step. kernels: "reference" (jnp),
-    "pallas", "interpret" (the Pallas kernels interpreted: CPU tests) or "auto" (Pallas on a GPU where the shapes
-    allow). warmup: compile every program before LLM() returns. quantization: None or "fp8" (the projections'
-    weights, quantized at load). tensor_parallel_size: split the model over this many local devices (None: one, or
-    every device of a multi-process job). cascade: read a prefix that running requests share once per step when
-    the rules find it worth it (True: the default CascadeRules; False: never)."""
+    """max_model_len: prompt + output tokens (None: 4096, or the model's positions if fewer). num_pages: the KV pool
+    (None: sized from `memory_fraction` of the device after the weights). Prompts prefill in chunks of at most
+    chunk_size tokens (None: the step's budget). decode_steps: steps per dispatch of a decode-only step. kernels:
+    "interpret" runs the Pallas kernels interpreted (CPU tests), "auto" on a GPU where the shapes allow. quantization
+    "fp8": the projections' weights, at load. tensor_parallel_size: None is one device, or every device of a
+    multi-process job. cascade: read a prefix that running requests share once per step, where the rules say so."""
 
     dtype: str | None = None
     max_model_len: int | None = None
@@ -44,8 +85,10 @@ class EngineConfig:
     tensor_parallel_size: int | None = None
     quantization: str | None = None
     cascade: bool | CascadeRules = True
+    speculative_config: SpeculativeConfig | dict | None = None
 
     def __post_init__(self):
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.of(self.speculative_config))
         for name in ("max_model_len", "page_size", "num_pages", "max_num_seqs", "max_num_batched_tokens",
                      "chunk_size", "decode_steps", "tensor_parallel_size"):
             value = getattr(self, name)

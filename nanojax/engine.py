@@ -1,12 +1,7 @@
-"""The engine core: requests in, one loop thread that owns the device, events out.
-
-The loop runs while requests are unfinished: each step the scheduler picks what to compute (decodes first, then
-prefill chunks under the token budget), the runner dispatches it, and the sampled tokens are checked against the stop
-conditions, detokenized and put on the requests' streams. A step is dispatched before the previous one is read back
-(its decode rows take their last tokens on the device), so the host reads, checks, detokenizes and streams step N
-while the GPU runs step N+1; a sequence that stops in step N wastes its row of N+1. Other threads talk to the loop
-through its inbox (`Add`, `Abort`, `Call`); only the loop touches scheduler, pages and runner.
-"""
+"""The engine core: one loop thread owns scheduler, pages and runner; other threads reach it through its inbox (`Add`,
+`Abort`, `Call`). Step N+1 is dispatched before step N is read back (its decode rows take their last tokens on the
+device), so the host checks, detokenizes and streams step N while the GPU runs N+1; a sequence that stops in step N
+wastes its row of N+1."""
 import atexit
 import concurrent.futures
 import dataclasses
@@ -58,19 +53,15 @@ class Call:
 
 
 class _Step(NamedTuple):
-    """A dispatched step: its chunks, {seq_id: (runner.Pending, row)} of the chunks that sample, {seq_id:
-    (runner.Pending, last row)} of those whose prompt logprobs are wanted; whether the next step may be dispatched
-    before it is read back; whether it samples prompts' last tokens only (new requests' first tokens)."""
     chunks: list
-    pending: dict
-    prompt: dict
-    chainable: bool
-    first_tokens_only: bool
+    pending: dict  # {seq_id: (runner.Pending, row)} of the chunks that sample
+    prompt: dict  # {seq_id: (runner.Pending, last row)} of those whose prompt logprobs are wanted
+    chainable: bool  # the next step may be dispatched before this one is read back
+    first_tokens_only: bool  # it samples prompts' last tokens only (new requests' first tokens)
 
 
 class EngineCore:
-    """The loop over one runner, scheduler and page pool; what requests bring and become is the OutputProcessor's
-    (tokenizer, max_model_len, eos_ids, seed are its)."""
+    """The loop over one runner, scheduler and page pool; tokenizer, max_model_len, eos_ids, seed: OutputProcessor's."""
 
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, page_manager: PageManager, tokenizer,
                  eos_ids: frozenset[int], vocab_size: int, max_model_len: int, decode_steps: int, max_num_seqs: int,
@@ -155,8 +146,7 @@ class EngineCore:
                 self._thread.start()
 
     def _loop(self, first: tuple | None = None) -> bool:
-        """Steps until nothing is left to do (-> True) or the process exits (-> False). first: an inbox item
-        already taken out."""
+        """Steps until nothing is left to do (-> True) or the process exits (-> False); first: an inbox item taken."""
         inflight = None  # the step dispatched last, not read back yet
         try:
             if first is not None:
@@ -185,8 +175,7 @@ class EngineCore:
             return not self._running
 
     def _step(self, inflight: _Step | None) -> _Step | None:
-        """Dispatches the next step, then reads back the one before it (inflight, unless not `chainable`), so the
-        host's work on a step overlaps the device's on the next. -> the step dispatched (None: none)."""
+        """Dispatches the next step, then reads back inflight (before, unless `chainable`). -> the step dispatched."""
         after_first_tokens = False
         if inflight is not None and not inflight.chainable:
             self._read_back(inflight)
@@ -208,15 +197,14 @@ class EngineCore:
         except Exception as e:  # noqa: BLE001
             self._step_failed(e)
             return
-        self._emit(seqs)
+        for seq in seqs:
+            if (event := self.output.event(seq)) is not None:
+                seq.request.stream.put(event)
         self.events_out()
 
     def _take_inbox(self) -> None:
-        while True:
-            try:
-                self._take(self._inbox.get_nowait())
-            except queue.Empty:
-                return
+        while not self._inbox.empty():  # (the loop alone takes from it)
+            self._take(self._inbox.get_nowait())
 
     def _take(self, message: "Add | Abort | Call") -> None:
         if isinstance(message, Add):
@@ -232,9 +220,8 @@ class EngineCore:
             message.fn()
 
     def _dispatch(self, inflight: _Step | None = None, after_first_tokens: bool = False) -> _Step | None:
-        """Schedules a step and dispatches it: decodes alone in one call of the decode program, else the prefill
-        chunks with the step's decodes in one forward. Rows whose last token inflight (not read back yet) samples
-        take it on the device. -> None when nothing can run until inflight is read back."""
+        """Decodes alone in one call of the decode program, else the prefill chunks with the decodes in one forward;
+        rows whose last token inflight samples take it on the device. -> None: nothing runs until inflight is read."""
         if not self.scheduler.has_unfinished():
             return None
         chunks = self.scheduler.schedule(decode_steps=self.decode_steps)
@@ -270,8 +257,7 @@ class EngineCore:
                      first_tokens_only)
 
     def _prepare(self, chunks) -> tuple[list, dict]:
-        """Each scheduled request's token-table slot and sampling row; a request whose row cannot be prepared fails
-        alone. -> (the chunks kept, {seq_id: sampling row} of those that sample)."""
+        """Token-table slots and sampling rows (a request whose row fails ends alone) -> (chunks kept, {seq_id: row})"""
         for seq in self.scheduler.waiting:
             self._release_slot(seq.request)
         fields = {}
@@ -285,8 +271,7 @@ class EngineCore:
         return [c for c in chunks if c.seq.status is not SequenceStatus.FINISHED], fields
 
     def _assign_slot(self, req: Request) -> None:
-        """A request that uses bias, penalties or min_tokens gets a token-table slot, written from its prompt and
-        output so far."""
+        """A request with bias, penalties or min_tokens gets a token-table slot, written from its tokens so far."""
         if req.needs_tables and req.slot is None:
             req.slot = self._free_slots.pop()
             self.runner.set_slot(req.slot, *req.table_rows(self.vocab_size))
@@ -297,8 +282,7 @@ class EngineCore:
             req.slot = None
 
     def _complete(self, chunks, pending, prompt) -> list[Sequence]:
-        """Waits for the step's tokens, puts them in place of its placeholders, applies the stop conditions and frees
-        finished requests. -> the sequences that gained tokens."""
+        """The step's tokens in place of its placeholders, under the stop conditions. -> the sequences that gained."""
         for c in chunks:
             if c.seq.seq_id in prompt:
                 self.output.accept_prompt_logprobs(c, *prompt[c.seq.seq_id])
@@ -320,12 +304,6 @@ class EngineCore:
                     req.pin_handle = self.page_manager.pin_pages(seq, len(req.output.prompt_token_ids))
                 self._finish(seq)
         return seqs
-
-    def _emit(self, seqs: list[Sequence]) -> None:
-        for seq in seqs:
-            event = self.output.event(seq)
-            if event is not None:
-                seq.request.stream.put(event)
 
     def _finish(self, seq: Sequence) -> None:
         """Frees a sequence's pages and slot (a sibling never admitted has none)."""
@@ -365,9 +343,8 @@ class EngineCore:
 
 
 def _engine_loop(ref: "weakref.ref[EngineCore]", inbox: queue.SimpleQueue, closing: threading.Event) -> None:
-    """An engine's loop thread: runs its loop until it is idle, then waits up to LINGER_S for more work, holding the
-    inbox but not the engine (a thread's start is paid by the next first token: docs/perf_notes.md, "Serving"). It
-    ends when the wait runs out with nothing queued, at exit, once the engine is closed or freed."""
+    """Runs the loop until idle, then waits up to LINGER_S for more work holding the inbox, not the engine (a thread's
+    start is paid by the next first token: docs/perf_notes.md, "Serving")."""
     item = None
     while (core := ref()) is not None and core._loop(item):
         del core

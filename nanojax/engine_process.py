@@ -29,12 +29,11 @@ class EngineProcess(RequestFront):
         child_conn.close()
         try:
             kind, info = self._conn.recv()
-        except EOFError:
+        except EOFError:  # it died without a word
+            kind, info = "exited", None
+        if kind != "ready":
             self._process.join()
-            raise RuntimeError(f"the engine process exited while starting (code {self._process.exitcode})") from None
-        if kind == "failed":
-            self._process.join()
-            raise info
+            raise info or RuntimeError(f"the engine process exited while starting (code {self._process.exitcode})")
         self.config, self.limits, self.tokenizer, self.decode_steps = info
         self.dead: str | None = None  # why the engine stopped, once it has
         self._send_lock = threading.Lock()
@@ -208,9 +207,8 @@ class _Sink:
 
 
 def freeze_startup_heap() -> None:
-    """Puts every object alive now beyond the garbage collector's reach (as vLLM does once started), so that its
-    full collections, which pause the whole process, walk only what serving allocates (docs/perf_notes.md,
-    "Serving")."""
+    """Puts every object alive now beyond the garbage collector's reach (as vLLM does once started): its full
+    collections, which pause the process, then walk only what serving allocates (docs/perf_notes.md, "Serving")."""
     gc.collect()
     gc.freeze()
 

@@ -9,7 +9,7 @@ import time
 import jax
 
 from nanojax import distributed
-from nanojax.config import EngineConfig
+from nanojax.config import EngineConfig, speculative_option
 from nanojax.llm import LLM
 from nanojax.sampling_params import SamplingParams
 
@@ -33,6 +33,9 @@ def parse_args(argv=None):
     p.add_argument("--tensor-parallel-size", type=int, default=None,
                    help="split the model over this many devices (default: one device; on several processes, "
                    "every device of every process)")
+    p.add_argument("--speculative-config", type=speculative_option, default=None,
+                   help='speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+                   '"prompt_lookup_min": 1, "prompt_lookup_max": 4}')
     p.add_argument("--coordinator", default=None, help=f"HOST:PORT of process 0, to run one model on several "
                    f"processes (default: ${distributed.ENV_COORDINATOR})")
     p.add_argument("--num-processes", type=int, default=None,
@@ -67,7 +70,7 @@ def main(argv=None) -> int:
         distributed.initialize(args.coordinator, args.num_processes, args.process_id)
         llm = LLM(args.model, EngineConfig(dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=1,
                                            tensor_parallel_size=args.tensor_parallel_size,
-                                           quantization=args.quantization))
+                                           quantization=args.quantization, speculative_config=args.speculative_config))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

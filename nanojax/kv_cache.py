@@ -1,7 +1,4 @@
-"""The paged KV cache: one page pool per layer and the step's view of it (`Batch`).
-
-Page layout is defined in `pallas_kernels.paged_attention`: [num_pages, num_kv_heads, page_size, head_dim].
-"""
+"""The paged KV cache: one page pool per layer (its layout: pallas_kernels.paged_attention) and a step's `Batch`."""
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -11,16 +8,19 @@ from convert.config import ModelConfig
 
 @flax.struct.dataclass
 class KVCache:
-    """k[i], v[i]: layer i's page pool, [num_pages, num_kv_heads, page_size, head_dim]."""
+    """k[i], v[i]: layer i's page pool, [num_pages, num_kv_heads, page_size, head_dim]; tokens: None, or the token
+    at each slot [num_pages * page_size] int32 (what speculative decoding looks its n-grams up in)."""
 
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
+    tokens: jax.Array | None = None
 
     @classmethod
-    def create(cls, config: ModelConfig, num_pages: int, page_size: int, dtype) -> "KVCache":
+    def create(cls, config: ModelConfig, num_pages: int, page_size: int, dtype, tokens: bool = False) -> "KVCache":
         shape = (num_pages, config.num_kv_heads, page_size, config.head_dim)
         layers = range(config.num_layers)
-        return cls(k=tuple(jnp.zeros(shape, dtype) for _ in layers), v=tuple(jnp.zeros(shape, dtype) for _ in layers))
+        return cls(k=tuple(jnp.zeros(shape, dtype) for _ in layers), v=tuple(jnp.zeros(shape, dtype) for _ in layers),
+                   tokens=jnp.zeros(num_pages * page_size, jnp.int32) if tokens else None)
 
     @property
     def num_pages(self) -> int:

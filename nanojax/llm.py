@@ -1,7 +1,5 @@
-"""The public engine: `LLM(model)` builds the model, its runner, scheduler and page pool and the engine core over
-them (nanojax.engine), then takes requests from any thread: `add_request`, `abort`, `pin_prefix`, and `generate` and
-`stream` built on them, several of which may run at once from different threads. `close()` gives back what it holds.
-"""
+"""The public engine: `LLM(model)` builds the runner, scheduler, page pool and engine core (nanojax.engine), then
+takes requests from any thread at once: `add_request`, `abort`, `pin_prefix`, and `generate` / `stream` on them."""
 import dataclasses
 import itertools
 import time
@@ -31,15 +29,11 @@ from nanojax.sharding import TensorParallel
 
 
 class LLM(RequestFront):
-    """An inference engine over one model.
-
-    model: a nanojax checkpoint folder, an HF folder, an 'org/name' on the Hugging Face Hub, a .gguf file, None for
-    the embedded default (SmolLM2-135M-Instruct), or a `LoadedModel` already in memory. config, knobs: the engine's
-    knobs (nanojax.config.EngineConfig; its fields as keywords, which override config's). On a GPU every program is
-    compiled before this returns, kept on disk for the next start (nanojax.compilation). A multi-process job
-    (nanojax.distributed) runs the engine on process 0 while the others `follow()` it. A `LoadedModel` of device
-    arrays stays in use while the KV pool is sized: hand over host arrays to give that memory to the pool.
-    """
+    """model: a nanojax checkpoint or HF folder, an 'org/name' on the Hub, a .gguf file, None for the embedded default
+    (SmolLM2-135M-Instruct), or a `LoadedModel` (of host arrays, to give their memory to the KV pool). config, knobs:
+    nanojax.config.EngineConfig and its fields as keywords (which win). On a GPU every program is compiled before
+    this returns, kept on disk (nanojax.compilation). In a multi-process job (nanojax.distributed) process 0 runs the
+    engine while the others `follow()` it."""
 
     def __init__(self, model: "str | LoadedModel | None" = None, config: EngineConfig | None = None, **knobs):
         start, start_wall = time.perf_counter(), time.time()
@@ -96,9 +90,8 @@ class LLM(RequestFront):
         # another LLM sizes its pool. Not at exit: the loops stop on their own then (nanojax.engine).
         self._release = weakref.finalize(self, _release, self.core, self.runner, callers_buffers, self._stop_workers)
         self._release.atexit = False
-        # Where start-up went (scripts/bench_startup.py prints it): reading / converting the weights, placing them
-        # and the KV pool, compiling or loading the programs, waiting for the tokenizer; on a first start, when the
-        # workers started and got their programs (runner.worker_seconds: the rest of their times).
+        # Where start-up went (scripts/bench_startup.py); on a first start, when the workers started and got their
+        # programs (runner.worker_seconds: the rest).
         self.startup_seconds = {"load": loaded_at - start, "build": built_at - loaded_at,
                                 "compile": compiled_at - built_at, "tokenizer_wait": time.perf_counter() - compiled_at,
                                 **({"workers_spawned": spawned_at} if spawned_at is not None else {}),
@@ -116,6 +109,10 @@ class LLM(RequestFront):
         """The engine's load now (read from any thread: a snapshot for metrics, not a consistent one)."""
         return self.core.stats()
 
+    def speculation_stats(self) -> np.ndarray:
+        """Speculative decoding so far: [forwards, row-forwards that verified proposals, the tokens those gave]."""
+        return self.core.in_loop(self.runner.speculation_stats)
+
     @property
     def dead(self) -> BaseException | None:
         """The error that lost the device state, once a step failed that way."""
@@ -126,36 +123,27 @@ class LLM(RequestFront):
         return self.core.closed
 
     def warmup(self, progress: bool = True) -> None:
-        """Compiles every program the engine runs (any sampling mix, any batch up to max_num_seqs, any prompt up
-        to max_model_len), so that no request compiles anything."""
+        """Compiles every program the engine runs, so that no request compiles anything."""
         compilation.compile_all(self.runner, progress)
 
-    # ----- several processes (nanojax.distributed) -----
     def follow(self) -> None:
-        """On a process other than 0 of a multi-process job: runs the steps process 0's engine sends; returns when
-        process 0 calls `close` (or exits)."""
+        """On a process other than 0: runs the steps process 0 sends, until process 0 closes (or exits)."""
         if not isinstance(self.runner, DistributedRunner):
             raise RuntimeError("follow() is for the processes other than 0 of a jax.distributed job")
         self.runner.follow()
 
     def close(self) -> None:
-        """Gives back what this LLM holds: unfinished requests end (finish_reason "abort"), the loop thread and
-        compile workers stop, and the KV pool, token tables, compiled programs and the weights it placed leave the
-        device (a caller's `LoadedModel` keeps its own arrays). On process 0 of a multi-process job it also releases
-        the other processes' `follow`. Idempotent; the LLM takes no requests after. `with LLM(...) as llm:` closes
-        on leaving the block."""
+        """Unfinished requests end ("abort"), the loop and compile workers stop, the KV pool, tables, programs and the
+        weights it placed leave the device (not a caller's `LoadedModel`), process 0 releases the others' `follow`.
+        Idempotent; also on leaving `with LLM(...) as llm:`."""
         self._release()
 
-    # ----- requests -----
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None, index: int = 0, stream: RequestStream | None = None,
                     stream_text: bool = True) -> RequestStream:
-        """Queues a request (from any thread); its events arrive on the returned stream: a RequestOutput each time
-        one of its n choices gains text or finishes. Bad requests raise ValueError here, naming what is wrong.
-
-        request_id: for `abort` (default: a fresh one); index: RequestOutput.index; stream: deliver to this stream
-        (shared by several requests); stream_text=False detokenizes a request only when it finishes (or to find its
-        stop strings)."""
+        """Queues a request; the stream gets a RequestOutput each time one of its n choices gains text or finishes.
+        ValueError for a bad request. stream: one to share between requests; stream_text=False: text only at the end
+        (and for stop strings)."""
         params = params or SamplingParams()
         ids = self.encode(prompt)
         self.check(index, ids, params)
@@ -168,12 +156,9 @@ class LLM(RequestFront):
         """Ends a request (all its choices) with finish_reason "abort"; its KV pages are freed in the next step."""
         self.core.abort(request_id)
 
-    # ----- pinned prefixes -----
     def pin_prefix(self, prompt: str | list[int]) -> int:
-        """Computes the prompt's KV once and pins its full pages (len(prompt) // page_size of them): every later
-        request that starts with this prompt, and is longer than the pinned pages, reuses them
-        (RequestOutput.num_cached_tokens), however much else is evicted meanwhile. Returns a handle for `unpin`.
-        """
+        """Computes the prompt's KV once and pins its full pages: later requests that start with it (and are longer)
+        reuse them, however much else is evicted. -> a handle for `unpin`."""
         ids = self.encode(prompt)
         page_size = self.page_manager.page_size
         if len(ids) < page_size:
@@ -192,7 +177,6 @@ class LLM(RequestFront):
         """Releases a pinned prefix: its pages become ordinary cached pages, evicted under memory pressure."""
         self.core.in_loop(lambda: self.page_manager.unpin(handle))
 
-    # ----- offline use -----
     def stream(self, prompts: Iterable[str | list[int]],
                sampling_params: SamplingParams | list[SamplingParams] | None = None) -> Iterator[RequestOutput]:
         """Runs the prompts together; yields a RequestOutput each time a request gains text or finishes."""
@@ -213,8 +197,7 @@ class LLM(RequestFront):
         return [done[k] for k in sorted(done)]
 
     def _run_requests(self, prompts, sampling_params, stream_text: bool) -> Iterator[RequestOutput]:
-        """The requests' events in the order they happen; requests still running when the caller stops early (a
-        stream closed, an error) are aborted."""
+        """The requests' events as they happen; those still running when the caller stops early are aborted."""
         prompts = list(prompts)
         params = sampling_params or SamplingParams()
         params = params if isinstance(params, list) else [params] * len(prompts)
@@ -224,13 +207,10 @@ class LLM(RequestFront):
         ids = [self.encode(p) for p in prompts]
         for i, (p, sp) in enumerate(zip(ids, params)):  # all of them before any runs
             self.check(i, p, sp)
-        stream, request_ids = RequestStream(), []
+        stream, request_ids = RequestStream(), [str(next(self._ids)) for _ in ids]
         try:
-            firsts = []
-            for i, (p, sp) in enumerate(zip(ids, params)):
-                request_ids.append(str(next(self._ids)))
-                firsts.append(self.core.new_request(p, sp, request_ids[-1], i, stream, stream_text))
-            self.core.submit(firsts)
+            self.core.submit([self.core.new_request(p, sp, request_id, i, stream, stream_text)
+                              for i, (p, sp, request_id) in enumerate(zip(ids, params, request_ids))])
             yield from stream
         finally:
             if not stream.finished:
@@ -247,9 +227,8 @@ def _release(core: EngineCore, runner: ModelRunner, keep: frozenset[int], stop_w
 
 
 def _start_workers(workers: list, first_start: bool) -> None:
-    """On a build's first start (none of its executables stored yet) the compile workers start now (spawned where
-    none was forked), starting their backends while the weights load, to take shares of the programs in warmup
-    (nanojax.compilation); on any other start the forked ones stop."""
+    """On a build's first start (no executables stored) the workers start (spawned if none was forked), their
+    backends starting while the weights load, to compile shares of the programs; else the forked ones stop."""
     if not first_start:
         compile_workers.stop_all(workers)
     elif workers:
@@ -259,10 +238,9 @@ def _start_workers(workers: list, first_start: bool) -> None:
 
 
 class _HandOut:
-    """load_model's on_config: the workers get their programs as soon as the config is read, while the weights
-    convert (the programs need the params' shapes, which follow from the config, not the weights nor the tokenizer).
-    That config may be config.json as written: the runner built on the weights takes the workers' programs only
-    under its own keys (compilation.compile_all), and this pool size only for the same config."""
+    """load_model's on_config: the workers get their programs (which need the params' shapes only) as soon as the
+    config is read, while the weights convert. The runner built on the weights takes them only under its own keys
+    (compilation.compile_all), and this pool size only for the same config."""
 
     def __init__(self, engine: EngineConfig, workers: list, executable_dir, in_use: int):
         self.engine, self.workers, self.executable_dir, self.in_use = engine, workers, executable_dir, in_use
@@ -289,9 +267,8 @@ def _placed(params, config, engine: EngineConfig, several: bool):
 
 
 def _num_pages(engine: EngineConfig, config, param_bytes: int, kv_heads: int, in_use: int) -> int:
-    """The KV pool's pages: num_pages, or what fits in memory_fraction of the device less what it held before the
-    weights (in_use) and the weights' bytes on one device (the same before and after they are placed, so that every
-    start sizes the same pool and finds its executables under the same keys); kv_heads: one device's."""
+    """num_pages, or what fits in memory_fraction of the device less in_use (before the weights) and param_bytes on one
+    device (the same before and after placing, so every start finds its executables' keys); kv_heads: one device's."""
     if engine.num_pages is not None:
         return engine.num_pages
     itemsize = jnp.dtype(engine.dtype).itemsize

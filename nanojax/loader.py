@@ -58,7 +58,9 @@ def load_model(model: "str | LoadedModel | None", dtype: str, place=None,
     source = open_source(path)
     if source.format == "gguf":
         config, params = params_from_source(source, dtype, place=place)
-        return LoadedModel(config, params, _gguf_tokenizer(source))
+        with tempfile.TemporaryDirectory() as tmp:  # the HF tokenizer rebuilt from the GGUF's metadata
+            source.save_tokenizer(tmp)
+            return LoadedModel(config, params, load_hf_tokenizer(tmp))
     tokenizer = _start_tokenizer(source.description)
     if on_config is not None and early is None:
         on_config(LoadedModel(ModelConfig.from_hf_config(source.hf_config), None, *tokenizer))
@@ -97,10 +99,3 @@ def _cast(params, dtype):
         return type(params)(_cast(v, dtype) for v in params)
     # Same dtype: no copy (the default checkpoint is stored in float32, the CPU's dtype: its start copies nothing).
     return params if params.dtype == dtype else params.astype(dtype)
-
-
-def _gguf_tokenizer(source):
-    """The HF tokenizer rebuilt from a GGUF's metadata."""
-    with tempfile.TemporaryDirectory() as tmp:
-        source.save_tokenizer(tmp)
-        return load_hf_tokenizer(tmp)

@@ -1,17 +1,13 @@
-"""The shared decoder for every architecture, as Flax NNX modules over the weights convert/ produces.
-
-The converted params (weights as [in, out]) are each module's state:
+"""The shared decoder for every architecture, as Flax NNX modules over the converted params (weights as [in, out]):
     embed [V, H]; pos_embed [P, H] (learned positions only); final_norm; lm_head [H, V] (untied only);
     layers: tuple of {attn_norm?, qkv {w [H, q+2kv], b?}, q_norm [D]?, k_norm [D]?, o {w [q, H], b?},
                       mlp_norm?, up {w [H, 2I] (gate|up, swiglu) or [H, I] (gelu), b?}, down {w [I, H], b?}}
-    a norm is {scale [H], bias [H]?}. attn_norm and mlp_norm exist for LayerNorm (GPT-2) only: an RMSNorm's scale is
-    folded into the qkv / up weights after it by convert/, and the projection computes the norm's statistic.
+    a norm is {scale [H], bias [H]?}; attn_norm and mlp_norm for LayerNorm (GPT-2) only: convert/ folds an RMSNorm's
+    scale into the projection after it, which computes the norm's statistic.
 
-The compiled steps stay pure: they take the params as an argument and build the modules from them while tracing
-(`forward`, `lm_logits`), so the module structure is static and a dispatch flattens a plain dict. Inside a layer
-the step's [B, T] tokens are one flat list of N = B * T rows; only attention sees [B, T] again. Each fused step
-(projection with its norm / activation / residual, the QKV epilogue with the cache write, attention) goes through
-`Ops`, the switch between the jnp references and the Pallas kernels.
+The compiled steps take the params as an argument and build the modules while tracing (`forward`, `lm_logits`), so
+a dispatch flattens a plain dict. In a layer the [B, T] tokens are N = B * T rows; only attention sees [B, T] again.
+The fused steps go through `Ops`, the switch between the jnp references and the Pallas kernels.
 """
 import functools
 
@@ -36,14 +32,6 @@ def value(param: nnx.Param | None):
     return None if param is None else param[...]
 
 
-def layer_norm(x, scale, bias, eps):
-    xf = x.astype(jnp.float32)
-    mean = jnp.mean(xf, axis=-1, keepdims=True)
-    var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
-    normed = (xf - mean) * jax.lax.rsqrt(var + eps)
-    return (normed * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
-
-
 class Norm(nnx.Module):
     """LayerNorm {scale, bias} or RMSNorm {scale}, x: [..., H]."""
 
@@ -52,9 +40,13 @@ class Norm(nnx.Module):
         self.eps = config.norm_eps
 
     def __call__(self, x):
-        if self.bias is not None:
-            return layer_norm(x, self.scale[...], self.bias[...], self.eps)
-        return rms_norm(x, self.scale[...], self.eps)
+        if self.bias is None:
+            return rms_norm(x, self.scale[...], self.eps)
+        xf = x.astype(jnp.float32)
+        mean = jnp.mean(xf, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+        normed = (xf - mean) * jax.lax.rsqrt(var + self.eps)
+        return (normed * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(x.dtype)
 
 
 class Projection(nnx.Module):
@@ -104,8 +96,7 @@ class DecoderLayer(nnx.Module):
 
 
 def attention(ops: Ops, q, k_pages, v_pages, batch, config: ModelConfig):
-    """q: [N, Hq, D] -> [N, Hq * D]: the rows of each of batch's segments (DecoderLayer's) through their own
-    attention."""
+    """q: [N, Hq, D] -> [N, Hq * D]: each of batch's segments (DecoderLayer's) through its own attention."""
     segments = batch if isinstance(batch, tuple) else (batch,)
     one_token_rows = sum(s.q_lens.shape[0] for s in segments[1:])
     t = (q.shape[0] - one_token_rows) // segments[0].q_lens.shape[0]
@@ -138,7 +129,8 @@ class Decoder(nnx.Module):
         slots = jnp.concatenate([seg_batch.slots(pos, kv_cache.page_size).reshape(-1)
                                  for pos, (_, seg_batch) in zip(positions, segments)])
         positions = jnp.concatenate([pos.reshape(-1) for pos in positions])
-        x = ops.embed(self.embed[...], jnp.concatenate([ids.reshape(-1) for ids, _ in segments]))
+        ids = jnp.concatenate([ids.reshape(-1) for ids, _ in segments])
+        x = ops.embed(self.embed[...], ids)
         if self.pos_embed is not None:
             x, cos_sin = x + self.pos_embed[...][jnp.maximum(positions, 0)], None
         else:
@@ -150,7 +142,10 @@ class Decoder(nnx.Module):
             new_k.append(k_pages)
             new_v.append(v_pages)
         hidden = self.final_norm(x)
-        cache = KVCache(k=tuple(new_k), v=tuple(new_v))
+        slot_tokens = kv_cache.tokens  # each slot's token, where the cache keeps them (speculative decoding)
+        if slot_tokens is not None:
+            slot_tokens = slot_tokens.at[jnp.where(slots < 0, slot_tokens.shape[0], slots)].set(ids, mode="drop")
+        cache = KVCache(k=tuple(new_k), v=tuple(new_v), tokens=slot_tokens)
         if not isinstance(batch, tuple):
             return hidden.reshape(*tokens.shape, -1), cache
         prompt_rows = tokens[0].size
@@ -184,26 +179,22 @@ def forward(params, tokens, kv_cache: KVCache, batch, *, config: ModelConfig, op
 
 
 def lm_logits(params, hidden, ops: Ops = Ops()):
-    """hidden: [..., H] -> float32 logits [..., V] (a tensor-parallel Ops computes each device's vocabulary shard
-    there and gathers the logits, never the weights)."""
+    """hidden: [..., H] -> float32 logits [..., V] (tensor-parallel: per vocabulary shard, the logits gathered)."""
     return ops.vocab_head(LMHead(params), hidden)
 
 
 @functools.lru_cache(maxsize=None)
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:
     """[head_dim // 2] float32 inverse frequencies, as HF computes them (Llama 3 scaling included)."""
-    dim = config.head_dim
+    dim, scaling = config.head_dim, config.rope_llama3
     inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
-    scaling = config.rope_llama3
     if scaling is None:
         return inv_freq.astype(np.float32)
-    low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
-    high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    original = scaling.original_max_position_embeddings
+    low_wavelen, high_wavelen = original / scaling.low_freq_factor, original / scaling.high_freq_factor
     wavelen = 2 * np.pi / inv_freq
     scaled = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
-    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor
-    )
+    smooth = (original / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
     smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
     medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return np.where(medium, smoothed, scaled).astype(np.float32)

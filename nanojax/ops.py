@@ -7,8 +7,8 @@ kernel, chosen by one static, hashable `Ops` value that the compiled steps take.
                     decode with shared prefixes read once (cascade)                pallas_kernels.cascade_attention
     sampling_filters: the kept prefix of top-k / top-p / min-p, top-N logprobs     pallas_kernels.sampling_filters
 
-The references are the kernels' own `*_reference` functions, so the reference path and the kernels compute one
-definition; the HF parity tests run the reference path, the kernel tests compare each kernel with its reference.
+The references are the kernels' own `*_reference` functions: the HF parity tests run them, the kernel tests compare
+each kernel with its reference.
 """
 import dataclasses
 import functools
@@ -23,20 +23,16 @@ from pallas_kernels.rmsnorm_matmul import rmsnorm_matmul, rmsnorm_matmul_referen
 from pallas_kernels.sampling_filters import is_filtered, no_filters, sampling_filters, sampling_filters_reference
 
 NAMES = ("auto", "reference", "pallas", "interpret")
-# Projections without a norm (o_proj, down_proj) take the fused kernel up to this many rows: it beats XLA's GEMV
-# fusion at one row, and from two rows XLA's GEMM ties or wins (docs/perf_notes.md, "Fused projections: which rows
-# take the kernel").
+# Rows up to which a projection takes the fused kernel (docs/perf_notes.md, "Fused projections: which rows take the
+# kernel"): without a norm (o, down) it beats XLA's GEMV fusion at one row only; with one (QKV, gate/up) it replaces
+# XLA's norm and GEMM kernels by one and stays ahead up to batched decode sizes.
 PALLAS_PROJECTION_MAX_ROWS = 1
-# With a norm (QKV, gate/up) the fused kernel replaces XLA's two kernels (the norm, then the GEMM) by one, and stays
-# ahead up to batched decode sizes (the same subject).
 PALLAS_NORMED_PROJECTION_MAX_ROWS = 64
-# FP8 weights (convert/quantize.py) take the fused kernel for one row and a weight of up to this many elements (every
-# projection of Qwen3-0.6B; Llama-3.2-1B's QKV and o): there a step is latency-bound and the kernel's fused norm,
-# activation and residual save XLA's extra kernels. Larger weights, and more rows, read faster through XLA's dot,
-# which fuses the E4M3 upcast into its operand load (docs/perf_notes.md, "FP8 weights").
+# FP8 weights take the kernel for one row and a weight of up to this many elements (every projection of Qwen3-0.6B):
+# there a step is latency-bound and the fused norm, activation and residual save kernels. Larger weights and more
+# rows read faster through XLA's dot, which fuses the E4M3 upcast into its operand load; a one-row dot is a reduction
+# fusion, slower than its GEMM on two rows: fewer rows are padded to FP8_XLA_MIN_ROWS (perf_notes, "FP8 weights").
 PALLAS_FP8_MAX_WEIGHT = 8 << 20
-# XLA runs a one-row dot as a reduction fusion, which reads FP8 slower than its GEMM on two rows, so fewer rows are
-# padded to this many (the same subject).
 FP8_XLA_MIN_ROWS = 2
 
 
@@ -48,9 +44,8 @@ class Ops:
     interpret: bool = False
 
     def project(self, x, p, *, norm_eps=None, residual=None, activation=None, bias=True):
-        """x: [N, K]; p: a nanojax.model.Projection -> [N, N_out]; see rmsnorm_matmul_reference. An FP8 projection
-        takes the kernel for one row of a weight up to PALLAS_FP8_MAX_WEIGHT elements, else XLA's dot on the
-        dequantized weight, its rows padded to FP8_XLA_MIN_ROWS. bias=False leaves p's bias out."""
+        """x: [N, K]; p: a nanojax.model.Projection -> [N, N_out]; see rmsnorm_matmul_reference. bias=False leaves
+        p's bias out."""
         kw = {"norm_eps": norm_eps, "residual": residual, "activation": activation}
         b = p.b[...] if bias and p.b is not None else None
         rows = x.shape[0]
@@ -69,8 +64,7 @@ class Ops:
         return rmsnorm_matmul(x, p.w[...], b, interpret=self.interpret, **kw)
 
     def row_project(self, x, p, *, residual):
-        """o_proj / down_proj: x @ w [+ b] + residual. A tensor-parallel Ops (nanojax.sharding) holds rows of w on
-        each device and sums their partial products with one all-reduce."""
+        """o_proj / down_proj: x @ w [+ b] + residual (tensor-parallel: partial products summed over the devices)."""
         return self.project(x, p, residual=residual)
 
     def run_layer(self, layer, x, positions, cos_sin, slots, k_pages, v_pages, batch, config):
@@ -88,11 +82,9 @@ class Ops:
     def qkv_rope_cache(self, qkv, positions, slots, k_pages, v_pages, cos_sin, q_norm, k_norm, *, eps):
         """qkv: [N, (Hq + 2 Hkv) D]; positions, slots: [N]; cos_sin: [N, D] or None -> (q [N, Hq, D], k_pages,
         v_pages)."""
-        if not self.pallas:
-            return qkv_rope_cache_reference(qkv, positions, slots, k_pages, v_pages, cos_sin, q_norm, k_norm,
-                                            eps=eps)
-        return qkv_rope_cache(qkv, positions, slots, k_pages, v_pages, cos_sin, q_norm, k_norm, eps=eps,
-                              interpret=self.interpret)
+        kernel = (functools.partial(qkv_rope_cache, interpret=self.interpret) if self.pallas
+                  else qkv_rope_cache_reference)
+        return kernel(qkv, positions, slots, k_pages, v_pages, cos_sin, q_norm, k_norm, eps=eps)
 
     def attention(self, q, k_pages, v_pages, page_table, seq_lens, q_lens, *, scale, cascade=None):
         """q: [B, T, Hq, D] -> [B, T, Hq, D]; see paged_attention_reference. cascade: a decode step's shared-prefix
@@ -100,11 +92,9 @@ class Ops:
         if cascade is not None:
             if q.shape[1] != 1:
                 raise ValueError(f"a cascade plan is for decode (one token per row), got {q.shape[1]} tokens")
-            if not self.pallas:
-                return cascade_decode_attention_reference(q[:, 0], k_pages, v_pages, page_table, seq_lens, *cascade,
-                                                          scale=scale)[:, None]
-            return cascade_decode_attention(q[:, 0], k_pages, v_pages, page_table, seq_lens, *cascade, scale=scale,
-                                            interpret=self.interpret)[:, None]
+            kernel = (functools.partial(cascade_decode_attention, interpret=self.interpret) if self.pallas
+                      else cascade_decode_attention_reference)
+            return kernel(q[:, 0], k_pages, v_pages, page_table, seq_lens, *cascade, scale=scale)[:, None]
         if not self.pallas:
             return paged_attention_reference(q, k_pages, v_pages, page_table, seq_lens, q_lens, scale=scale)
         if q.shape[1] == 1:  # decode: one new token per row (q_lens is 1, or 0 with seq_lens 0 on padding rows)
@@ -116,9 +106,9 @@ class Ops:
 
     def sampling_filters(self, logits, s, *, num_top):
         """logits: [B, V] f32; s: nanojax.sampling.SamplingBatch -> (cut_key [B], cut_id [B], top_ids [B, num_top],
-        top_logits [B, num_top]); see sampling_filters_reference. The reference sorts under a `lax.cond` taken when
-        some row is filtered or wants logprobs; the kernel's rows that need neither return at once, with no branch on
-        the host (which would make a multi-step dispatch synchronous)."""
+        top_logits [B, num_top]). The reference sorts under a `lax.cond` taken when some row is filtered or wants
+        logprobs; the kernel's rows that need neither return at once (a host branch would make a multi-step dispatch
+        synchronous)."""
         args = (logits, s.temperature, s.top_k, s.top_p, s.min_p, s.logprobs)
         if self.pallas:
             return sampling_filters(*args, num_top=num_top, interpret=self.interpret)

@@ -1,6 +1,5 @@
-"""What a request's sampled tokens become: the tokens it keeps under its stop conditions, its logprobs, its text
-(stop strings included) and the events its stream receives. Plain Python over one request at a time; the engine
-core calls it from its loop thread."""
+"""What a request's sampled tokens become: the tokens kept under its stop conditions, logprobs, text (stop strings
+included) and stream events. Plain Python, called from the engine's loop thread."""
 import dataclasses
 import time
 
@@ -30,8 +29,7 @@ class Request:
     stream_tokens: bool = False  # streamed without a tokenizer: an event for every step's new tokens
     slot: int | None = None  # its row of the runner's token tables, while it runs (bias, penalties, min_tokens)
     device_row: dict | None = None  # its sampling fields as the step's dtypes hold them (sampling_row)
-    siblings: list[Sequence["Request"]] = dataclasses.field(default_factory=list)  # n > 1: admitted once the
-    # prompt is cached
+    siblings: list[Sequence["Request"]] = dataclasses.field(default_factory=list)  # n > 1: admitted once cached
 
     @property
     def needs_tables(self) -> bool:
@@ -39,8 +37,8 @@ class Request:
         return bool(p.logit_bias) or p.penalized or p.min_tokens > 0
 
     def sampling_row(self, generated: int, neutral_slot: int) -> dict:
-        """Its row of a step's sampling fields, after `generated` tokens (a step in flight counted). Its own fields
-        are cast to the step's dtypes once (checked_row: a value that does not fit fails this request alone)."""
+        """Its row of a step's sampling fields after `generated` tokens (in flight counted); its own fields cast once
+        (checked_row: a value that does not fit fails this request alone)."""
         p = self.params
         if self.device_row is None:
             self.device_row = checked_row(dict(p.device_values(), seeds=p.seed))
@@ -53,15 +51,13 @@ class Request:
         flags = np.zeros(vocab, np.int8)
         flags[self.output.prompt_token_ids] |= PROMPT
         flags[[t for t in self.stop_ids if t < vocab]] |= BANNED
-        bias = np.zeros(vocab, np.float32)
-        for t, b in (self.params.logit_bias or {}).items():
-            bias[t] = b
+        bias, logit_bias = np.zeros(vocab, np.float32), self.params.logit_bias or {}
+        bias[list(logit_bias)] = list(logit_bias.values())
         return counts, flags, bias
 
 
 class OutputProcessor:
-    """tokenizer: for text and stop strings (None: token ids only); max_model_len: no sequence grows past it;
-    eos_ids: the model's end tokens; seed: the seed of the seeds drawn for requests that bring none."""
+    """Builds requests and turns their sampled tokens into text and events (tokenizer None: token ids only)."""
 
     def __init__(self, tokenizer, max_model_len: int, eos_ids: frozenset[int], seed: int):
         self.tokenizer, self.max_model_len, self.eos_ids = tokenizer, max_model_len, eos_ids
@@ -146,8 +142,7 @@ class OutputProcessor:
             out.text, out.finish_reason, req.cut = text[:find_stop(text, stop)], "stop", True
 
     def event(self, seq: Sequence[Request]) -> RequestOutput | None:
-        """The request's event for the tokens it gained in its last step (None if its visible text did not
-        change); built before the request's next step is accepted."""
+        """The event for the last step's new tokens, built before the next is accepted (None: nothing visible new)."""
         req = seq.request
         out, stop = req.output, req.params.stop
         if out.finish_reason and self.tokenizer is not None and not req.cut:
@@ -167,8 +162,7 @@ class OutputProcessor:
 
 
 def logprob_entry(logprob, top_ids, top_logprobs, n: int) -> tuple[float, dict[int, float]]:
-    """A token's (logprob, {token id: logprob} of the n most likely) from the step's arrays (top_ids, top_logprobs:
-    [MAX_LOGPROBS])."""
+    """A token's (logprob, {token id: logprob} of the n most likely); top_ids, top_logprobs: [MAX_LOGPROBS]."""
     return float(logprob), {int(i): float(v) for i, v in zip(top_ids[:n], top_logprobs[:n])}
 
 

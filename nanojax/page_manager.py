@@ -17,9 +17,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 def hash_page_tokens(parent: bytes | None, token_ids: SequenceLike[int]) -> bytes:
     """128-bit blake2b of the previous page's hash and this page's tokens: stable across processes, unlike ``hash``."""
-    h = hashlib.blake2b(parent or b"", digest_size=16)
-    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
-    return h.digest()
+    return hashlib.blake2b((parent or b"") + struct.pack(f"<{len(token_ids)}q", *token_ids), digest_size=16).digest()
 
 
 @dataclass(eq=False)
@@ -40,8 +38,7 @@ class PageManager:
     def __init__(self, num_pages: int, page_size: int):
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"num_pages ({num_pages}) and page_size ({page_size}) must be >= 1")
-        self.num_pages = num_pages
-        self.page_size = page_size
+        self.num_pages, self.page_size = num_pages, page_size
         self._pages = [_Page(i) for i in range(num_pages)]
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_pages))  # taken from the front
         self._cache: dict[bytes, set[int]] = {}  # prefix hash -> ids of the pages holding that prefix
@@ -139,8 +136,7 @@ class PageManager:
     def unpin(self, handle: int) -> None:
         if handle not in self._pins:
             raise ValueError(f"unknown pin handle {handle!r}")
-        pages = self._pins.pop(handle)
-        for pid in reversed(pages):
+        for pid in reversed(self._pins.pop(handle)):
             self._decref(pid)
 
     def _allocation(self, seq: "Sequence") -> _Allocation:

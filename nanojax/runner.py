@@ -1,17 +1,11 @@
 """The compiled steps: embed -> layers -> final norm -> LM head -> sampling in one jit, the KV cache donated.
 
-Two programs, each compiled once per row bucket, serve every request mix (sampling parameters are data):
-- decode: [B, 1] tokens, decode_steps steps per dispatch, each row taking its own number of them (the KV slots the
-  scheduler gave it), B a power of two up to max_num_seqs;
-- prefill: the step's prompt chunks packed as rows of PREFILL_ROW tokens ([R, PREFILL_ROW], R a power of two), a
-  chunk of n tokens in ceil(n / PREFILL_ROW) rows with its page table, each row attending up to its own last token.
-  A mixed step (prompt chunks and decodes) adds max_num_seqs one-token decode rows to it: the weights read once.
-Prompt logprobs run in a third program on the prefill's hidden states, only in steps that want them (`prompt_step`).
-nanojax.compilation compiles every bucket ahead through `programs`, `key_parts`, `lower`, `compiler_options`, `twin`,
-`missing` and `install`; a program not compiled ahead compiles on first use. A dispatch sends its host arrays as one
-byte buffer (`pack`, `packed_step`). Every program returns each row's last sampled token in a fixed-size device array,
-the next dispatch's `prev`: a decode row whose `sources` entry is r >= 0 takes the previous dispatch's row r, so the
-engine can dispatch a step before it has read the previous one back.
+Two programs per power-of-two row bucket serve every request mix (sampling parameters are data): decode ([B, 1]
+tokens, decode_steps steps per dispatch, each row taking its own number of them) and prefill (prompt chunks packed as
+rows of PREFILL_ROW tokens, each row attending up to its own last token; a mixed step adds max_num_seqs one-token
+decode rows, the weights read once). Prompt logprobs run in a third program, only in steps that want them. Every
+program returns each row's last sampled token on the device, the next dispatch's `prev` (`chained`), so the engine
+can dispatch a step before it has read the previous one back.
 """
 import dataclasses
 import functools
@@ -31,37 +25,36 @@ from nanojax.model import forward, lm_logits
 from nanojax.ops import get_ops
 from nanojax.sampling import MAX_LOGPROBS, Sampled, SamplingBatch, TokenTables, limited_bias, sample
 from nanojax.sampling_params import DEVICE_FIELDS
+from nanojax.speculative import speculative_decode
 from pallas_kernels._compat import num_sms
 from pallas_kernels.cascade_attention import cascade_members_per_item
 
+# The largest decode bucket that speculates (docs/perf_notes.md, "Speculative decoding").
+SPECULATIVE_MAX_ROWS = 16
 # Query rows of a packed prefill: the prefill attention kernel's query tile holds 128 rows = 64 tokens x 2 query
 # heads per KV head, so a chunk re-reads its KV no more often packed than unpacked (docs/perf_notes.md, "Prefill").
 PREFILL_ROW = 64
 _STATIC = ("config", "ops")
-# XLA options for the programs' compiles on a GPU. XLA tunes each GEMM by compiling and timing ~25 candidates (Triton
-# tilings and cuBLAS), most of an empty-cache start's compile work; these options skip that where a step loses little
-# (docs/perf_notes.md, "XLA's GEMM options per program"). A program whose GEMMs have CUBLAS_MIN_ROWS rows or more (a
-# decode's rows; a prefill's tokens and decode rows) takes cuBLAS, as fast as the tuning there and cheaper to compile.
-# Below it cuBLAS loses: the smaller decodes take one Triton tiling for all their GEMMs (`decode_tiling`), the 64-token
-# prefill the cost model's tiling. FP8 weights keep the cost model's tiling for prefills and XLA's tuning for decodes:
-# cuBLAS cannot fuse their dequantizing dots, and the fixed tiling was chosen on bf16 weights only.
+# XLA options per program on a GPU (docs/perf_notes.md, "XLA's GEMM options per program"). XLA tunes each GEMM by
+# compiling and timing ~25 candidates, most of an empty-cache start's compile work. From CUBLAS_MIN_ROWS GEMM rows on
+# (a decode's rows; a prefill's tokens and decode rows) cuBLAS is as fast and cheaper to compile; below it the decodes
+# take one Triton tiling (`decode_tiling`), the prefills the cost model's. FP8 weights keep the cost model's tiling for
+# prefills and XLA's tuning for decodes: cuBLAS cannot fuse their dequantizing dots; the tiling was chosen on bf16.
 COST_MODEL_TILING = {"xla_gpu_experimental_cost_model_gemm_tiling_default": True}
 CUBLAS_GEMMS = {"xla_gpu_enable_triton_gemm": False}
 CUBLAS_MIN_ROWS = 128
 
 
 def decode_tiling(rows: int) -> dict:
-    """XLA's option that gives every Triton GEMM of a decode of `rows` rows one tiling, unprofiled: 64 output features
-    x 8-32 rows (block_n: XLA's own picks put the rows there, 8 at 4 rows, 16 at 16, 32-64 at 64) x 128 of the
-    reduction, 3 stages, 4 warps."""
+    """One unprofiled tiling for every Triton GEMM of a `rows`-row decode: 64 output features x 8-32 rows (where XLA's
+    own picks put them) x 128 of the reduction, 3 stages, 4 warps."""
     tiling = (f"block_m: 64 block_n: {min(max(rows, 8), 32)} block_k: 128 split_k: 1 num_stages: 3 num_warps: 4 "
               "num_ctas: 1")
     return {"xla_gpu_override_gemm_autotuner": tiling}
 
 
 def chained(prev, tokens, sources):
-    """prev: [S] the previous dispatch's last tokens; tokens, sources: [N] -> [N]: row n's token is
-    prev[sources[n]] where sources[n] >= 0, else tokens[n]."""
+    """prev: [S], the previous dispatch's last tokens; tokens, sources: [N] -> prev[sources] where >= 0, else tokens."""
     return jnp.where(sources >= 0, prev[jnp.maximum(sources, 0)], tokens)
 
 
@@ -73,12 +66,9 @@ def last_tokens(tokens, size: int):
 @functools.partial(jax.jit, static_argnames=(*_STATIC, "hidden_rows"), donate_argnums=(1, 2))
 def prefill_step(params, cache, tables, prev, tokens, batch: Batch, sampling: SamplingBatch, decode=None, *,
                  config, ops, hidden_rows):
-    """tokens: [R, T] -> (Sampled with a leading [1] step axis, one token per row, the final hidden states [hidden_rows,
-    T, H] (zeros after R: one shape for every bucket, for prompt_step), last tokens [S], cache, tables). Rows that
-    end mid-prompt sample too; the host discards theirs (their slots are the neutral one, so nothing is counted).
-    decode: None, or (tokens [D], sources [D], Batch) of D decode rows run in the same forward (a mixed step: the
-    weights read once for both; `chained` with prev); their tokens follow the R rows' in Sampled and in the last
-    tokens, and sampling covers R + D rows."""
+    """tokens: [R, T] -> (Sampled [1, R + D], final hidden states [hidden_rows, T, H] (zeros after R: one shape for
+    prompt_step), last tokens [S], cache, tables). Rows ending mid-prompt sample too, on the neutral slot; the host
+    drops theirs. decode: None, or a mixed step's (tokens [D], sources [D], Batch) of one-token rows, after the R."""
     if decode is None:
         hidden, cache = forward(params, tokens, cache, batch, config=config, ops=ops)
     else:
@@ -96,16 +86,13 @@ def prefill_step(params, cache, tables, prev, tokens, batch: Batch, sampling: Sa
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def prompt_step(params, tables, hidden, targets, *, config, ops) -> "PromptLogprobs":
-    """hidden: [R, T, H], a prefill's; targets: [R, T] int32, the prompt token after each position whose logprob is
-    wanted, -1 for none -> PromptLogprobs [R, T](, MAX_LOGPROBS): each target's logprob and the top MAX_LOGPROBS of
-    the model's distribution at its position (no sampling adjustments but the tables' vocabulary limit), one row of
-    [T, V] logits at a time and only rows with targets. A program of its own, dispatched only in steps that want it:
-    its conditional reads its predicate back on the host, which inside the prefill program held every prefill's
-    dispatch until the GPU was done (docs/perf_notes.md, "Dispatch and host overhead")."""
+    """hidden: [R, T, H], a prefill's; targets: [R, T], the next prompt token where its logprob is wanted, else -1 ->
+    PromptLogprobs [R, T](, MAX_LOGPROBS), unadjusted but for the vocabulary limit, computed only on rows with targets.
+    Its own program: its conditional reads its predicate back on the host, which inside the prefill program held every
+    prefill's dispatch until the GPU was done (docs/perf_notes.md, "Dispatch and host overhead")."""
     def row(args):
         h, target = args
-        logits = lm_logits(params, h, ops)
-        logits = logits + tables.bias[tables.neutral]  # 0, and -inf past the vocabulary limit
+        logits = lm_logits(params, h, ops) + tables.bias[tables.neutral]  # 0, and -inf past the vocabulary limit
         log_probs = jax.nn.log_softmax(logits, axis=-1)
         top_logprobs, top_ids = jax.lax.top_k(log_probs, MAX_LOGPROBS)
         chosen = jnp.take_along_axis(log_probs, jnp.maximum(target, 0)[:, None], axis=-1)[:, 0]
@@ -121,53 +108,64 @@ def prompt_step(params, tables, hidden, targets, *, config, ops) -> "PromptLogpr
 @functools.partial(jax.jit, static_argnames=(*_STATIC, "num_steps"), donate_argnums=(1, 2))
 def decode_step(params, cache, tables, prev, tokens, batch: Batch, sampling: SamplingBatch, row_steps, sources, *,
                 config, ops, num_steps):
-    """num_steps decode steps in one dispatch (fixed trip count: no host sync between them).
-
-    tokens: [B] last token of each row, or from prev [S] where sources [B] >= 0 (`chained`); batch describes the
-    first step (q_lens 1, 0 on padding rows); row_steps: [B] int32, the steps row b takes (<= num_steps: the KV
-    slots the scheduler could give it). After them a row writes no KV, keeps its length and counts no token; it
-    still computes (the host drops its tokens), as do rows that finish early, into pages the scheduler reserved.
-    Returns (Sampled with a leading [num_steps] axis, last tokens [S]: row b's step row_steps[b], cache, tables).
-    """
+    """num_steps decode steps in one dispatch, with no host sync between them. tokens: [B], or from prev [S] where
+    sources [B] >= 0 (`chained`); batch: the first step's; row_steps: [B], the steps row b takes (its KV slots). After
+    them a row writes no KV and counts no token, but still computes (the host drops its tokens). -> (Sampled
+    [num_steps, B], last tokens [S]: row b's step row_steps[b], cache, tables)."""
     def body(i, carry):
         tokens, cache, tables, seq_lens, out = carry
         active = jnp.where(i < row_steps, batch.q_lens, 0)
         hidden, cache = forward(params, tokens[:, None], cache, batch.replace(seq_lens=seq_lens, q_lens=active),
                                 config=config, ops=ops)
-        logits = lm_logits(params, hidden[:, 0], ops)
-        new = sample(logits, sampling, tables, i, ops=ops)
+        new = sample(lm_logits(params, hidden[:, 0], ops), sampling, tables, i, ops=ops)
         out = jax.tree.map(lambda o, n: o.at[i].set(n), out, new)
         counted = jnp.where(active > 0, sampling.slots, tables.neutral)
         return new.tokens, cache, tables.count(counted, new.tokens), seq_lens + active, out
 
-    b = tokens.shape[0]
-    out = Sampled(jnp.zeros((num_steps, b), jnp.int32), jnp.zeros((num_steps, b)),
-                  jnp.zeros((num_steps, b, MAX_LOGPROBS), jnp.int32), jnp.zeros((num_steps, b, MAX_LOGPROBS)))
     tokens = chained(prev, tokens, sources)
-    _, cache, tables, _, out = jax.lax.fori_loop(0, num_steps, body, (tokens, cache, tables, batch.seq_lens, out))
-    last = out.tokens[jnp.clip(row_steps - 1, 0, num_steps - 1), jnp.arange(b)]
-    return out, last_tokens(last, prev.shape[0]), cache, tables
+    carry = (tokens, cache, tables, batch.seq_lens, _no_samples(num_steps, tokens.shape[0]))
+    _, cache, tables, _, out = jax.lax.fori_loop(0, num_steps, body, carry)
+    return out, _last_of(out, row_steps, prev.shape[0]), cache, tables
+
+
+@functools.partial(jax.jit, static_argnames=(*_STATIC, "num_steps", "spec"), donate_argnums=(1, 2))
+def speculative_decode_step(params, cache, tables, prev, tokens, batch: Batch, sampling: SamplingBatch, row_steps,
+                            sources, *, config, ops, num_steps, spec):
+    """decode_step's contract and tokens in fewer forwards (nanojax.speculative); also returns its stats [3]."""
+    tokens = chained(prev, tokens, sources)
+    out, cache, tables, stats = speculative_decode(params, cache, tables, tokens, batch, sampling, row_steps,
+                                                   _no_samples(num_steps, tokens.shape[0]), config=config, ops=ops,
+                                                   spec=spec)
+    return out, stats, _last_of(out, row_steps, prev.shape[0]), cache, tables
+
+
+def _no_samples(num_steps: int, rows: int) -> Sampled:
+    return Sampled(jnp.zeros((num_steps, rows), jnp.int32), jnp.zeros((num_steps, rows)),
+                   jnp.zeros((num_steps, rows, MAX_LOGPROBS), jnp.int32), jnp.zeros((num_steps, rows, MAX_LOGPROBS)))
+
+
+def _last_of(out: Sampled, row_steps, size: int):
+    """Row b's token of step row_steps[b], as `last_tokens` [size]."""
+    num_steps, rows = out.tokens.shape
+    return last_tokens(out.tokens[jnp.clip(row_steps - 1, 0, num_steps - 1), jnp.arange(rows)], size)
 
 
 @functools.partial(jax.jit, static_argnames=("step", "layout", "static"), donate_argnums=(1, 2))
 def packed_step(params, cache, tables, prev, packed, *, step, layout, static):
-    """step(params, cache, tables, prev, *host_args, **static) with the host arguments sent as one byte buffer (packed:
-    [nbytes] uint8, `pack`'s; layout: theirs): one host-to-device copy per dispatch instead of one per array
-    (docs/perf_notes.md, "Dispatch and host overhead")."""
+    """step(params, cache, tables, prev, *host_args, **static), the host arguments sent as one byte buffer (`pack`'s):
+    one host-to-device copy per dispatch, not one per array (docs/perf_notes.md, "Dispatch and host overhead")."""
     return step(params, cache, tables, prev, *_unpack(packed, layout), **dict(static))
 
 
 def pack(host_args) -> tuple[np.ndarray, tuple]:
-    """A pytree of numpy arrays -> ([nbytes] uint8 holding every leaf's bytes, the layout: treedef and each leaf's
-    shape and dtype)."""
+    """A pytree of numpy arrays -> ([nbytes] uint8 holding every leaf's bytes, their `layout_of`)."""
     leaves, treedef = jax.tree.flatten(host_args)
     leaves = [np.asarray(x, order="C") for x in leaves]  # (ascontiguousarray would make a 0-d array 1-d)
-    layout = (treedef, tuple((x.shape, x.dtype.str) for x in leaves))
-    return np.concatenate([x.reshape(-1).view(np.uint8) for x in leaves]), layout
+    return np.concatenate([x.reshape(-1).view(np.uint8) for x in leaves]), layout_of(treedef.unflatten(leaves))
 
 
 def layout_of(host_args) -> tuple:
-    """pack's layout of host_args, which may hold ShapeDtypeStructs (what a program is compiled for)."""
+    """(treedef, each leaf's shape and dtype) of host_args, which may hold ShapeDtypeStructs (a compiled program's)."""
     leaves, treedef = jax.tree.flatten(host_args)
     return treedef, tuple((tuple(x.shape), np.dtype(x.dtype).str) for x in leaves)
 
@@ -200,18 +198,14 @@ def _shapes_of(make, sharding):
 
 
 def bucket(n: int, buckets: tuple[int, ...]) -> int:
-    for b in buckets:
-        if n <= b:
-            return b
-    raise ValueError(f"{n} is larger than the largest bucket {buckets[-1]}")
+    if n > buckets[-1]:
+        raise ValueError(f"{n} is larger than the largest bucket {buckets[-1]}")
+    return next(b for b in buckets if n <= b)
 
 
-def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
-    out, b = [], lo
-    while b < hi:
-        out.append(b)
-        b *= 2
-    return tuple(out) + (hi,)
+def pow2_buckets(hi: int) -> tuple[int, ...]:
+    """The powers of two below hi, then hi."""
+    return tuple(1 << i for i in range((hi - 1).bit_length())) + (hi,)
 
 
 # Per-row sampling fields: (dtype, the value a row without a request takes: greedy, no adjustments), the request's
@@ -229,12 +223,11 @@ def checked_row(fields: dict) -> dict:
         try:
             with np.errstate(over="ignore", invalid="ignore"):
                 cast = np.asarray(value).astype(dtype)
-            fits = np.isfinite(cast) and (dtype.kind == "f" or cast == value)
+            if not (np.isfinite(cast) and (dtype.kind == "f" or cast == value)):
+                raise ValueError
             out[name] = cast.item()
         except (OverflowError, TypeError, ValueError):
-            fits = False
-        if not fits:
-            raise ValueError(f"{name}={value!r} does not fit the step's {dtype}")
+            raise ValueError(f"{name}={value!r} does not fit the step's {dtype}") from None
     return out
 
 
@@ -248,12 +241,13 @@ class PromptLogprobs(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class Program:
     """One compiled shape: `rows` rows of decode (num_steps steps) or of packed prefill (num_steps 0); cascade: a
-    decode that reads shared prefixes once (nanojax.cascade); decode_rows: a prefill's one-step decode rows (a mixed
-    step)."""
+    decode reading shared prefixes once (nanojax.cascade); decode_rows: a mixed step's one-token decode rows;
+    speculative: a decode through nanojax.speculative."""
     rows: int
     num_steps: int
     cascade: bool = False
     decode_rows: int = 0
+    speculative: bool = False
 
     @property
     def tokens_per_row(self) -> int:
@@ -261,21 +255,18 @@ class Program:
 
 
 class ModelRunner:
-    """Holds params, the KV cache and the token tables on device, and runs padded steps.
-
-    vocab_limit: ids from it on are never drawn (the tokenizer's length), data in the token tables so that the
-    programs do not depend on it. tensor_parallel: a nanojax.sharding.TensorParallel (params as numpy, or placed by
-    it). executable_dir: where nanojax.compilation keeps this runner's programs (None: nowhere)."""
+    """Holds params, the KV cache and the token tables on device, and runs padded steps. vocab_limit: ids from it on
+    are never drawn (the tokenizer's length: data in the tables, so that no program depends on it). tensor_parallel:
+    a nanojax.sharding.TensorParallel. executable_dir: where nanojax.compilation keeps the programs (None: nowhere)."""
 
     def __init__(self, config: ModelConfig, engine: EngineConfig, params, *, num_pages: int,
                  vocab_limit: int | None = None, tensor_parallel=None, executable_dir=None):
         tp = tensor_parallel
-        self.config, self.engine = config, engine
+        self.config, self.engine, self.executable_dir = config, engine, executable_dir
         self.vocab_limit = config.vocab_size if vocab_limit is None else vocab_limit
         # What a compile worker needs to build this runner again from the params' shapes (nanojax.compilation).
         self.rebuild_kwargs = dict(engine=engine, num_pages=num_pages)
-        page_size, pages_per_seq, dtype = engine.page_size, engine.pages_per_seq, jnp.dtype(engine.dtype)
-        ops, max_num_seqs, cascade_rules = get_ops(engine.kernels, config), engine.max_num_seqs, engine.cascade_rules
+        self.page_size, self.pages_per_seq, dtype = engine.page_size, engine.pages_per_seq, jnp.dtype(engine.dtype)
         # Params as ShapeDtypeStructs (a compile worker; keys wanted before the weights are placed): the device state
         # is shapes too, placed as the params are.
         shapes_only = all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))
@@ -283,42 +274,47 @@ class ModelRunner:
             raise ValueError("a tensor-parallel runner needs its params")
         build = functools.partial(_shapes_of, sharding=jax.tree.leaves(params)[0].sharding) if shapes_only else (
             lambda make: make())
+        ops = get_ops(engine.kernels, config)
         self.ops = ops if tp is None else tp.ops(ops)
         self._inputs_sharding = None if tp is None else tp.replicated  # host inputs: on every device of the mesh
         self.sharded = tp is not None  # not rebuilt from the params' shapes (rebuild_kwargs) by a compile worker
         self.params = params if shapes_only else jax.device_put(params) if tp is None else tp.place(params)
-        self.cache = (build(functools.partial(KVCache.create, config, num_pages, page_size, dtype)) if tp is None
-                      else tp.create_cache(num_pages, page_size, dtype))
+        self.spec = engine.speculative_config
+        tokens = self.spec is not None  # the cache holds each position's token, for the n-gram lookup
+        self.cache = (build(functools.partial(KVCache.create, config, num_pages, self.page_size, dtype, tokens))
+                      if tp is None else tp.create_cache(num_pages, self.page_size, dtype, tokens))
         self.tables = build(lambda: jax.device_put(
-            TokenTables.create(max_num_seqs, config.vocab_size, self.vocab_limit), self._inputs_sharding))
-        self.pages_per_seq = pages_per_seq
-        self.decode_rows = pow2_buckets(1, max_num_seqs)
-        self.prefill_rows = pow2_buckets(1, -(-engine.max_num_batched_tokens // PREFILL_ROW))
+            TokenTables.create(engine.max_num_seqs, config.vocab_size, self.vocab_limit), self._inputs_sharding))
+        self.decode_rows = pow2_buckets(engine.max_num_seqs)
+        self.prefill_rows = pow2_buckets(-(-engine.max_num_batched_tokens // PREFILL_ROW))
         self.decode_steps = engine.decode_steps
         # The last tokens a dispatch returns (`last_tokens`): a prefill's R rows and mixed_rows decode rows at most.
         self.last = build(lambda: jax.device_put(np.zeros(self.prefill_rows[-1] + self.mixed_rows, np.int32),
                                                  self._inputs_sharding))
-        self.page_size, self.cascade_rules = page_size, cascade_rules
+        self.cascade_rules = rules = engine.cascade_rules
         self.cascade_members = cascade_members_per_item(config.num_heads, config.num_kv_heads)
         local_kv_heads = config.num_kv_heads if tp is None else tp.local_config.num_kv_heads
         # Items whose programs fill the SMs twice (two waves beat one with the 64-row tiles: CASCADE_CONFIG).
         self.cascade_wave = 2 * -(-num_sms() // local_kv_heads)
-        self.cascade_rows = () if cascade_rules is None else tuple(
-            b for b in self.decode_rows if b >= cascade_rules.min_batch)
+        self.cascade_rows = () if rules is None else tuple(b for b in self.decode_rows if b >= rules.min_batch)
         self.cascade_dispatches = self.cascade_saved_tokens = 0  # saved: KV tokens per layer and KV head, all steps
+        # Decode buckets that speculate (above them a verifying forward costs more than its tokens save:
+        # docs/perf_notes.md, "Speculative decoding"), and the sum of their dispatches' stats.
+        self.spec_rows = () if self.spec is None else tuple(b for b in self.decode_rows if b <= SPECULATIVE_MAX_ROWS)
+        self.spec_stats = np.zeros(3, np.int64)
+        self._spec_pending: list = []
         self._compiled: dict[Program, object] = {}
         self._layouts: dict[Program, tuple] = {}  # the host arrays each program was lowered for (pack's layout)
-        self.executable_dir = executable_dir
         self.compiles = self.loaded = 0  # programs compiled, and loaded from the executable cache (`install`)
         self.compile_seconds: dict[str, float] = {}  # where compile_all's time went, and each worker's
         self.worker_seconds: list[dict] = []
 
     # ----- programs -----
     def programs(self) -> list:
-        """Every program the engine runs: the decode and prefill buckets (cascade: the multi-step decodes of the
-        batches the rules allow), prompt logprobs and the token-table writer."""
+        """Every program the engine runs: the decode, cascade decode and prefill buckets, prompt logprobs, set_slot."""
         return [Program(b, self.decode_steps) for b in self.decode_rows] + [
             Program(b, self.decode_steps, True) for b in self.cascade_rows] + [
+            Program(b, self.decode_steps, speculative=True) for b in self.spec_rows] + [
             Program(r, 0, decode_rows=d) for r in self.prefill_rows for d in (0, self.mixed_rows)] + [
             "prompt", "set_slot"]
 
@@ -329,7 +325,6 @@ class ModelRunner:
         return self.decode_rows[-1]
 
     def missing(self, programs) -> list:
-        """Those of `programs` not compiled yet."""
         return [p for p in programs if p not in self._compiled]
 
     def install(self, p, executable, cached: bool = False) -> None:
@@ -363,41 +358,36 @@ class ModelRunner:
         args = (self.params, self.cache, self.tables, self.last, tokens, *self._inputs(p, table, [], [], {}, plan))
         if p.num_steps:
             rows = jax.ShapeDtypeStruct((b,), jnp.int32)
+            if p.speculative:
+                return speculative_decode_step, (*args, rows, rows), {**kw, "num_steps": p.num_steps, "spec": self.spec}
             return decode_step, (*args, rows, rows), {**kw, "num_steps": p.num_steps}
         decode = self._decode_segment(p, [], [], [], []) if p.decode_rows else None
         return prefill_step, (*args, decode), {**kw, "hidden_rows": self.prefill_rows[-1]}
 
     def key_parts(self, p) -> tuple:
         """What program p's executable depends on besides the environment, read without tracing; records the layout
-        of its host arrays (pack's), which _run checks every dispatch against."""
+        of its host arrays (after params, cache, tables and prev), which _run checks every dispatch against."""
         fn, args, kw = self._call(p)
         if isinstance(p, Program):
-            self._record_layout(p, args)
+            self._layouts[p] = layout_of(args[4:])
         return fn.__name__, p, kw, executable_cache.signature(args)
-
-    def _record_layout(self, p, args) -> tuple:
-        """pack's layout of program p's host arrays (its arguments after params, cache, tables and prev), kept for
-        _run."""
-        self._layouts[p] = layout_of(args[4:])
-        return self._layouts[p]
 
     def lower(self, p) -> jax.stages.Lowered:
         return self.trace(p).lower()
 
     def trace(self, p) -> jax.stages.Traced:
-        """Program p traced as it is dispatched: a Program through packed_step (its host arrays as one buffer, their
-        layout recorded for _run), the others with their arguments as they are."""
+        """Program p traced as it is dispatched: a Program through packed_step (its layout recorded as key_parts
+        does), the others with their arguments as they are."""
         fn, args, kw = self._call(p)
-        if not isinstance(p, Program):  # called with its arguments as they are
+        if not isinstance(p, Program):
             return fn.trace(*args, **kw)
-        layout = self._record_layout(p, args)
+        layout = self._layouts[p] = layout_of(args[4:])
         nbytes = sum(int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in layout[1])
         return packed_step.trace(*args[:4], jax.ShapeDtypeStruct((nbytes,), jnp.uint8), step=fn, layout=layout,
                                  static=tuple(sorted(kw.items())))
 
     def compiler_options(self, p) -> dict:
-        """XLA options for compiling program p on a GPU (CUBLAS_GEMMS, COST_MODEL_TILING, decode_tiling); none on the
-        CPU."""
+        """XLA options for program p on a GPU (CUBLAS_GEMMS, COST_MODEL_TILING, decode_tiling); none on the CPU."""
         if jax.default_backend() != "gpu" or not isinstance(p, Program):
             return {}
         quantized = is_quantized(self.params["layers"][0]["o"])
@@ -414,9 +404,8 @@ class ModelRunner:
 
     def _run(self, p: Program, tokens: np.ndarray, table: np.ndarray, seq_lens, q_lens, sampling: dict,
              plan: CascadePlan | None = None, extra: tuple = ()) -> list:
-        """table: _page_table's; extra: a decode's row_steps and sources [B], a prefill's decode segment
-        (_decode_segment's, or None). -> the step's outputs: [Sampled] for a decode, [Sampled, hidden] for a prefill;
-        its last tokens become `last`, the next dispatch's prev."""
+        """extra: a decode's row_steps and sources [B], a prefill's decode segment (or None). -> [Sampled] for a
+        decode, [Sampled, hidden] for a prefill; its last tokens become `last`, the next dispatch's prev."""
         packed, layout = pack((tokens, *self._inputs(p, table, seq_lens, q_lens, sampling, plan), *extra))
         program = self._program(p)
         if layout != self._layouts[p]:  # recorded when p was keyed (`key_parts`) or traced
@@ -434,22 +423,16 @@ class ModelRunner:
 
     def _inputs(self, p: Program, table: np.ndarray, seq_lens, q_lens, sampling: dict,
                 plan: CascadePlan | None = None) -> tuple[Batch, SamplingBatch]:
-        """Host arrays of a step, padded to the program's rows (padding rows: q_len 0, greedy, neutral slot);
-        table: _page_table's."""
-        rows = p.rows
-        lens, qs = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
-        lens[:len(seq_lens)], qs[:len(q_lens)] = seq_lens, q_lens
-        batch = Batch(page_table=table, seq_lens=lens, q_lens=qs, cascade=plan and plan.arrays())
-        return batch, sampling_batch(sampling, rows + p.decode_rows, self.neutral_slot)
+        """Host arrays of a step, padded to the program's rows (padding rows: q_len 0, greedy, neutral slot)."""
+        batch = Batch(page_table=table, seq_lens=_padded(seq_lens, p.rows), q_lens=_padded(q_lens, p.rows),
+                      cascade=plan and plan.arrays())
+        return batch, sampling_batch(sampling, p.rows + p.decode_rows, self.neutral_slot)
 
     def _decode_segment(self, p: Program, last_tokens, page_tables, seq_lens, sources) -> tuple:
-        """A mixed step's decode rows, padded to p.decode_rows: (tokens [D], sources [D], Batch of one new token
-        per row)."""
-        rows = p.decode_rows
-        tokens, lens = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
-        tokens[:len(last_tokens)], lens[:len(seq_lens)] = last_tokens, seq_lens
-        return tokens, _sources(rows, sources), Batch(page_table=self._page_table(rows, page_tables), seq_lens=lens,
-                                                      q_lens=(lens > 0).astype(np.int32))
+        """A mixed step's decode rows, padded to p.decode_rows: (tokens [D], sources [D], Batch of one token each)."""
+        rows, lens = p.decode_rows, _padded(seq_lens, p.decode_rows)
+        return _padded(last_tokens, rows), _padded(sources, rows, -1), Batch(
+            page_table=self._page_table(rows, page_tables), seq_lens=lens, q_lens=(lens > 0).astype(np.int32))
 
     def _plan(self, rows: int, page_tables, seq_lens) -> CascadePlan:
         return plan_cascade(page_tables, seq_lens, batch=rows, page_size=self.page_size,
@@ -464,35 +447,44 @@ class ModelRunner:
     def decode(self, last_tokens: list[int], page_tables: list[list[int]], seq_lens: list[int],
                sampling: dict[str, list], num_steps: int = 1, row_steps: list[int] | None = None,
                sources: list[int] | None = None) -> "Pending":
-        """Dispatches num_steps decode steps (seq_lens counts the last token); [num_steps, rows], of which row b
-        keeps row_steps[b] (default: all). sources: per row -1 (its token is last_tokens') or the row of the
-        previous dispatch whose last sampled token it takes, on the device (default: all -1). Rows that share
-        prefix pages read them once per step when the cascade rules find it worth it."""
-        p = Program(bucket(len(last_tokens), self.decode_rows), num_steps)
-        tokens = np.zeros(p.rows, np.int32)
-        tokens[:len(last_tokens)] = last_tokens
+        """Dispatches num_steps decode steps (seq_lens counts the last token), of which row b keeps row_steps[b]
+        (default: all). sources: per row -1 (its token is last_tokens') or the row of the previous dispatch whose last
+        sampled token it takes on the device. Rows sharing prefix pages read them once where the cascade rules say."""
+        n = len(last_tokens)
+        p = Program(bucket(n, self.decode_rows), num_steps)
         table = self._page_table(p.rows, page_tables)
         plan = None
-        if num_steps == self.decode_steps and p.rows in self.cascade_rows:
+        if num_steps == self.decode_steps and p.rows in self.spec_rows:
+            p = dataclasses.replace(p, speculative=True)
+        elif num_steps == self.decode_steps and p.rows in self.cascade_rows:
             plan = self._plan(p.rows, table[:len(seq_lens)], seq_lens)
-            if plan.use_cascade:
-                p = dataclasses.replace(p, cascade=True)
-                self.cascade_dispatches += 1
-                self.cascade_saved_tokens += plan.saved_tokens * num_steps
-            else:
-                plan = None
-        steps = np.zeros(p.rows, np.int32)
-        steps[:len(last_tokens)] = num_steps if row_steps is None else row_steps
-        return Pending(*self._run(p, tokens, table, seq_lens, [1] * len(last_tokens), sampling, plan,
-                                  extra=(steps, _sources(p.rows, sources or ()))))
+        if plan is not None and plan.use_cascade:
+            p = dataclasses.replace(p, cascade=True)
+            self.cascade_dispatches += 1
+            self.cascade_saved_tokens += plan.saved_tokens * num_steps
+        steps = _padded([num_steps] * n if row_steps is None else row_steps, p.rows)
+        outs = self._run(p, _padded(last_tokens, p.rows), table, seq_lens, [1] * n, sampling,
+                         plan if p.cascade else None, extra=(steps, _padded(sources or (), p.rows, -1)))
+        if p.speculative:
+            self._spec_pending.append(outs.pop())
+            if len(self._spec_pending) >= 256:  # folded in now and then: a server never asks
+                self.speculation_stats()
+        return Pending(*outs)
+
+    def speculation_stats(self) -> np.ndarray:
+        """[3] int64 since the start: forwards of the speculative decodes, row-forwards that verified proposals, and
+        the tokens those gave (1 + the proposals accepted, each)."""
+        for stats in jax.device_get(self._spec_pending):
+            self.spec_stats += stats
+        self._spec_pending.clear()
+        return self.spec_stats.copy()
 
     def prefill(self, chunks: list[tuple], decodes: tuple | None = None, sources: list[int] | None = None
                 ) -> list[tuple["Pending", int]]:
         """Dispatches prompt chunks (tokens, page_table, seq_len after the chunk, sampling fields or None[, targets:
-        per token the next prompt token whose logprob is wanted, -1 for none]) in as few dispatches as the largest
-        bucket allows. -> each chunk's (Pending, row): its token is Pending.tokens()[0, row]. decodes: None, or one
-        decode step (last_tokens, page_tables, seq_lens, sampling fields) run in the first dispatch's forward (a
-        mixed step), sources as decode's; their (Pending, row) follow the chunks'."""
+        per token the next prompt token whose logprob is wanted, else -1]) in as few dispatches as the largest bucket
+        allows -> each chunk's (Pending, row), its token Pending.tokens()[0, row]. decodes: None, or (last_tokens,
+        page_tables, seq_lens, sampling fields) run in the first dispatch, sources as decode's, their rows last."""
         results, batch = [], []
         rows_in = lambda cs: sum(-(-len(c[0]) // PREFILL_ROW) for c in cs)  # noqa: E731
         for chunk in chunks:
@@ -536,8 +528,7 @@ class ModelRunner:
         return [(pending, row) for row in last_rows]
 
     def _prompt_logprobs(self, hidden, targets: list[tuple[int, list[int]]]) -> PromptLogprobs:
-        """Dispatches prompt_step on a prefill's hidden states; targets: (first position in the flattened rows, the
-        target of each position from there) per chunk that wants them."""
+        """targets: (first position in the flattened rows, each target from there) per chunk that wants them."""
         flat = np.full(self.prefill_rows[-1] * PREFILL_ROW, -1, np.int32)  # prompt_step's rows
         for first, values in targets:
             flat[first:first + len(values)] = values
@@ -555,8 +546,7 @@ class ModelRunner:
         self._compiled.clear()
 
     def set_slot(self, slot: int, counts: np.ndarray, flags: np.ndarray, bias: np.ndarray) -> None:
-        """Writes one request's token tables ([V] each) into `slot`, queued before the next step; the bias past the
-        vocabulary limit is -inf whatever the request's."""
+        """Writes one request's token tables ([V] each) into `slot`, queued before the next step."""
         self.tables = self._program("set_slot")(self.tables, np.int32(slot), counts, flags,
                                                 limited_bias(bias, self.vocab_limit))
 
@@ -568,8 +558,7 @@ def buffer_addresses(tree) -> frozenset[int]:
 
 
 class Pending:
-    """A dispatched step's results, still on device: the host goes on (schedules, dispatches more, streams text)
-    while the GPU computes, and waits only when it reads them."""
+    """A dispatched step's results on device: the host goes on while the GPU computes, and waits when it reads them."""
 
     def __init__(self, out: Sampled, prompt: PromptLogprobs | None = None):
         self._out, self._prompt, self._tokens, self._logprobs = out, prompt, None, None
@@ -581,8 +570,7 @@ class Pending:
         return self._tokens
 
     def logprobs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """-> (logprobs [num_steps, rows], top_ids and top_logprobs [num_steps, rows, MAX_LOGPROBS]), fetched only
-        for steps whose requests asked for logprobs."""
+        """-> (logprobs [num_steps, rows], top_ids and top_logprobs [num_steps, rows, MAX_LOGPROBS]), fetched once."""
         if self._logprobs is None:
             self._logprobs = jax.device_get((self._out.logprobs, self._out.top_ids, self._out.top_logprobs))
         return self._logprobs
@@ -596,23 +584,17 @@ class Pending:
         return PromptLogprobs(*(x[rows].reshape(-1, *x.shape[2:])[:num_tokens] for x in self._prompt))
 
 
-def _sources(rows: int, sources) -> np.ndarray:
-    """[rows] int32: sources, -1 after them (a host token)."""
-    out = np.full(rows, -1, np.int32)
-    out[:len(sources)] = sources
+def _padded(values, rows: int, fill=0, dtype=np.int32) -> np.ndarray:
+    """[rows]: values, then fill."""
+    out = np.full(rows, fill, dtype)
+    out[:len(values)] = values
     return out
 
 
 def sampling_batch(fields: dict[str, list], rows: int, neutral_slot: int) -> SamplingBatch:
-    """Per-row sampling fields (a prefix of the rows; absent fields and the rows after take the fill values) ->
-    numpy SamplingBatch of `rows` rows."""
-    out = {}
-    for name, fill in _sampling_fill(neutral_slot).items():
-        col = np.full(rows, fill, _SAMPLING_FIELDS[name][0])
-        values = fields.get(name, ())
-        col[:len(values)] = values
-        out[name] = col
-    return SamplingBatch(**out)
+    """Per-row sampling fields (of the first rows; absent fields and the rows after: the fill values) -> numpy."""
+    return SamplingBatch(**{name: _padded(fields.get(name, ()), rows, fill, _SAMPLING_FIELDS[name][0])
+                            for name, fill in _sampling_fill(neutral_slot).items()})
 
 
 def _sampling_fill(neutral_slot: int) -> dict:
@@ -620,6 +602,5 @@ def _sampling_fill(neutral_slot: int) -> dict:
 
 
 def greedy_sampling(rows: int, neutral_slot: int) -> dict[str, list]:
-    """Sampling fields for `rows` greedy rows with no adjustments, each on the runner's neutral token-table slot
-    (benchmarks drive the runner with these)."""
+    """Sampling fields for `rows` greedy rows with no adjustments, on the neutral token-table slot (benchmarks)."""
     return {name: [fill] * rows for name, fill in _sampling_fill(neutral_slot).items()}

@@ -1,15 +1,12 @@
-"""Token sampling on device, inside the compiled step: one program for any mix of sampling parameters.
-
-Every row carries its own parameters as data, so greedy, random, filtered, biased and penalized rows share one
-compiled program. What each costs decided the shape (docs/perf_notes.md, "Sampling"):
-- Random rows add Gumbel noise from a counter-based hash of (seed, counter, token id), computed inside the argmax
-  fusion: no [B, V] noise array, and a seeded row draws the same numbers whatever else shares its batch.
-- logit_bias, the penalties and the min_tokens ban read per-request token tables (`TokenTables`, one row per slot,
-  kept on the device and updated in the step); rows that use none of them read the shared all-zero row, which stays
-  in L2.
-- Top-k / top-p / min-p keep a prefix of a row's descending order, and top-N logprobs read one: `Ops.sampling_filters`
-  describes it per row (the Pallas kernel's rows without filters or logprobs return at once, with no sort and no
-  branch on the host; the jnp reference sorts under a `lax.cond`), and the draw masks the tokens outside it.
+"""Token sampling on device, inside the compiled step: every row carries its own parameters as data, so any mix of
+greedy, random, filtered, biased and penalized rows shares one program (docs/perf_notes.md, "Sampling"):
+- Gumbel noise from a counter-based hash of (seed, counter, token id), inside the argmax fusion: no [B, V] noise
+  array, and a seeded row draws the same numbers whatever shares its batch.
+- logit_bias, penalties and the min_tokens ban read per-request `TokenTables` rows on the device; rows using none of
+  them read the shared all-zero row, which stays in L2.
+- Top-k / top-p / min-p and top-N logprobs read a prefix of a row's descending order (`Ops.sampling_filters`: the
+  Pallas kernel's rows without filters or logprobs skip the sort, the jnp reference sorts under a `lax.cond`; no
+  branch on the host); the draw masks the tokens outside it.
 """
 import flax.struct
 import jax
@@ -25,11 +22,8 @@ PROMPT, BANNED = 1, 2  # TokenTables.flags bits: the token is in the prompt; it 
 @flax.struct.dataclass
 class SamplingBatch:
     """Per-row sampling parameters, each [B]. temperature 0 is greedy; top_k 0, top_p 1, min_p 0 disable filters.
-
-    seeds and counters key each row's noise (the counter advances by one per sampled token); slots index the row's
-    `TokenTables` row (the shared zero row, `TokenTables.neutral`, for rows with no bias, penalty or ban);
-    ban_steps: the BANNED tokens stay banned for this row's next ban_steps steps; logprobs: top logprobs wanted.
-    """
+    seeds and counters (+1 per sampled token) key each row's noise; slots: its `TokenTables` row (`neutral` for rows
+    with no bias, penalty or ban); ban_steps: the steps BANNED tokens stay banned; logprobs: top logprobs wanted."""
 
     temperature: jax.Array
     top_k: jax.Array
@@ -47,13 +41,10 @@ class SamplingBatch:
 
 @flax.struct.dataclass
 class TokenTables:
-    """Per-request token state on the device, one row per slot plus the neutral last row ([S + 1, V] each).
-
-    counts: int32, occurrences of each token in the request's output (presence / frequency penalties);
-    flags: int8, PROMPT | BANNED bits; bias: float32, logit_bias, and -inf in every row at the ids past the vocabulary
-    limit (embedding rows the tokenizer never produces: never drawn). The limit is data, not a compiled constant, so
-    that the programs do not depend on the tokenizer (a first start compiles them before it has read it).
-    """
+    """Per-request token state on the device, one row per slot plus the neutral last row ([S + 1, V] each). counts:
+    int32, each token's occurrences in the output; flags: int8, PROMPT | BANNED bits; bias: float32, logit_bias, -inf
+    in every row past the vocabulary limit: data, so that the programs do not depend on the tokenizer (a first start
+    compiles them before it has read it)."""
 
     counts: jax.Array
     flags: jax.Array
@@ -93,12 +84,8 @@ class Sampled:
 
 
 def sample(logits, s: SamplingBatch, tables: TokenTables, step, *, ops) -> Sampled:
-    """logits: [B, V] f32 -> Sampled, for the `step`-th step of a multi-step dispatch (0 for one step).
-
-    Logprobs are those of the model's distribution after bias and penalties, before temperature and filters.
-    Tokens past the tables' vocabulary limit are never drawn. ops: nanojax.ops.Ops, which computes the filters' cut
-    and the top logprob tokens.
-    """
+    """logits: [B, V] f32 -> Sampled, for the `step`-th step of a multi-step dispatch. Logprobs: the model's
+    distribution after bias and penalties, before temperature and filters. ops: nanojax.ops.Ops."""
     logits = _adjust(logits, s, tables, step)
     log_norm = jax.nn.logsumexp(logits, axis=-1)
     cut_key, cut_id, top_ids, top_logits = ops.sampling_filters(logits, s, num_top=MAX_LOGPROBS)

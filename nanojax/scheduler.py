@@ -1,6 +1,5 @@
-"""Continuous-batching scheduler with chunked prefill and preemption (plain Python, no JAX).
-
-One engine step::
+"""Continuous-batching scheduler with chunked prefill and preemption (plain Python, no JAX); policy as nano-vllm /
+vLLM v1, a prefill chunk costing whole ``prefill_row``s (docs/perf_notes.md, "Prefill"). One engine step::
 
     chunks = scheduler.schedule(decode_steps=K)
     pending = dispatch(chunks)
@@ -10,8 +9,6 @@ One engine step::
             scheduler.fill(c.seq, tokens, c.num_steps)
             if stop(c.seq):                    # eos / max_tokens / stop string / max_model_len
                 scheduler.finish(c.seq)
-
-Policy as nano-vllm / vLLM v1; a prefill chunk costs whole ``prefill_row``s (docs/perf_notes.md, "Prefill").
 """
 
 from __future__ import annotations
@@ -84,8 +81,7 @@ class Scheduler:
         if config.page_size != page_manager.page_size:
             raise ValueError(f"config.page_size ({config.page_size}) != page_manager.page_size "
                              f"({page_manager.page_size})")
-        self.config = config
-        self.page_manager = page_manager
+        self.config, self.page_manager = config, page_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -108,10 +104,7 @@ class Scheduler:
         """Ends ``seq`` in any state (an abort included), freeing its pages; its committed pages stay cached."""
         if seq.status is SequenceStatus.FINISHED:
             return
-        if seq.status is SequenceStatus.RUNNING:
-            self.running.remove(seq)
-        else:
-            self.waiting.remove(seq)
+        (self.running if seq.status is SequenceStatus.RUNNING else self.waiting).remove(seq)
         self.page_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
 
@@ -120,8 +113,6 @@ class Scheduler:
 
     def schedule(self, decode_steps: int = 1) -> list[ScheduledChunk]:
         """The work of one engine step, [] only when nothing is unfinished; decode_steps apply to pure-decode steps."""
-        if decode_steps < 1:
-            raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")
         preemptions_before = self.num_preemptions
         chunks = self._schedule_decodes()
         chunks += self._schedule_prefills(self._budget_left(chunks))
@@ -214,12 +205,10 @@ class Scheduler:
                 continue
             if seq.status is not SequenceStatus.RUNNING or seq.num_computed_tokens != c.start:
                 raise RuntimeError(f"stale chunk for sequence {seq.seq_id}: {c} vs {seq!r}")
+            seq.num_computed_tokens = c.end + c.num_steps - 1 if c.sample else c.end
             if c.sample:
-                seq.num_computed_tokens = c.start + c.num_tokens + c.num_steps - 1
                 seq.token_ids += [PLACEHOLDER] * c.num_steps
                 seq.num_pending += c.num_steps
-            else:
-                seq.num_computed_tokens = c.start + c.num_tokens
             self.page_manager.commit(seq)
 
     def fill(self, seq: Sequence, tokens: list[int], num_steps: int) -> None:

@@ -14,6 +14,8 @@ import math
 import os
 import re
 import secrets
+import socket
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -24,7 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from convert.cache import MODEL_NAME
-from nanojax.config import EngineConfig
+from nanojax.config import EngineConfig, speculative_option
 from nanojax.engine_io import RequestOutput, RequestStream
 from nanojax.engine_process import EngineProcess, freeze_startup_heap
 from nanojax.front import EngineStats
@@ -49,13 +51,13 @@ class ServerLimits:
     stall_timeout_s: float = 60.0
 
 
-class RequestError(Exception):
+class RequestError(HTTPException):
     """A request the server refuses, answered in OpenAI's error shape."""
 
     def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
                  code: str | None = None):
-        super().__init__(message)
-        self.status, self.body = status, error_body(message, kind, param, code)
+        super().__init__(status, message)
+        self.body = error_body(message, kind, param, code)
 
 
 # ----- requests to engine inputs -----
@@ -69,8 +71,7 @@ def _param_of(message: str, prompt_field: str, renames: dict[str, str]) -> str |
         return "stop"
     if message.startswith(_PROMPT_ERRORS):
         return prompt_field
-    word = re.match(r"[a-z_]+", message)
-    word = word.group() if word else ""
+    word = re.match(r"[a-z_]*", message).group()
     return renames.get(word, word) if word in _SAMPLING_FIELDS else None
 
 
@@ -96,29 +97,17 @@ def _token_text(llm, token_id: int) -> str:
     return llm.tokenizer.decode([token_id]) if llm.tokenizer else f"token_id:{token_id}"
 
 
-# What vLLM sends for a logprob of -inf (or NaN): JSON has no such numbers.
-_NO_LOGPROB = -9999.0
-
-
 def _finite(logprob: float | None) -> float | None:
-    return logprob if logprob is None or math.isfinite(logprob) else _NO_LOGPROB
-
-
-def _entries(event: RequestOutput, start: int) -> list[tuple[int, float | None, dict | None]]:
-    """(token id, its logprob, {id: logprob} of the top N) of the event's tokens from `start` on."""
-    return [(t, lp, top) for t, (lp, top) in zip(event.token_ids[start:], event.logprobs[start:])]
+    # vLLM's -9999.0 for a logprob of -inf (or NaN): JSON has no such numbers
+    return logprob if logprob is None or math.isfinite(logprob) else -9999.0
 
 
 def _completion_logprobs(llm, entries, offset: int) -> dict:
-    tokens, offsets = [], []
-    for token_id, _, _ in entries:
-        tokens.append(_token_text(llm, token_id))
-        offsets.append(offset)
-        offset += len(tokens[-1])
+    tokens = [_token_text(llm, token_id) for token_id, _, _ in entries]
     return {"tokens": tokens, "token_logprobs": [_finite(lp) for _, lp, _ in entries],
             "top_logprobs": [None if top is None else {_token_text(llm, t): _finite(v) for t, v in top.items()}
                              for _, _, top in entries],
-            "text_offset": offsets}
+            "text_offset": list(itertools.accumulate(map(len, tokens), initial=offset))[:-1]}
 
 
 def _chat_logprobs(llm, entries) -> dict:
@@ -142,9 +131,8 @@ class _Response:
                  arrival: float):
         self.llm, self.chat, self.body, self.prompts, self.echo, self.arrival = llm, chat, body, prompts, echo, arrival
         self.logprobs = bool(body.logprobs) if chat else body.logprobs is not None
-        kind = "chatcmpl" if chat else "cmpl"
-        self.head = {"id": f"{kind}-{_ID_PREFIX}{next(_response_numbers):08x}", "created": int(time.time()),
-                     "model": model}
+        self.head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{_ID_PREFIX}{next(_response_numbers):08x}",
+                     "created": int(time.time()), "model": model}
         chunk_head = {**self.head, "object": "chat.completion.chunk" if chat else "text_completion"}
         self.chunk_head = f"data: {_json(chunk_head)[:-1]},\"choices\":"  # encoded once
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -162,7 +150,8 @@ class _Response:
         start = self.sent.get(i, 0) if streamed else 0
         self.sent[i] = max(start, len(event.token_ids))
         text = event.delta if streamed else event.text
-        entries = _entries(event, start) if self.logprobs else []
+        # (token id, its logprob, {id: logprob} of the top N) per token from `start` on
+        entries = [(t, *lp) for t, lp in zip(event.token_ids[start:], event.logprobs[start:])] if self.logprobs else []
         fields = {"index": i, "finish_reason": event.finish_reason, "logprobs": None}
         if self.body.return_token_ids:
             fields["token_ids"] = event.token_ids[start:]
@@ -252,12 +241,9 @@ class _Guard:
         await self.app(scope, limited_receive, send)
 
 
-async def _refused(_, e: RequestError):
-    return JSONResponse(e.body, status_code=e.status)
-
-
 async def _http_error(_, e: HTTPException):
-    return JSONResponse(error_body(str(e.detail)), status_code=e.status_code)
+    body = e.body if isinstance(e, RequestError) else error_body(str(e.detail))
+    return JSONResponse(body, status_code=e.status_code)
 
 
 async def _unexpected(_, e: Exception):
@@ -285,6 +271,7 @@ class _Server:
 
     def __init__(self, llm, model_name: str, aliases: tuple[str, ...], limits: ServerLimits):
         self.llm, self.model_name, self.limits = llm, model_name, limits
+        self.token_limit = limits.max_tokens or llm.max_model_len
         self.names = {model_name, *aliases}
         self.metrics = ServeMetrics()
         self.started = int(time.time())
@@ -310,8 +297,7 @@ class _Server:
 
     async def tokenized(self, fn, prompt_field: str):
         """engine_call(fn) in the tokenizing pool: for what encodes or decodes text a client sent."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.tokenizing, self.engine_call, fn, prompt_field, {})
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizing, self.engine_call, fn, prompt_field, {})
 
     async def chat_prompt(self, messages) -> list[int]:
         return await self.tokenized(lambda: self.llm.apply_chat_template([m.as_template_input() for m in messages]),
@@ -337,8 +323,7 @@ class _Server:
         ids = await self.chat_prompt(body.messages)
         max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
         if max_tokens is None:  # what is left of the context, within the server's limit
-            token_limit = self.limits.max_tokens or self.llm.max_model_len
-            max_tokens = min(max(1, self.llm.max_model_len - len(ids)), token_limit)
+            max_tokens = min(max(1, self.llm.max_model_len - len(ids)), self.token_limit)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         response = _Response(self.llm, True, body, self.model_name, [ids], [None], arrival)
         return await self.respond(request, response, max_tokens, logprobs)
@@ -369,9 +354,8 @@ class _Server:
     def sampling_params(self, body, max_tokens: int, logprobs: int | None,
                         prompt_logprobs: int | None) -> SamplingParams:
         """SamplingParams from the request's fields; past the server's limits (or a malformed logit_bias): 400."""
-        token_limit = self.limits.max_tokens or self.llm.max_model_len
-        if max_tokens > token_limit:
-            raise RequestError(400, f"max_tokens={max_tokens} is more than this server allows ({token_limit})",
+        if max_tokens > self.token_limit:
+            raise RequestError(400, f"max_tokens={max_tokens} is more than this server allows ({self.token_limit})",
                                "max_tokens")
         if body.n > self.limits.max_n:
             raise RequestError(400, f"n={body.n} is more than this server allows ({self.limits.max_n})", "n")
@@ -483,7 +467,6 @@ def build_app(llm, model_name: str, *, aliases: tuple[str, ...] = (), api_key: s
 
     app = FastAPI(title="nanojax", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.add_middleware(_Guard, max_bytes=limits.max_body_bytes, api_key=api_key)
-    app.add_exception_handler(RequestError, _refused)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(Exception, _unexpected)
@@ -501,14 +484,18 @@ def build_app(llm, model_name: str, *, aliases: tuple[str, ...] = (), api_key: s
 
 
 async def _events(stream: RequestStream, response: _Response, metrics: ServeMetrics):
-    """The stream's events, one list per wakeup of the event loop with the events of each choice merged (a loop
-    behind the engine sends fewer, larger chunks rather than falling further behind); records them as they end."""
+    """The stream's events, one list per wakeup of the event loop, one event per choice in the order they came: its
+    last (which carries all the choice's tokens so far) with the text deltas of all (a loop behind the engine sends
+    fewer, larger chunks rather than falling further behind); records them as they end."""
     last: dict[int, float] = {}  # choice -> when its previous events came
     async for batch in stream.batches():
         now = time.perf_counter()
-        events = _merged(batch, response.choice_index)
-        for event in events:
-            i = response.choice_index(event)
+        by_choice: dict[int, list[RequestOutput]] = {}
+        for event in batch:
+            by_choice.setdefault(response.choice_index(event), []).append(event)
+        events = [same[-1] if len(same) == 1 else dataclasses.replace(same[-1], delta="".join(e.delta for e in same))
+                  for same in by_choice.values()]
+        for i, event in zip(by_choice, events):
             if i in last:
                 metrics.itl.observe(now - last[i])
             last[i] = now
@@ -519,16 +506,6 @@ async def _events(stream: RequestStream, response: _Response, metrics: ServeMetr
                     metrics.prompt_done(len(event.prompt_token_ids), event.num_cached_tokens)
         yield events
     metrics.e2e.observe(time.perf_counter() - response.arrival)  # every choice has ended
-
-
-def _merged(events: list[RequestOutput], choice_index) -> list[RequestOutput]:
-    """One event per choice, in the order they came: its last (an event carries all the choice's tokens so far)
-    with the text deltas of all of them."""
-    by_choice: dict[int, list[RequestOutput]] = {}
-    for event in events:
-        by_choice.setdefault(choice_index(event), []).append(event)
-    return [same[-1] if len(same) == 1 else dataclasses.replace(same[-1], delta="".join(e.delta for e in same))
-            for same in by_choice.values()]
 
 
 async def _sse(events, response: _Response):
@@ -574,9 +551,6 @@ class BackgroundServer:
     """uvicorn serving `app` from a thread of this process on a free port of 127.0.0.1 (tests, benchmarks)."""
 
     def __init__(self, app):
-        import socket
-        import threading
-
         import uvicorn
 
         with socket.socket() as s:
@@ -633,6 +607,9 @@ def parse_args(argv=None):
                    help="fp8: the projections' weights in FP8 (E4M3), quantized at load (default: as the checkpoint)")
     p.add_argument("--tensor-parallel-size", type=int, default=None,
                    help="split the model over this many GPUs (default: one)")
+    p.add_argument("--speculative-config", type=speculative_option, default=None,
+                   help='speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+                   '"prompt_lookup_min": 1, "prompt_lookup_max": 4}')
     limits = ServerLimits()
     p.add_argument("--max-body-bytes", type=int, default=limits.max_body_bytes)
     p.add_argument("--max-n", type=int, default=limits.max_n)
@@ -648,7 +625,7 @@ def engine_options(args) -> EngineConfig:
     return EngineConfig(dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, num_pages=args.num_pages,
                         decode_steps=args.decode_steps, kernels=args.kernels, quantization=args.quantization,
-                        tensor_parallel_size=args.tensor_parallel_size)
+                        tensor_parallel_size=args.tensor_parallel_size, speculative_config=args.speculative_config)
 
 
 def main(argv=None) -> None:

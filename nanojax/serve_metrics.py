@@ -21,7 +21,7 @@ class ServeMetrics:
         self.cached_tokens = Counter("nanojax_prefix_cache_hit_tokens",
                                      "Prompt tokens whose KV came from the prefix cache", registry=r)
         Gauge("nanojax_prefix_cache_hit_rate", "prefix_cache_hit_tokens / prompt_tokens since start",
-              registry=r).set_function(self._hit_rate)
+              registry=r).set_function(lambda: self._hits / self._queried if self._queried else 0.0)
         self.generation_tokens = Counter("nanojax_generation_tokens", "Tokens generated", registry=r)
         self.finished = Counter("nanojax_requests_finished", "Choices finished, by reason", ["finish_reason"],
                                 registry=r)
@@ -34,9 +34,6 @@ class ServeMetrics:
                              "tokens in one event)", buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("nanojax_request_latency_seconds", "From a request's arrival to its last choice's end",
                              buckets=_LATENCY_BUCKETS, registry=r)
-
-    def _hit_rate(self) -> float:
-        return self._hits / self._queried if self._queried else 0.0
 
     def prompt_done(self, num_prompt_tokens: int, num_cached_tokens: int) -> None:
         self.prompt_tokens.inc(num_prompt_tokens)

@@ -1,15 +1,12 @@
 """Tensor parallelism: one model over the N devices of a 1-D mesh (axis "tp"), Megatron's layout on jax.sharding.
 
-Per layer, the column-parallel projections (qkv, gate|up) are split by heads / intermediate columns and the
-row-parallel ones (o, down) by rows, so each device runs the whole layer on its own heads and columns (the Pallas
-kernels or the jnp references alike, under `shard_map`) and two all-reduces, after o and after down, are its only
-collectives. The fused layouts are re-ordered at load so that a contiguous column split gives device i
-[q_i | k_i | v_i] and [gate_i | up_i]. KV heads are split like the q heads; with fewer KV heads than devices each
-KV head is replicated, so that every device holds the KV head its q heads read (the KV pages have max(Hkv, N)
-heads). The embedding and the LM head are split by vocabulary (padded to a multiple of N with zero rows), and run
-under `shard_map` too: each device looks up the ids it holds (one all-reduce of the rows) and computes the logits of
-its shard (one all-gather of the logits before sampling), so the sampler sees the logits a single device computes.
-Left to XLA's SPMD partitioner, both all-gathered the weights every step (docs/perf_notes.md, "Tensor parallelism").
+Column-parallel projections (qkv, gate|up) are split by heads / columns, row-parallel ones (o, down) by rows, so each
+device runs the whole layer (kernels or references, under `shard_map`) on its own heads, with two all-reduces (after
+o and after down). Fused layouts are re-ordered at load so that device i holds [q_i | k_i | v_i] and [gate_i | up_i];
+with fewer KV heads than devices each is replicated, so that every device holds the KV heads its q heads read (the
+KV pages have max(Hkv, N) heads). The embedding and LM head are split by vocabulary (padded to a multiple of N with
+zero rows) under `shard_map` too: one all-reduce of the looked-up rows, one all-gather of the logits. Left to XLA's
+SPMD partitioner, both all-gathered the weights every step (docs/perf_notes.md, "Tensor parallelism").
 """
 import dataclasses
 import functools
@@ -50,13 +47,13 @@ def split_axis(names: tuple[str, ...], ndim: int) -> int | None:
     return None
 
 
+def _spec(axis: int | None) -> P:
+    return P() if axis is None else P(*([None] * axis), AXIS)
+
+
 def param_specs(params):
     """The PartitionSpec of each leaf of `params` (the whole tree, or one layer's)."""
-    def spec(path, x):
-        axis = split_axis(param_names(path), np.ndim(x))
-        return P() if axis is None else P(*([None] * axis), AXIS)
-
-    return jax.tree_util.tree_map_with_path(spec, params)
+    return jax.tree_util.tree_map_with_path(lambda path, x: _spec(split_axis(param_names(path), np.ndim(x))), params)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,20 +105,15 @@ class TensorParallel:
 
     def ops(self, base: Ops) -> "TensorParallelOps":
         """`base`'s kernels, run per shard."""
-        fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
-        return TensorParallelOps(**fields, plan=self)
+        return TensorParallelOps(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)}, plan=self)
 
-    # ----- placement -----
     def place(self, params, progress: bool = False) -> dict:
-        """Numpy params (nanojax.model's layout) -> params on the mesh, each device given only its slices of each
-        tensor (re-ordered and padded as the module docstring says), one tensor group (top, each layer) at a time.
-        Params this method placed already are kept as they are."""
+        """Numpy params -> params on the mesh, each device given only its (re-ordered, padded) slices, one group (top,
+        each layer) at a time; params this method placed already are kept."""
         top = {k: v for k, v in params.items() if k != "layers"}
-        groups = [("top", top, ()), *((f"layer {i}", lp, ("layers",)) for i, lp in enumerate(params["layers"]))]
-        placed = []
-        for _, group, root in tqdm(groups, desc=f"placing params on {self.size} devices", disable=not progress):
-            placed.append(jax.tree_util.tree_map_with_path(
-                lambda path, x: self._place_leaf(root + param_names(path), x), group))
+        groups = [((), top), *((("layers",), lp) for lp in params["layers"])]
+        placed = [jax.tree_util.tree_map_with_path(lambda path, x: self._place_leaf(root + param_names(path), x), group)
+                  for root, group in tqdm(groups, desc=f"placing params on {self.size} devices", disable=not progress)]
         return {**placed[0], "layers": tuple(placed[1:])}
 
     def layout(self, names: tuple[str, ...], shape: tuple[int, ...]):
@@ -132,8 +124,7 @@ class TensorParallel:
         placed = list(shape)
         if index is not None:
             placed[axis] = len(index)
-        sharding = NamedSharding(self.mesh, P() if axis is None else P(*([None] * axis), AXIS))
-        return tuple(placed), sharding, index
+        return tuple(placed), NamedSharding(self.mesh, _spec(axis)), index
 
     def _place_leaf(self, names: tuple[str, ...], src) -> jax.Array:
         if isinstance(src, jax.Array) and getattr(src.sharding, "mesh", None) == self.mesh:
@@ -180,12 +171,13 @@ class TensorParallel:
         blocks = [columns(q_heads, 0), columns(kv_heads, c.q_size), columns(kv_heads, c.q_size + c.kv_size)]
         return np.concatenate(blocks, axis=1).ravel()
 
-    def create_cache(self, num_pages: int, page_size: int, dtype) -> KVCache:
-        """The KV page pools, each device holding its KV heads' pages."""
+    def create_cache(self, num_pages: int, page_size: int, dtype, tokens: bool = False) -> KVCache:
+        """The KV page pools, each device holding its KV heads' pages (the slots' tokens on every device)."""
         shape = (num_pages, self.kv_heads, page_size, self.config.head_dim)
         zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=NamedSharding(self.mesh, _KV_PAGES))
         layers = range(self.config.num_layers)
-        return KVCache(k=tuple(zeros() for _ in layers), v=tuple(zeros() for _ in layers))
+        return KVCache(k=tuple(zeros() for _ in layers), v=tuple(zeros() for _ in layers), tokens=jax.device_put(
+            jnp.zeros(num_pages * page_size, jnp.int32), self.replicated) if tokens else None)
 
 
 def check_divisible(config: ModelConfig, n: int) -> None:
@@ -219,9 +211,8 @@ class TensorParallelOps(Ops):
     def run_layer(self, layer, x, positions, cos_sin, slots, k_pages, v_pages, batch, config):
         graphdef, state = nnx.split(layer)
 
-        def local(state, x, positions, cos_sin, slots, k_pages, v_pages, batch):
-            return nnx.merge(graphdef, state)(self, x, positions, cos_sin, slots, k_pages, v_pages, batch,
-                                              self.plan.local_config)
+        def local(state, *args):
+            return nnx.merge(graphdef, state)(self, *args, self.plan.local_config)
 
         return jax.shard_map(local, mesh=self.plan.mesh, out_specs=(P(), _KV_PAGES, _KV_PAGES), check_vma=False,
                              in_specs=(param_specs(state), P(), P(), P(), P(), _KV_PAGES, _KV_PAGES, P()))(
@@ -229,8 +220,7 @@ class TensorParallelOps(Ops):
 
     def embed(self, table, ids):
         """Each device looks up the ids in its vocabulary rows (zeros for the others); one all-reduce of the [N, H]
-        rows sums them (exactly: one device's rows are not zero). Sharding the lookup itself, XLA all-gathered the
-        whole table every step (docs/perf_notes.md, "Tensor parallelism")."""
+        rows sums them exactly (one device's rows are not zero)."""
         def local(table, ids):
             rows = table.shape[0]
             local_ids = ids - jax.lax.axis_index(AXIS) * rows
@@ -244,15 +234,12 @@ class TensorParallelOps(Ops):
     def sampling_filters(self, logits, s, *, num_top):
         """Ops.sampling_filters on each device, over the replicated logits (a Pallas kernel is a per-device program:
         XLA cannot partition it)."""
-        def local(logits, s):
-            return Ops.sampling_filters(self, logits, s, num_top=num_top)
-
+        local = functools.partial(Ops.sampling_filters, self, num_top=num_top)
         return jax.shard_map(local, mesh=self.plan.mesh, in_specs=(P(), P()), out_specs=P(), check_vma=False)(
             logits, s)
 
     def vocab_head(self, head, hidden):
-        """Each device's logits over its vocabulary shard, all-gathered (a few KB per row); the vocabulary padding
-        cut off. XLA's own partitioning of the sharded head all-gathered the weights instead."""
+        """Each device's logits over its vocabulary shard, all-gathered (a few KB per row), the padding cut off."""
         graphdef, state = nnx.split(head)
 
         def local(state, hidden):

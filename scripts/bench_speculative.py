@@ -1,0 +1,139 @@
+"""Speculative decoding (n-gram): acceptance on real weights, and speed with speculation off beside it.
+
+    python scripts/bench_speculative.py acceptance            # the default SmolLM2 model, CPU is fine
+    PYTHONPATH=$PWD python3 scripts/bench_speculative.py speed --model qwen3-8b --out $OUT/spec.json   # GPU
+
+acceptance: greedy answers to three kinds of prompt (quoting a given document, editing given code, open chat), with
+speculation off and on: the tokens must be equal; prints the mean tokens a verifying forward gives a row (1 + the
+proposals accepted) and the share of row-forwards that had proposals.
+speed: random bf16 weights built on the device (scripts/configs), two LLMs over the same weights (speculation off and
+on), decode tok/s (the time of max_tokens tokens less that of one) at each batch for: prompts that contain their own
+continuation (a prompt and the first half of its greedy continuation: the second half follows), random prompts
+sampled at temperature 1 (nothing is found: the overhead), and at batch 64. HF transformers' prompt lookup
+(`generate(prompt_lookup_num_tokens=k)`) and plain `generate` on the same weights and prompts are the peer.
+"""
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from nanojax import LLM, SamplingParams  # noqa: E402
+
+DOCUMENT = """The Transformer follows an encoder-decoder structure using stacked self-attention and point-wise, fully
+connected layers for both the encoder and decoder. The encoder is composed of a stack of N = 6 identical layers. Each
+layer has two sub-layers. The first is a multi-head self-attention mechanism, and the second is a simple, position-wise
+fully connected feed-forward network. We employ a residual connection around each of the two sub-layers, followed by
+layer normalization. The decoder is also composed of a stack of N = 6 identical layers. In addition to the two
+sub-layers in each encoder layer, the decoder inserts a third sub-layer, which performs multi-head attention over the
+output of the encoder stack."""
+
+CODE = '''def merge_intervals(intervals):
+    intervals = sorted(intervals, key=lambda pair: pair[0])
+    merged = []
+    for start, end in intervals:
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return merged
+
+
+def total_length(intervals):
+    return sum(end - start for start, end in merge_intervals(intervals))
+'''
+
+PROMPTS = {
+    "quote a document": f"{DOCUMENT}\n\nQuote the text above word for word, then summarize it in one sentence.",
+    "edit code": f"{CODE}\nRewrite this Python code with type hints and a docstring for each function.",
+    "open chat": "What are three good habits for staying healthy? Explain each one.",
+}
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+
+
+def acceptance(args) -> list[dict]:
+    greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    rows = []
+    with LLM(max_num_seqs=1) as plain, LLM(max_num_seqs=1, speculative_config=SPEC) as spec:
+        for kind, text in PROMPTS.items():
+            messages = [{"role": "user", "content": text}]
+            want = plain.chat(messages, greedy, use_tqdm=False)[0]
+            before = spec.speculation_stats()
+            got = spec.chat(messages, greedy, use_tqdm=False)[0]
+            stats = spec.speculation_stats() - before
+            rows.append({"prompt": kind, "tokens": len(got.token_ids), "same_tokens": got.token_ids == want.token_ids,
+                         "tokens_per_verify": stats[2] / max(stats[1], 1),
+                         "forwards": int(stats[0]), "verifying_forwards": int(stats[1])})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def decode_tok_s(llm, prompts, params) -> float:
+    """Decode tokens per second: the time of params.max_tokens tokens less that of one, per token after the first."""
+    first = SamplingParams(**{**params_dict(params), "max_tokens": 1})
+    llm.generate(prompts, params, use_tqdm=False)  # compiled and warm
+    t0 = time.perf_counter()
+    llm.generate(prompts, first, use_tqdm=False)
+    t1 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    t2 = time.perf_counter()
+    return (sum(len(o.token_ids) for o in outs) - len(prompts)) / ((t2 - t1) - (t1 - t0))
+
+
+def params_dict(params: SamplingParams) -> dict:
+    return {name: getattr(params, name) for name in ("temperature", "max_tokens", "ignore_eos", "seed")}
+
+
+def speed(args) -> list[dict]:
+    from random_model import random_params
+
+    loaded = random_params(args.model)
+    vocab = loaded.config.vocab_size
+    kw = dict(dtype="bfloat16", max_model_len=4096, num_pages=args.num_pages, max_num_seqs=64)
+    plain, spec = LLM(loaded, **kw), LLM(loaded, **kw, speculative_config={**SPEC, "num_speculative_tokens": args.k})
+    rng = np.random.default_rng(0)
+    greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    sampled = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, ignore_eos=True, seed=1)
+    rows = []
+    for batch in args.batches:
+        random_prompts = rng.integers(0, vocab, (batch, 64)).tolist()
+        outs = plain.generate(random_prompts, SamplingParams(temperature=0, max_tokens=2 * args.max_tokens,
+                                                             ignore_eos=True), use_tqdm=False)
+        own = [p + o.token_ids[:args.max_tokens] for p, o in zip(random_prompts, outs)]
+        for kind, prompts, params in (("contains its continuation", own, greedy),
+                                      ("random, sampled", random_prompts, sampled)):
+            row = {"batch": batch, "prompts": kind}
+            for name, llm in (("off", plain), ("on", spec)):
+                before = llm.speculation_stats()
+                row[f"{name}_tok_s"] = decode_tok_s(llm, prompts, params)
+                stats = llm.speculation_stats() - before
+                if name == "on":
+                    row["tokens_per_verify"] = stats[2] / max(stats[1], 1)
+                    row["verifying_share"] = stats[1] / max(stats[0] * batch, 1)
+            row["speedup"] = row["on_tok_s"] / row["off_tok_s"]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=["acceptance", "speed"])
+    ap.add_argument("--model", default="qwen3-8b")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--num-pages", type=int, default=4096)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    rows = acceptance(args) if args.mode == "acceptance" else speed(args)
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,180 @@
+"""Speculative decoding: the n-gram proposer against a plain Python lookup, and the engine's tokens with speculation on
+against speculation off and HF."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import TINY, hf_greedy
+from test_page_manager import check_invariants
+
+from nanojax import LLM, SamplingParams
+from nanojax.config import SpeculativeConfig
+from nanojax.speculative import ngram_proposals
+
+
+def lookup(tokens: list[int], k: int, lo: int, hi: int) -> list[int]:
+    """The reference: for n from hi down to lo, the latest earlier occurrence of the last n tokens that some token
+    follows; up to k of the tokens after it."""
+    last = len(tokens) - 1
+    for n in range(min(hi, len(tokens)), lo - 1, -1):
+        suffix = tokens[-n:]
+        for end in range(last - 1, n - 2, -1):
+            if tokens[end - n + 1:end + 1] == suffix:
+                return tokens[end + 1:end + 1 + k]
+    return []
+
+
+@pytest.mark.parametrize("lo,hi,k", [(1, 4, 4), (2, 3, 2), (1, 1, 5), (3, 5, 3)])
+def test_ngram_proposals_match_the_reference(lo, hi, k):
+    rng = np.random.default_rng(lo * 100 + hi * 10 + k)
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=k, prompt_lookup_min=lo, prompt_lookup_max=hi)
+    rows = [rng.integers(0, vocab, n).tolist() for vocab, n in
+            [(3, 1), (3, 2), (4, 17), (2, 40), (50, 30), (5, 64), (7, 3), (3, 63)]]
+    rows.append([5, 6, 7, 8, 5, 6])  # the suffix [5, 6] occurs at the start
+    width = 64
+    hist = np.full((len(rows), width), -1, np.int32)
+    for b, row in enumerate(rows):
+        hist[b, :len(row)] = row
+    base = np.array([len(row) - 1 for row in rows], np.int32)
+    proposals, counts = ngram_proposals(jnp.asarray(hist), jnp.asarray(base), spec)
+    for b, row in enumerate(rows):
+        want = lookup(row, k, lo, hi)
+        assert int(counts[b]) == len(want), (row, want)
+        assert np.asarray(proposals[b, :len(want)]).tolist() == want, (row, want)
+
+
+@pytest.mark.parametrize("bad,field", [
+    (dict(method="eagle"), "method"),
+    (dict(num_speculative_tokens=0), "num_speculative_tokens"),
+    (dict(num_speculative_tokens=65), "num_speculative_tokens"),
+    (dict(prompt_lookup_min=0), "prompt_lookup_min"),
+    (dict(prompt_lookup_min=3, prompt_lookup_max=2), "prompt_lookup_max"),
+    (dict(num_speculative_tokens="4"), "num_speculative_tokens"),
+])
+def test_bad_speculative_configs_name_the_field(bad, field):
+    with pytest.raises(ValueError, match=field):
+        SpeculativeConfig(**{"method": "ngram", **bad})
+
+
+SPEC = dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def repeating_prompts(vocab: int, seed: int = 0) -> list[list[int]]:
+    """Prompts that repeat a span (what n-gram lookup finds), of lengths that are not multiples of the page size."""
+    rng = np.random.default_rng(seed)
+    spans = [rng.integers(0, vocab, n).tolist() for n in (5, 9, 3)]
+    return [spans[0] * 3, spans[1] + rng.integers(0, vocab, 7).tolist() + spans[1], spans[2] * 5 + spans[0],
+            rng.integers(0, vocab, 11).tolist()]
+
+
+@pytest.mark.parametrize("arch", list(TINY))
+def test_greedy_with_speculation_equals_hf(arch, hf_model_dir):
+    folder, model = hf_model_dir(arch)
+    prompts = repeating_prompts(TINY[arch]["vocab_size"])
+    expected = [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts]
+    with LLM(str(folder), dtype="float32", page_size=4, max_model_len=96, speculative_config=SPEC) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
+        forwards, verifying, tokens = llm.speculation_stats()
+        assert verifying > 0 and tokens > verifying  # proposals were checked, and some were accepted
+        assert llm.page_manager.num_free_pages == llm.page_manager.num_pages
+
+
+@pytest.fixture(scope="module")
+def qwen3(hf_model_dir):
+    folder, model = hf_model_dir("qwen3")
+    shared = repeating_prompts(97, seed=3)[0] * 2  # a shared "system prompt" over several pages
+    prompts = repeating_prompts(97, seed=1) + [shared + p for p in repeating_prompts(97, seed=2)[:2]]
+    return str(folder), prompts, [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts]
+
+
+@pytest.mark.parametrize("engine_args", [
+    dict(decode_steps=1),
+    dict(chunk_size=5, max_num_batched_tokens=12, max_num_seqs=4),  # chunked prefill mixed with decodes
+    dict(num_pages=22, max_num_seqs=4),  # a tiny pool: preemption by recompute
+    dict(max_num_seqs=1),  # one at a time: later prompts hit the shared prefix's cached pages
+], ids=["k1", "chunked", "preempt", "serial"])
+def test_greedy_with_speculation_under_every_engine_path(qwen3, engine_args):
+    folder, prompts, expected = qwen3
+    with LLM(folder, dtype="float32", page_size=4, max_model_len=96, speculative_config=SPEC, **engine_args) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
+        if "num_pages" in engine_args:
+            assert llm.scheduler.num_preemptions > 0
+        check_invariants(llm.page_manager)
+        assert llm.page_manager.num_free_pages == llm.page_manager.num_pages
+
+
+def test_sampled_tokens_and_logprobs_are_those_of_speculation_off(qwen3):
+    """Each position draws as the plain decode draws it (same noise, adjustments and counts): seeded sampling with
+    filters, penalties, bias, min_tokens, logprobs and n > 1 gives the same tokens."""
+    folder, prompts, _ = qwen3
+    params = [SamplingParams(temperature=0.8, max_tokens=30, seed=7, logprobs=3, ignore_eos=True),
+              SamplingParams(temperature=1.0, top_k=5, top_p=0.9, max_tokens=20, seed=1, n=2),
+              SamplingParams(temperature=0.7, repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2,
+                             min_tokens=6, logit_bias={3: 2.0, 4: -5.0}, max_tokens=25, seed=2, logprobs=2),
+              SamplingParams(temperature=0, max_tokens=18, frequency_penalty=0.5, ignore_eos=True),
+              SamplingParams(temperature=0.5, min_p=0.1, max_tokens=22, seed=3)]
+    outs = {}
+    for spec in (None, SPEC):
+        with LLM(folder, dtype="float32", page_size=4, max_model_len=96, speculative_config=spec) as llm:
+            outs[spec is None] = llm.generate(prompts[:len(params)], params, use_tqdm=False)
+            if spec:
+                assert llm.speculation_stats()[1] > 0
+    assert len(outs[True]) == len(params) + 1  # n = 2 gives two
+    for off, on in zip(outs[True], outs[False]):
+        assert on.token_ids == off.token_ids
+        np.testing.assert_allclose(np.nan_to_num([lp for lp, _ in on.logprobs or []], neginf=-1e9),
+                                   np.nan_to_num([lp for lp, _ in off.logprobs or []], neginf=-1e9), rtol=1e-4,
+                                   atol=1e-4)
+
+
+def test_sampled_distribution_is_the_models(hf_model_dir):
+    """The third token's frequencies over many seeds against its exact distribution from HF's probabilities (summed
+    over the first two tokens), where the n-gram proposals are often right: a chi-square test."""
+    import torch
+
+    folder, model = hf_model_dir("qwen3")
+    rng = np.random.default_rng(0)
+    body = rng.integers(0, 97, 12).tolist()
+    prompt = body + hf_greedy(model, body, 40)  # a random model's greedy tokens repeat: proposals often right
+    temperature, samples = 0.15, 1500
+
+    def probs(seqs):
+        with torch.no_grad():
+            logits = model(torch.tensor(seqs)).logits[:, -1].double()
+        return torch.softmax(logits / temperature, -1).numpy()
+
+    p0 = probs([prompt])[0]
+    firsts = [t for t in np.argsort(-p0) if p0[t] > 1e-6]
+    p1 = probs([prompt + [t] for t in firsts])
+    pairs = [(a, b, p0[a] * p1[i, b]) for i, a in enumerate(firsts) for b in range(97) if p0[a] * p1[i, b] > 1e-7]
+    p2 = probs([prompt + [a, b] for a, b, _ in pairs])
+    exact = sum(w * p2[i] for i, (_, _, w) in enumerate(pairs))
+    params = [SamplingParams(temperature=temperature, max_tokens=3, seed=s, ignore_eos=True) for s in range(samples)]
+    with LLM(folder, dtype="float32", page_size=4, max_model_len=96, max_num_seqs=16, speculative_config=SPEC,
+             decode_steps=4) as llm:
+        # in waves of the batch, so that the second and third tokens come from decode-only steps, which speculate
+        outs = [o for i in range(0, samples, 16) for o in llm.generate([prompt] * len(params[i:i + 16]),
+                                                                        params[i:i + 16], use_tqdm=False)]
+        forwards, verifying, tokens = llm.speculation_stats()
+    assert tokens - verifying > 20  # third tokens came from a verifying position
+    counts = np.bincount([o.token_ids[2] for o in outs], minlength=97)
+    expected = exact * samples * (1 - 1e-5)
+    big = expected >= 5  # bins with fewer expected samples pooled into one
+    observed = np.append(counts[big], counts[~big].sum())
+    wanted = np.append(expected[big], samples - expected[big].sum())
+    chi2 = float(np.sum((observed - wanted) ** 2 / np.maximum(wanted, 1e-9)))
+    df = len(observed) - 1
+    critical = df * (1 - 2 / (9 * df) + 3.72 * np.sqrt(2 / (9 * df))) ** 3  # Wilson-Hilferty, p = 1e-4
+    assert chi2 < critical, (chi2, critical, observed, wanted)
+
+
+def test_server_and_cli_take_the_speculative_config():
+    from nanojax.generate import parse_args as generate_args
+    from nanojax.serve import engine_options, parse_args as serve_args
+
+    text = '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3}'
+    want = SpeculativeConfig(num_speculative_tokens=5, prompt_lookup_max=3)
+    assert engine_options(serve_args(["--speculative-config", text])).speculative_config == want
+    assert generate_args(["--speculative-config", text, "--prompt", "hi"]).speculative_config == want
+    with pytest.raises(SystemExit):
+        serve_args(["--speculative-config", '{"method": "ngram", "k": 2}'])
