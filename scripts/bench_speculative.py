@@ -8,7 +8,8 @@ speculation off and on: the tokens must be equal; prints the mean tokens a verif
 proposals accepted) and the share of row-forwards that had proposals.
 speed: random bf16 weights built on the device (scripts/configs), two LLMs over the same weights (speculation off and
 on), decode tok/s (the time of max_tokens tokens less that of one) at each batch for: prompts that contain their own
-continuation (a prompt and the first half of its greedy continuation: the second half follows), random prompts
+continuation (P, its greedy continuation G, P again and G's first half: where the model continues as after P, the
+lookup finds the rest), random prompts
 sampled at temperature 1 (nothing is found: the overhead), and at batch 64. HF transformers' prompt lookup
 (`generate(prompt_lookup_num_tokens=k)`) and plain `generate` on the same weights and prompts are the peer.
 """
@@ -60,10 +61,10 @@ def acceptance(args) -> list[dict]:
     rows = []
     with LLM(max_num_seqs=1) as plain, LLM(max_num_seqs=1, speculative_config=SPEC) as spec:
         for kind, text in PROMPTS.items():
-            messages = [{"role": "user", "content": text}]
-            want = plain.chat(messages, greedy, use_tqdm=False)[0]
+            prompt = plain.apply_chat_template([{"role": "user", "content": text}])
+            want = plain.generate([prompt], greedy, use_tqdm=False)[0]
             before = spec.speculation_stats()
-            got = spec.chat(messages, greedy, use_tqdm=False)[0]
+            got = spec.generate([prompt], greedy, use_tqdm=False)[0]
             stats = spec.speculation_stats() - before
             rows.append({"prompt": kind, "tokens": len(got.token_ids), "same_tokens": got.token_ids == want.token_ids,
                          "tokens_per_verify": stats[2] / max(stats[1], 1),
@@ -103,7 +104,10 @@ def speed(args) -> list[dict]:
         random_prompts = rng.integers(0, vocab, (batch, 64)).tolist()
         outs = plain.generate(random_prompts, SamplingParams(temperature=0, max_tokens=2 * args.max_tokens,
                                                              ignore_eos=True), use_tqdm=False)
-        own = [p + o.token_ids[:args.max_tokens] for p, o in zip(random_prompts, outs)]
+        # P + G + P + the first half of G (G: P's greedy continuation): its continuation is G's second half where
+        # the model continues as it did after P, which the lookup finds after the first G's first half
+        half = args.max_tokens
+        own = [p + o.token_ids + p + o.token_ids[:half] for p, o in zip(random_prompts, outs)]
         for kind, prompts, params in (("contains its continuation", own, greedy),
                                       ("random, sampled", random_prompts, sampled)):
             row = {"batch": batch, "prompts": kind}
