@@ -213,3 +213,27 @@ def test_close_gives_the_device_memory_back_and_a_new_llm_the_same_pool():
         gc.collect()
         assert abs(in_use() - base) <= 0.01 * base + (64 << 20), (ending, in_use(), base)
     assert pools[0] == pools[1] and pools[0] > 1000
+
+
+@requires_gpu
+def test_speculative_decoding_gives_hf_greedy_tokens_with_the_kernels():
+    """The verifying forwards (k + 1 query tokens per row through the Pallas kernels) in float32: HF's tokens, with
+    proposals found (prompts that repeat a span) and accepted."""
+    import torch
+
+    hf = random_hf_model("qwen3-0.6b", "float32")
+    rng = np.random.default_rng(1)
+    spans = [rng.integers(0, 10000, n).tolist() for n in (7, 20, 33)]
+    prompts = [spans[0] * 4, spans[1] + spans[2] + spans[1], spans[2] * 2 + spans[0][:3]]
+    with torch.no_grad():
+        expected = [hf.generate(torch.tensor([p], device=hf.device), max_new_tokens=24, min_new_tokens=24,
+                                do_sample=False)[0, len(p):].tolist() for p in prompts]
+    loaded = loaded_model(hf, "float32")
+    del hf
+    spec = {"method": "ngram", "num_speculative_tokens": 4}
+    with LLM(loaded, dtype="float32", kernels="pallas", max_model_len=256, max_num_seqs=4, decode_steps=8,
+             num_pages=128, warmup=False, speculative_config=spec) as llm:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+        assert [o.token_ids for o in outs] == expected
+        forwards, verifying, tokens = llm.speculation_stats()
+        assert verifying > 0 and tokens > verifying
