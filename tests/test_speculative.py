@@ -127,6 +127,7 @@ def test_sampled_tokens_and_logprobs_are_those_of_speculation_off(qwen3):
                                    atol=1e-4)
 
 
+@pytest.mark.long
 def test_sampled_distribution_is_the_models(hf_model_dir):
     """The third token's frequencies over many seeds against its exact distribution from HF's probabilities (summed
     over the first two tokens), where the n-gram proposals are often right: a chi-square test."""
