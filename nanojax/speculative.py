@@ -75,17 +75,17 @@ def speculative_decode(params, cache, tables, tokens, batch: Batch, sampling, ro
                 step = batch.replace(seq_lens=jnp.where(q > 0, base + q, 0), q_lens=q)
                 hidden, cache = forward(params, ids, cache, step, config=config, ops=ops)
                 logits = lm_logits(params, hidden.reshape(b * width, -1), ops).reshape(b, width, -1)
-                return accept(logits, proposals, q, done, cache, tables, out)
+                return cache, *accept(logits, proposals, q, done, tables, out)
             return run
 
-        new_last, produced, cache, tables, out = jax.lax.cond(
+        cache, new_last, produced, tables, out = jax.lax.cond(
             jnp.any(counts > 0), verify(spec.num_speculative_tokens + 1), verify(1), cache, tables, out)
         with_proposals = (counts > 0) & (left > 1)
         stats += jnp.stack([1, jnp.sum(with_proposals), jnp.sum(jnp.where(with_proposals, produced, 0))])
         return jnp.where(produced > 0, new_last, last), done + produced, cache, tables, out, stats
 
-    def accept(logits, proposals, q, done, cache, tables, out):
-        """Draws position by position while the proposals hold -> (last token, tokens drawn, cache, tables, out)."""
+    def accept(logits, proposals, q, done, tables, out):
+        """Draws position by position while the proposals hold -> (last token, tokens drawn, tables, out)."""
         last, produced, alive = jnp.zeros(b, jnp.int32), jnp.zeros(b, jnp.int32), q > 0
         for i in range(logits.shape[1]):
             valid = alive & (i < q)
@@ -97,7 +97,7 @@ def speculative_decode(params, cache, tables, tokens, batch: Batch, sampling, ro
             produced += valid
             if i < proposals.shape[1]:
                 alive = valid & (new.tokens == proposals[:, i])
-        return last, produced, cache, tables, out
+        return last, produced, tables, out
 
     def more(carry):  # each forward gives every row with slots left at least one token
         return jnp.any(carry[1] < jnp.where(batch.q_lens > 0, row_steps, 0))
