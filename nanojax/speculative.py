@@ -34,8 +34,9 @@ def history(cache, batch: Batch, base, last):
 
 def ngram_proposals(hist, base, spec: SpeculativeConfig):
     """hist: [B, W] (`history`), base: [B] the position of each row's last token -> (proposals [B, k], counts [B]):
-    the tokens that followed the latest earlier occurrence of the longest suffix of n tokens (prompt_lookup_min <= n
-    <= prompt_lookup_max) that occurs before, up to k of them; count 0 where none does."""
+    the tokens that followed an earlier occurrence of the longest suffix of n tokens (prompt_lookup_min <= n
+    <= prompt_lookup_max) that occurs before, up to k of them, from the occurrence most followed (up to k), then the
+    latest; count 0 where none does."""
     b, width = hist.shape
     ends = jnp.arange(width)[None, :]  # a candidate occurrence's last position
     run = ends < base[:, None]  # it must be followed by a known token
@@ -45,7 +46,10 @@ def ngram_proposals(hist, base, spec: SpeculativeConfig):
         target = jnp.take_along_axis(hist, jnp.maximum(base - i, 0)[:, None], axis=1)
         run &= (shifted == target) & (base - i >= 0)[:, None] & (ends - i >= 0)
         matched += run
-    score = jnp.where(matched >= spec.prompt_lookup_min, matched * width + ends, -1)  # longest, then latest
+    # longest, then the most followers up to k (in a repeating run the latest occurrence has one), then latest
+    followers = jnp.minimum(base[:, None] - ends, spec.num_speculative_tokens)
+    score = jnp.where(matched >= spec.prompt_lookup_min, (matched * (spec.num_speculative_tokens + 1) + followers)
+                      * width + ends, -1)
     end = jnp.argmax(score, axis=1)
     found = jnp.max(score, axis=1) >= 0
     counts = jnp.where(found, jnp.minimum(spec.num_speculative_tokens, base - end), 0)

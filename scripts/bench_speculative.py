@@ -6,14 +6,17 @@
 acceptance: greedy answers to three kinds of prompt (quoting a given document, editing given code, open chat), with
 speculation off and on: the tokens must be equal; prints the mean tokens a verifying forward gives a row (1 + the
 proposals accepted) and the share of row-forwards that had proposals.
-speed: random bf16 weights built on the device (scripts/configs), two LLMs over the same weights (speculation off and
-on), decode tok/s (the time of max_tokens tokens less that of one) at each batch for: prompts that contain their own
-continuation (P, its greedy continuation G, P again and G's first half: where the model continues as after P, the
-lookup finds the rest), random prompts
-sampled at temperature 1 (nothing is found: the overhead), and at batch 64. HF transformers' prompt lookup
-(`generate(prompt_lookup_num_tokens=k)`) and plain `generate` on the same weights and prompts are the peer.
+speed: a bf16 model of random weights built on the device (scripts/configs) with each layer's output projections
+(o_proj, down_proj) zeroed: its next token depends on the last token only (a bigram model), while a forward reads and
+computes what the full model's does. Two LLMs over the same weights (speculation off and on), decode tok/s (the time of
+max_tokens tokens less that of one) at each batch for: prompts that contain their own continuation (P of --prompt-len
+random tokens, its greedy continuation G, P again and G's first half: the model continues with G's second half, which
+the lookup finds, so every proposal is accepted: the mechanism's ceiling), random prompts sampled at temperature 1
+(nothing is found: the overhead), and at batch 64. The peer, on the same weights and prompts at batch 1: HF
+transformers' `generate` (eager, bf16), plain and with its prompt lookup (`prompt_lookup_num_tokens=k`).
 """
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -89,28 +92,61 @@ def params_dict(params: SamplingParams) -> dict:
     return {name: getattr(params, name) for name in ("temperature", "max_tokens", "ignore_eos", "seed")}
 
 
-def speed(args) -> list[dict]:
-    from random_model import random_params
+def bigram_model(name: str):
+    """(the HF model, nanojax's LoadedModel of the same weights on the device), output projections zeroed."""
+    import jax
+    import torch
+    from random_model import loaded_model, random_hf_model
 
-    loaded = random_params(args.model)
+    hf = random_hf_model(name, torch_dtype="bfloat16")
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    loaded = loaded_model(hf)
+    return hf, dataclasses.replace(loaded, params=jax.device_put(loaded.params))
+
+
+def hf_tok_s(hf, prompt: list[int], max_tokens: int, lookup: int | None) -> float:
+    """HF generate's greedy decode tok/s at batch 1, the time of max_tokens tokens less that of one."""
+    import torch
+
+    ids = torch.tensor([prompt], device=hf.device)
+    sync = torch.cuda.synchronize if hf.device.type == "cuda" else lambda: None
+
+    def run(n):
+        sync()
+        t0 = time.perf_counter()
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                          do_sample=False, pad_token_id=0, prompt_lookup_num_tokens=lookup)
+        sync()
+        return time.perf_counter() - t0, out.shape[1] - len(prompt)
+
+    run(max_tokens)  # warm
+    one, _ = run(1)
+    total, made = run(max_tokens)
+    return (made - 1) / (total - one)
+
+
+def speed(args) -> list[dict]:
+    hf, loaded = bigram_model(args.model)
     vocab = loaded.config.vocab_size
-    kw = dict(dtype="bfloat16", max_model_len=4096, num_pages=args.num_pages, max_num_seqs=64)
+    kw = dict(dtype="bfloat16", max_model_len=4 * args.prompt_len + 6 * args.max_tokens, num_pages=args.num_pages,
+              max_num_seqs=64)
     plain, spec = LLM(loaded, **kw), LLM(loaded, **kw, speculative_config={**SPEC, "num_speculative_tokens": args.k})
     rng = np.random.default_rng(0)
     greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     sampled = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, ignore_eos=True, seed=1)
     rows = []
     for batch in args.batches:
-        random_prompts = rng.integers(0, vocab, (batch, 64)).tolist()
+        random_prompts = rng.integers(0, vocab, (batch, args.prompt_len)).tolist()
         outs = plain.generate(random_prompts, SamplingParams(temperature=0, max_tokens=2 * args.max_tokens,
                                                              ignore_eos=True), use_tqdm=False)
-        # P + G + P + the first half of G (G: P's greedy continuation): its continuation is G's second half where
-        # the model continues as it did after P, which the lookup finds after the first G's first half
         half = args.max_tokens
         own = [p + o.token_ids + p + o.token_ids[:half] for p, o in zip(random_prompts, outs)]
         for kind, prompts, params in (("contains its continuation", own, greedy),
                                       ("random, sampled", random_prompts, sampled)):
-            row = {"batch": batch, "prompts": kind}
+            row = {"batch": batch, "prompts": kind, "context": len(prompts[0]) + args.max_tokens}
             for name, llm in (("off", plain), ("on", spec)):
                 before = llm.speculation_stats()
                 row[f"{name}_tok_s"] = decode_tok_s(llm, prompts, params)
@@ -119,6 +155,9 @@ def speed(args) -> list[dict]:
                     row["tokens_per_verify"] = stats[2] / max(stats[1], 1)
                     row["verifying_share"] = stats[1] / max(stats[0] * batch, 1)
             row["speedup"] = row["on_tok_s"] / row["off_tok_s"]
+            if batch == 1 and kind != "random, sampled":
+                row["hf_tok_s"] = hf_tok_s(hf, prompts[0], args.max_tokens, None)
+                row["hf_lookup_tok_s"] = hf_tok_s(hf, prompts[0], args.max_tokens, args.k)
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
@@ -131,6 +170,7 @@ def main():
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--num-pages", type=int, default=4096)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()

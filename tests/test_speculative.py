@@ -12,14 +12,15 @@ from nanojax.speculative import ngram_proposals
 
 
 def lookup(tokens: list[int], k: int, lo: int, hi: int) -> list[int]:
-    """The reference: for n from hi down to lo, the latest earlier occurrence of the last n tokens that some token
-    follows; up to k of the tokens after it."""
+    """The reference: for n from hi down to lo, among the earlier occurrences of the last n tokens that some token
+    follows, the one most tokens follow (up to k), the latest of those; up to k of the tokens after it."""
     last = len(tokens) - 1
     for n in range(min(hi, len(tokens)), lo - 1, -1):
         suffix = tokens[-n:]
-        for end in range(last - 1, n - 2, -1):
-            if tokens[end - n + 1:end + 1] == suffix:
-                return tokens[end + 1:end + 1 + k]
+        ends = [end for end in range(last - 1, n - 2, -1) if tokens[end - n + 1:end + 1] == suffix]
+        if ends:
+            end = max(ends, key=lambda e: (min(last - e, k), e))
+            return tokens[end + 1:end + 1 + k]
     return []
 
 
@@ -30,6 +31,7 @@ def test_ngram_proposals_match_the_reference(lo, hi, k):
     rows = [rng.integers(0, vocab, n).tolist() for vocab, n in
             [(3, 1), (3, 2), (4, 17), (2, 40), (50, 30), (5, 64), (7, 3), (3, 63)]]
     rows.append([5, 6, 7, 8, 5, 6])  # the suffix [5, 6] occurs at the start
+    rows.append([9] * 7)  # a run: the latest occurrence has one follower, an earlier one k
     width = 64
     hist = np.full((len(rows), width), -1, np.int32)
     for b, row in enumerate(rows):
