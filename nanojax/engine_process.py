@@ -1,9 +1,7 @@
-"""An `LLM` in a child process (vLLM's layout), driven from the server's process through LLM's request surface.
-
-In one process the server's HTTP work and the engine loop take turns on one GIL, and the GPU waits whenever the loop
-waits (docs/perf_notes.md, "Serving"). Requests go down a pipe and each step's events come back in one message.
-Requests are checked on this side too (`RequestFront`), so that a bad one fails at once in the caller's thread.
-"""
+"""An `LLM` in a child process (vLLM's layout): in one process the server's HTTP work and the engine loop take turns on
+one GIL, the GPU waiting whenever the loop waits (docs/perf_notes.md, "Serving"). Requests go down a pipe, each step's
+events come back in one message; they are checked on this side too (`RequestFront`): a bad one fails in the caller."""
+import contextlib
 import dataclasses
 import gc
 import itertools
@@ -64,12 +62,11 @@ class EngineProcess(RequestFront):
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
 
-    def stats(self, timeout: float = 10.0) -> EngineStats:
-        return self.call(LLM.stats, timeout=timeout)
+    def stats(self) -> EngineStats:
+        return self.call(LLM.stats, timeout=10.0)
 
     def call(self, fn, *args, timeout: float | None = None):
-        """fn(llm, *args) run in the child's command thread -> its result (its exception raised here); fn and the
-        arguments must be picklable (benchmarks run offline generates this way)."""
+        """fn(llm, *args) run in the child's command thread -> its result, or its exception raised here (picklable)."""
         token, reply = next(self._ids), Future()
         with self._lock:
             self._replies[token] = reply
@@ -79,10 +76,8 @@ class EngineProcess(RequestFront):
     def close(self) -> None:
         """Stops the child (its requests end); idempotent."""
         if self._process.is_alive():
-            try:
+            with contextlib.suppress(RuntimeError):  # (it has gone already)
                 self._send(("stop",))
-            except (OSError, RuntimeError):
-                pass
             self._process.join(30)
         if self._process.is_alive():
             self._process.kill()
@@ -193,11 +188,11 @@ class _Outbox:
         self.flush()
 
 
+@dataclasses.dataclass
 class _Sink:
     """Stands in for a RequestStream in the child: the LLM's events for one request go to the outbox."""
-
-    def __init__(self, request_id: str, out: _Outbox):
-        self.request_id, self.out = request_id, out
+    request_id: str
+    out: _Outbox
 
     def expect(self, choices: int) -> None:
         pass

@@ -14,13 +14,13 @@ import math
 import os
 import re
 import secrets
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from fastapi import APIRouter, FastAPI, Request
+import uvicorn
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
@@ -67,8 +67,6 @@ _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
 def _param_of(message: str, prompt_field: str, renames: dict[str, str]) -> str | None:
     """The request field a ValueError of SamplingParams or the engine is about (their messages start with it)."""
-    if message.startswith("stop strings"):
-        return "stop"
     if message.startswith(_PROMPT_ERRORS):
         return prompt_field
     word = re.match(r"[a-z_]*", message).group()
@@ -363,8 +361,6 @@ class _Server:
             bias = {int(t): b for t, b in (body.logit_bias or {}).items()}
         except ValueError:
             raise RequestError(400, "logit_bias keys must be token ids (integers as strings)", "logit_bias") from None
-        if any(not -100 <= b <= 100 for b in bias.values()):
-            raise RequestError(400, "logit_bias values must be in [-100, 100]", "logit_bias")
         # Body fields named as SamplingParams fields go through as given (SamplingParams checks them); these differ.
         given = {name: getattr(body, name) for name in _SAMPLING_FIELDS if getattr(body, name, None) is not None}
         return SamplingParams(**{**given, "top_k": 0 if body.top_k == -1 else body.top_k, "max_tokens": max_tokens,
@@ -470,12 +466,10 @@ def build_app(llm, model_name: str, *, aliases: tuple[str, ...] = (), api_key: s
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(Exception, _unexpected)
-    v1 = APIRouter(prefix="/v1")
-    v1.post("/completions")(server.completions)
-    v1.post("/chat/completions")(server.chat_completions)
-    v1.get("/models")(server.models)
-    v1.get("/models/{model:path}")(server.model)
-    app.include_router(v1)
+    app.post("/v1/completions")(server.completions)
+    app.post("/v1/chat/completions")(server.chat_completions)
+    app.get("/v1/models")(server.models)
+    app.get("/v1/models/{model:path}")(server.model)
     app.get("/health")(server.health)
     app.get("/metrics")(server.prometheus)
     app.post("/tokenize")(server.tokenize)
@@ -484,9 +478,8 @@ def build_app(llm, model_name: str, *, aliases: tuple[str, ...] = (), api_key: s
 
 
 async def _events(stream: RequestStream, response: _Response, metrics: ServeMetrics):
-    """The stream's events, one list per wakeup of the event loop, one event per choice in the order they came: its
-    last (which carries all the choice's tokens so far) with the text deltas of all (a loop behind the engine sends
-    fewer, larger chunks rather than falling further behind); records them as they end."""
+    """The stream's events, a list per wakeup, one event per choice: its last with the text deltas of all (a loop
+    behind the engine sends fewer, larger chunks rather than falling further behind); records them as they end."""
     last: dict[int, float] = {}  # choice -> when its previous events came
     async for batch in stream.batches():
         now = time.perf_counter()
@@ -551,19 +544,14 @@ class BackgroundServer:
     """uvicorn serving `app` from a thread of this process on a free port of 127.0.0.1 (tests, benchmarks)."""
 
     def __init__(self, app):
-        import uvicorn
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, name="nanojax-serve", daemon=True)
         self.thread.start()
         while not self.server.started:
             if not self.thread.is_alive():
                 raise RuntimeError("the server did not start")
             time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.server.servers[0].sockets[0].getsockname()[1]}"
 
     def stop(self) -> None:
         self.server.should_exit = True
@@ -594,12 +582,9 @@ def parse_args(argv=None):
                    help="require `Authorization: Bearer KEY` on every route but /health and /metrics (default: "
                    "$NANOJAX_API_KEY)")
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"])
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--num-pages", type=int, default=None)
-    # 8, not LLM's offline 32: shorter bursts give a lower time to first token and inter-token latency, and more
-    # throughput under load (docs/perf_notes.md, "Serving").
+    for flag in ("--max-model-len", "--max-num-seqs", "--max-num-batched-tokens", "--num-pages"):
+        p.add_argument(flag, type=int, default=None)
+    # 8, not LLM's offline 32: lower latencies and more throughput under load (docs/perf_notes.md, "Serving")
     p.add_argument("--decode-steps", type=int, default=8, help="decode steps per dispatch (tokens stream in "
                    "bursts of this many; default 8)")
     p.add_argument("--kernels", default="auto", choices=["auto", "pallas", "reference", "interpret"])
@@ -622,15 +607,12 @@ def parse_args(argv=None):
 
 
 def engine_options(args) -> EngineConfig:
-    return EngineConfig(dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                        max_num_batched_tokens=args.max_num_batched_tokens, num_pages=args.num_pages,
-                        decode_steps=args.decode_steps, kernels=args.kernels, quantization=args.quantization,
-                        tensor_parallel_size=args.tensor_parallel_size, speculative_config=args.speculative_config)
+    """The flags named as EngineConfig's fields."""
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    return EngineConfig(**{name: value for name, value in vars(args).items() if name in fields})
 
 
 def main(argv=None) -> None:
-    import uvicorn
-
     args = parse_args(argv)
     engine = (LLM if args.engine_in_process else EngineProcess)(args.model, config=engine_options(args))
     limits = ServerLimits(args.max_body_bytes, args.max_n, args.max_tokens_limit, args.max_prompts)
