@@ -7,8 +7,7 @@ kernel, chosen by one static, hashable `Ops` value that the compiled steps take.
                     decode with shared prefixes read once (cascade)                pallas_kernels.cascade_attention
     sampling_filters: the kept prefix of top-k / top-p / min-p, top-N logprobs     pallas_kernels.sampling_filters
 
-The references are the kernels' own `*_reference` functions: the HF parity tests run them, the kernel tests compare
-each kernel with its reference.
+The references are the kernels' own `*_reference` functions, which the HF parity tests run.
 """
 import dataclasses
 import functools
@@ -28,10 +27,8 @@ NAMES = ("auto", "reference", "pallas", "interpret")
 # XLA's norm and GEMM kernels by one and stays ahead up to batched decode sizes.
 PALLAS_PROJECTION_MAX_ROWS = 1
 PALLAS_NORMED_PROJECTION_MAX_ROWS = 64
-# FP8 weights take the kernel for one row and a weight of up to this many elements (every projection of Qwen3-0.6B):
-# there a step is latency-bound and the fused norm, activation and residual save kernels. Larger weights and more
-# rows read faster through XLA's dot, which fuses the E4M3 upcast into its operand load; a one-row dot is a reduction
-# fusion, slower than its GEMM on two rows: fewer rows are padded to FP8_XLA_MIN_ROWS (perf_notes, "FP8 weights").
+# FP8 weights take the kernel for one row of a weight up to this many elements (latency-bound steps); the rest go
+# through XLA's dot, fewer rows padded to FP8_XLA_MIN_ROWS to take its GEMM (docs/perf_notes.md, "FP8 weights").
 PALLAS_FP8_MAX_WEIGHT = 8 << 20
 FP8_XLA_MIN_ROWS = 2
 
@@ -80,8 +77,7 @@ class Ops:
         return head(hidden)
 
     def qkv_rope_cache(self, qkv, positions, slots, k_pages, v_pages, cos_sin, q_norm, k_norm, *, eps):
-        """qkv: [N, (Hq + 2 Hkv) D]; positions, slots: [N]; cos_sin: [N, D] or None -> (q [N, Hq, D], k_pages,
-        v_pages)."""
+        """qkv: [N, (Hq + 2 Hkv) D] -> (q [N, Hq, D], k_pages, v_pages); see qkv_rope_cache_reference."""
         kernel = (functools.partial(qkv_rope_cache, interpret=self.interpret) if self.pallas
                   else qkv_rope_cache_reference)
         return kernel(qkv, positions, slots, k_pages, v_pages, cos_sin, q_norm, k_norm, eps=eps)
@@ -98,17 +94,15 @@ class Ops:
         if not self.pallas:
             return paged_attention_reference(q, k_pages, v_pages, page_table, seq_lens, q_lens, scale=scale)
         if q.shape[1] == 1:  # decode: one new token per row (q_lens is 1, or 0 with seq_lens 0 on padding rows)
-            out = paged_decode_attention(q[:, 0], k_pages, v_pages, page_table, seq_lens, scale=scale,
-                                         interpret=self.interpret)
-            return out[:, None]
+            return paged_decode_attention(q[:, 0], k_pages, v_pages, page_table, seq_lens, scale=scale,
+                                          interpret=self.interpret)[:, None]
         return paged_prefill_attention(q, k_pages, v_pages, page_table, seq_lens, q_lens, scale=scale,
                                        interpret=self.interpret)
 
     def sampling_filters(self, logits, s, *, num_top):
         """logits: [B, V] f32; s: nanojax.sampling.SamplingBatch -> (cut_key [B], cut_id [B], top_ids [B, num_top],
-        top_logits [B, num_top]). The reference sorts under a `lax.cond` taken when some row is filtered or wants
-        logprobs; the kernel's rows that need neither return at once (a host branch would make a multi-step dispatch
-        synchronous)."""
+        top_logits [B, num_top]). Rows needing neither filters nor logprobs skip the work on the device: a host
+        branch would make a multi-step dispatch synchronous."""
         args = (logits, s.temperature, s.top_k, s.top_p, s.min_p, s.logprobs)
         if self.pallas:
             return sampling_filters(*args, num_top=num_top, interpret=self.interpret)

@@ -4,8 +4,7 @@ greedy, random, filtered, biased and penalized rows shares one program (docs/per
   array, and a seeded row draws the same numbers whatever shares its batch.
 - logit_bias, penalties and the min_tokens ban read per-request `TokenTables` rows on the device; rows using none of
   them read the shared all-zero row, which stays in L2.
-- Top-k / top-p / min-p and top-N logprobs read a prefix of a row's descending order (`Ops.sampling_filters`: the
-  Pallas kernel's rows without filters or logprobs skip the sort, the jnp reference sorts under a `lax.cond`; no
+- Top-k / top-p / min-p and top-N logprobs read a prefix of a row's descending order (`Ops.sampling_filters`, no
   branch on the host); the draw masks the tokens outside it.
 """
 import flax.struct
@@ -89,8 +88,8 @@ def sample(logits, s: SamplingBatch, tables: TokenTables, step, *, ops) -> Sampl
     logits = _adjust(logits, s, tables, step)
     log_norm = jax.nn.logsumexp(logits, axis=-1)
     cut_key, cut_id, top_ids, top_logits = ops.sampling_filters(logits, s, num_top=MAX_LOGPROBS)
-    noisy = jnp.where(kept(logits, cut_key, cut_id), _scaled(logits, s) + _gumbel(s.seeds, s.counters + step,
-                                                                                   logits.shape[1]), -jnp.inf)
+    noisy = jnp.where(kept(logits, cut_key, cut_id), logits / jnp.maximum(s.temperature, 1e-6)[:, None]
+                      + _gumbel(s.seeds, s.counters + step, logits.shape[1]), -jnp.inf)
     tokens = jnp.argmax(jnp.where(s.temperature[:, None] > 0, noisy, logits), axis=-1).astype(jnp.int32)
     chosen = jnp.take_along_axis(logits, tokens[:, None], axis=1)[:, 0] - log_norm
     return Sampled(tokens, chosen, top_ids, top_logits - log_norm[:, None])
@@ -124,7 +123,3 @@ def _gumbel(seeds, counters, vocab):
     bits = mix(row[:, None] ^ (token * jnp.uint32(0x9E3779B9) + jnp.uint32(0x7F4A7C15)))
     u = ((bits >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))
     return -jnp.log(-jnp.log(u))
-
-
-def _scaled(logits, s: SamplingBatch):
-    return logits / jnp.maximum(s.temperature, 1e-6)[:, None]

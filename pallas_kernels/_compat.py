@@ -12,17 +12,14 @@ load = plgpu.load
 store = plgpu.store
 
 
-def _name_the_triton_dialect_module() -> None:
-    """Puts jaxlib's Triton dialect where MLIR's bindings look on every wrap, instead of walking sys.path in vain
-    (docs/perf_notes.md, "Where the compile goes")."""
-    try:
-        from jaxlib.triton import dialect
-    except ImportError:
-        return
+# jaxlib's Triton dialect where MLIR's bindings look on every wrap, instead of walking sys.path in vain
+# (docs/perf_notes.md, "Where the compile goes").
+try:
+    from jaxlib.triton import dialect
+except ImportError:
+    pass
+else:
     sys.modules.setdefault("jaxlib.mlir.dialects.tt", dialect)
-
-
-_name_the_triton_dialect_module()
 
 # SMs of the GPU the tilings were tuned on.
 H100_SMS = 132

@@ -22,6 +22,7 @@ from pallas_kernels.paged_attention import (
     _paged_attention,
     _query_rows,
     combine_splits_reference,
+    gather_pages,
 )
 from pallas_kernels.paged_attention import _default_config as _decode_config
 
@@ -71,19 +72,12 @@ def cascade_decode_attention_reference(q, k_pages, v_pages, page_table, seq_lens
     batch, num_q_heads, head_dim = q.shape
     _, num_kv_heads, page_size, _ = k_pages.shape
     group = num_q_heads // num_kv_heads
-    ctx = page_table.shape[1] * page_size
-    pos = jnp.arange(ctx)
-
-    def gather(pages, table):  # [..., P] -> [..., Hkv, ctx, D] f32
-        x = jnp.moveaxis(pages[table], -3, -4)
-        return x.reshape(*x.shape[:-3], ctx, head_dim).astype(jnp.float32)
-
-    def heads(x):  # [..., Hq, D] -> [..., Hkv, group, D]
-        return x.reshape(*x.shape[:-2], num_kv_heads, group, head_dim).astype(jnp.float32)
+    pos = jnp.arange(page_table.shape[1] * page_size)
 
     def pieces(queries, table, valid):  # queries [..., Hq, D], table [..., P], valid [..., ctx]
-        k, v = gather(k_pages, table), gather(v_pages, table)
-        o, m, l = _attend_reference(heads(queries), k, v, valid[..., None, :], scale)
+        k, v = gather_pages(k_pages, table), gather_pages(v_pages, table)
+        by_kv_head = queries.reshape(*queries.shape[:-2], num_kv_heads, group, head_dim).astype(jnp.float32)
+        o, m, l = _attend_reference(by_kv_head, k, v, valid[..., None, :], scale)
         return o.reshape(queries.shape), m.reshape(queries.shape[:-1]), l.reshape(queries.shape[:-1])
 
     suffix = pieces(q, page_table, (pos >= kv_starts[:, None]) & (pos < seq_lens[:, None]))  # [B, ...]

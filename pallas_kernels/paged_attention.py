@@ -16,18 +16,19 @@ from jax.experimental import pallas as pl
 from pallas_kernels._compat import check_vector, dot, is_power_of_2, load, num_sms, store, triton_params
 
 
+def gather_pages(pages, table):
+    """pages [num_pages, Hkv, S, D] at table [..., P] -> the references' f32 KV rows [..., Hkv, P * S, D]."""
+    x = jnp.moveaxis(pages[table], -3, -4)
+    return x.reshape(*x.shape[:-3], -1, x.shape[-1]).astype(jnp.float32)
+
+
 def paged_attention_reference(q, k_pages, v_pages, page_table, seq_lens, q_lens, *, scale):
     """Plain jnp, f32 math: q [B, T, Hq, D], page_table [B, P], seq_lens, q_lens [B] -> [B, T, Hq, D] in q.dtype."""
     batch, q_tokens, num_q_heads, head_dim = q.shape
     _, num_kv_heads, page_size, _ = k_pages.shape
     group = num_q_heads // num_kv_heads
     ctx = page_table.shape[1] * page_size
-
-    def gather(pages):  # -> [B, Hkv, ctx, D]
-        seq_pages = pages[page_table]  # [B, P, Hkv, S, D]
-        return seq_pages.transpose(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, ctx, head_dim).astype(jnp.float32)
-
-    k, v = gather(k_pages), gather(v_pages)
+    k, v = gather_pages(k_pages, page_table), gather_pages(v_pages, page_table)
     qg = q.reshape(batch, q_tokens, num_kv_heads, group, head_dim).astype(jnp.float32)
     scores = jnp.einsum("btgrd,bgkd->bgrtk", qg, k, precision=jax.lax.Precision.HIGHEST) * scale
 
@@ -257,8 +258,7 @@ def _combine_splits(o, m, l, dtype, interpret):
 
 
 def _kv_tiling(config, programs, max_kv_tokens, itemsize):
-    """-> (block_k, k_splits): doubled 2-byte tiles unsplit for long or two-tile tables, else a program per SM
-    (docs/perf_notes.md, "Decode attention: splits and tile sizes")."""
+    """-> (block_k, k_splits) (docs/perf_notes.md, "Decode attention: splits and tile sizes")."""
     if config.k_splits is not None:
         return config.block_k, config.k_splits
     sms = num_sms()

@@ -71,10 +71,9 @@ class QkvRopeCacheConfig:
     num_stages: int = 1  # no loop to pipeline
 
     def __post_init__(self):
-        if not is_power_of_2(self.block_rows):
-            raise ValueError(f"block_rows must be a power of two, got {self.block_rows}")
-        if not is_power_of_2(self.num_warps):
-            raise ValueError(f"num_warps must be a power of two, got {self.num_warps}")
+        for name in ("block_rows", "num_warps"):
+            if not is_power_of_2(getattr(self, name)):
+                raise ValueError(f"{name} must be a power of two, got {getattr(self, name)}")
 
 
 # Decode (N <= 256): latency-bound; small one-warp programs, so that even batch 1 spreads over Hkv programs.
