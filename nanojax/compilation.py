@@ -16,9 +16,44 @@ def compile_all(runner, progress: bool = True, threads: int | None = None,
                 workers: "int | list[compile_workers.Running] | None" = None) -> None:
     """Compiles or loads every program of `runner` now, timed in runner.compile_seconds and worker_seconds. workers:
     how many to spawn (None: compile_workers.WORKERS on a GPU, else none), or those spawned already (`hand_out`)."""
+    start = time.perf_counter()
     spawned = workers if isinstance(workers, list) else []
     try:
-        _compile_all(runner, progress, threads, None if spawned else workers, spawned)
+        todo = runner.missing(runner.programs())
+        keys = program_keys(runner, todo)
+        # Workers handed programs under keys other than this runner's (a runner of another config: LLM's hand-out
+        # from config.json as written, where transformers' defaults differ) are stopped, and as many spawned anew.
+        stale = [w for w in spawned if w.job is not None and any(keys.get(p) != key for p, key in w.job.programs)]
+        for worker in stale:
+            spawned.remove(worker)
+            compile_workers.stop(worker)
+        busy, idle = [w for w in spawned if w.job is not None], [w for w in spawned if w.job is None]
+        if spawned or stale:
+            workers = len(idle) + len(stale)
+        elif workers is None:
+            on_gpu = jax.default_backend() == "gpu"
+            workers = compile_workers.WORKERS if on_gpu and runner.executable_dir and not runner.sharded else 0
+        if (workers or spawned) and not runner.executable_dir:
+            raise ValueError("compile workers store programs in the executable cache: executable_dir is None")
+        if (workers or spawned) and runner.sharded:  # a worker builds the runner again from the params' shapes
+            raise ValueError("compile workers build unsharded runners: not for a tensor-parallel one")
+        in_flight = {p for w in busy for p, _ in w.job.programs}
+        with tqdm(total=len(todo), desc=f"compiling {len(todo)} programs", disable=not progress) as bar:
+            _load(runner, [p for p in todo if p not in in_flight], keys, bar, cached=True)
+            dealt = shares(runner, [p for p in runner.missing(todo) if p not in in_flight], workers + 1)
+            running = busy + [compile_workers.send(idle.pop() if idle else compile_workers.spawn(),
+                                                   _job(runner, share, keys)) for share in dealt[1:] if share]
+            compile_workers.stop_all(idle)  # spawned ahead for programs that were in the cache after all
+            try:
+                lowering = compile_programs(runner, dealt[0], keys, threads, bar)
+            except BaseException:  # an error here, or Ctrl-C: the workers stop too
+                compile_workers.stop_all(running)
+                raise
+            runner.worker_seconds = [t for t in map(compile_workers.wait, running) if t is not None]
+            _load(runner, runner.missing(todo), keys, bar, cached=False)  # the workers'
+            # What a worker did not store (it failed, or could not start) is compiled here.
+            lowering += compile_programs(runner, runner.missing(todo), keys, threads, bar)
+        runner.compile_seconds = {"lowering": lowering, "total": time.perf_counter() - start}
     finally:
         compile_workers.stop_all(spawned)
 
@@ -33,53 +68,8 @@ def hand_out(runner, workers: list) -> None:
             compile_workers.send(worker, _job(runner, share, keys))
 
 
-def _compile_all(runner, progress: bool, threads: int | None, workers: int | None, spawned: list) -> None:
-    start = time.perf_counter()
-    todo = runner.missing(runner.programs())
-    keys = program_keys(runner, todo)
-    # Workers handed programs under keys other than this runner's (a runner of another config: LLM's hand-out
-    # from config.json as written, where transformers' defaults differ) are stopped, and as many spawned anew.
-    stale = [w for w in spawned if w.job is not None and any(keys.get(p) != key for p, key in w.job.programs)]
-    for worker in stale:
-        spawned.remove(worker)
-        compile_workers.stop(worker)
-    busy, idle = [w for w in spawned if w.job is not None], [w for w in spawned if w.job is None]
-    if spawned or stale:
-        workers = len(idle) + len(stale)
-    elif workers is None:
-        on_gpu = jax.default_backend() == "gpu"
-        workers = compile_workers.WORKERS if on_gpu and runner.executable_dir and not runner.sharded else 0
-    if (workers or spawned) and not runner.executable_dir:
-        raise ValueError("compile workers store programs in the executable cache: executable_dir is None")
-    if (workers or spawned) and runner.sharded:  # a worker builds the runner again from the params' shapes
-        raise ValueError("compile workers build unsharded runners: not for a tensor-parallel one")
-    in_flight = {p for w in busy for p, _ in w.job.programs}
-    with tqdm(total=len(todo), desc=f"compiling {len(todo)} programs", disable=not progress) as bar:
-        _load(runner, [p for p in todo if p not in in_flight], keys, bar, cached=True)
-        dealt = shares(runner, [p for p in runner.missing(todo) if p not in in_flight], workers + 1)
-        running = busy + _send(runner, dealt[1:], keys, idle)
-        try:
-            lowering = compile_programs(runner, dealt[0], keys, threads, bar)
-        except BaseException:  # an error here, or Ctrl-C: the workers stop too
-            compile_workers.stop_all(running)
-            raise
-        runner.worker_seconds = [t for t in map(compile_workers.wait, running) if t is not None]
-        _load(runner, runner.missing(todo), keys, bar, cached=False)  # the workers'
-        # What a worker did not store (it failed, or could not start) is compiled here.
-        lowering += compile_programs(runner, runner.missing(todo), keys, threads, bar)
-    runner.compile_seconds = {"lowering": lowering, "total": time.perf_counter() - start}
-
-
 def program_keys(runner, programs) -> dict:
     return {p: executable_cache.program_key(*runner.key_parts(p)) for p in programs}
-
-
-def _send(runner, dealt, keys: dict, idle: list) -> list:
-    """-> the workers sent a non-empty share, from `idle` first; the rest of `idle` is stopped."""
-    running = [compile_workers.send(idle.pop() if idle else compile_workers.spawn(), _job(runner, share, keys))
-               for share in dealt if share]
-    compile_workers.stop_all(idle)  # spawned ahead for programs that were in the cache after all
-    return running
 
 
 def _job(runner, share, keys: dict) -> compile_workers.Job:

@@ -59,22 +59,18 @@ def program_key(*parts) -> str:
 @functools.cache
 def environment() -> str:
     """Hex hash of what makes a stored executable stale: versions, device, flags, nanojax's source."""
+    source = hashlib.blake2b(digest_size=20)
+    for root in (Path(__file__).parent, Path(pallas_kernels.__file__).parent):
+        for path in sorted(root.rglob("*.py")):
+            source.update(f"{root.name}/{path.relative_to(root)}\0".encode())
+            source.update(path.read_bytes())
     device = jax.devices()[0]
     parts = [FORMAT, jax.__version__, jaxlib.__version__, device.platform, device.client.platform_version,
              device.device_kind, jax.device_count(), os.environ.get("XLA_FLAGS", ""),
-             jax.config.jax_enable_x64, jax.config.jax_default_matmul_precision, _source_hash()]
+             jax.config.jax_enable_x64, jax.config.jax_default_matmul_precision, source.hexdigest()]
     if device.platform == "cpu":  # XLA:CPU code targets this host's instruction set; a shared home may move hosts
         parts.append(_cpu_flags())
     return hashlib.blake2b(repr(parts).encode(), digest_size=10).hexdigest()
-
-
-def _source_hash() -> str:
-    h = hashlib.blake2b(digest_size=20)
-    for root in (Path(__file__).parent, Path(pallas_kernels.__file__).parent):
-        for path in sorted(root.rglob("*.py")):
-            h.update(f"{root.name}/{path.relative_to(root)}\0".encode())
-            h.update(path.read_bytes())
-    return h.hexdigest()
 
 
 def _cpu_flags() -> str:

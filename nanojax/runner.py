@@ -1,11 +1,10 @@
 """The compiled steps: embed -> layers -> final norm -> LM head -> sampling in one jit, the KV cache donated.
 
-Two programs per power-of-two row bucket serve every request mix (sampling parameters are data): decode ([B, 1]
-tokens, decode_steps steps per dispatch, each row taking its own number of them) and prefill (prompt chunks packed as
-rows of PREFILL_ROW tokens, each row attending up to its own last token; a mixed step adds max_num_seqs one-token
-decode rows, the weights read once). Prompt logprobs run in a third program, only in steps that want them. Every
-program returns each row's last sampled token on the device, the next dispatch's `prev` (`chained`), so the engine
-can dispatch a step before it has read the previous one back.
+Two programs per power-of-two row bucket serve every request mix (sampling parameters are data): decode (decode_steps
+steps per dispatch, each row taking its own number of them) and prefill (prompt chunks packed as rows of PREFILL_ROW
+tokens; a mixed step adds one-token decode rows). Prompt logprobs run in a third program. Every program returns each
+row's last sampled token on the device, the next dispatch's `prev` (`chained`): the engine dispatches a step before
+it has read the previous one back.
 """
 import dataclasses
 import functools
@@ -35,19 +34,16 @@ SPECULATIVE_MAX_ROWS = 16
 # heads per KV head, so a chunk re-reads its KV no more often packed than unpacked (docs/perf_notes.md, "Prefill").
 PREFILL_ROW = 64
 _STATIC = ("config", "ops")
-# XLA options per program on a GPU (docs/perf_notes.md, "XLA's GEMM options per program"). XLA tunes each GEMM by
-# compiling and timing ~25 candidates, most of an empty-cache start's compile work. From CUBLAS_MIN_ROWS GEMM rows on
-# (a decode's rows; a prefill's tokens and decode rows) cuBLAS is as fast and cheaper to compile; below it the decodes
-# take one Triton tiling (`decode_tiling`), the prefills the cost model's. FP8 weights keep the cost model's tiling for
-# prefills and XLA's tuning for decodes: cuBLAS cannot fuse their dequantizing dots; the tiling was chosen on bf16.
+# XLA options per program on a GPU, instead of XLA's costly GEMM tuning (docs/perf_notes.md, "XLA's GEMM options per
+# program"): cuBLAS from CUBLAS_MIN_ROWS GEMM rows on, below it one Triton tiling for decodes (`decode_tiling`) and the
+# cost model's for prefills; FP8 weights (whose dequantizing dots cuBLAS cannot fuse) keep XLA's tuning for decodes.
 COST_MODEL_TILING = {"xla_gpu_experimental_cost_model_gemm_tiling_default": True}
 CUBLAS_GEMMS = {"xla_gpu_enable_triton_gemm": False}
 CUBLAS_MIN_ROWS = 128
 
 
 def decode_tiling(rows: int) -> dict:
-    """One unprofiled tiling for every Triton GEMM of a `rows`-row decode: 64 output features x 8-32 rows (where XLA's
-    own picks put them) x 128 of the reduction, 3 stages, 4 warps."""
+    """One unprofiled tiling for every Triton GEMM of a `rows`-row decode (8-32 rows: where XLA's picks put them)."""
     tiling = (f"block_m: 64 block_n: {min(max(rows, 8), 32)} block_k: 128 split_k: 1 num_stages: 3 num_warps: 4 "
               "num_ctas: 1")
     return {"xla_gpu_override_gemm_autotuner": tiling}
@@ -66,9 +62,9 @@ def last_tokens(tokens, size: int):
 @functools.partial(jax.jit, static_argnames=(*_STATIC, "hidden_rows"), donate_argnums=(1, 2))
 def prefill_step(params, cache, tables, prev, tokens, batch: Batch, sampling: SamplingBatch, decode=None, *,
                  config, ops, hidden_rows):
-    """tokens: [R, T] -> (Sampled [1, R + D], final hidden states [hidden_rows, T, H] (zeros after R: one shape for
-    prompt_step), last tokens [S], cache, tables). Rows ending mid-prompt sample too, on the neutral slot; the host
-    drops theirs. decode: None, or a mixed step's (tokens [D], sources [D], Batch) of one-token rows, after the R."""
+    """tokens: [R, T] -> (Sampled [1, R + D], hidden states [hidden_rows, T, H] (zeros after R: prompt_step's shape),
+    last tokens [S], cache, tables). decode: None, or a mixed step's (tokens [D], sources [D], Batch) of one-token rows.
+    Rows ending mid-prompt sample too, on the neutral slot; the host drops theirs."""
     if decode is None:
         hidden, cache = forward(params, tokens, cache, batch, config=config, ops=ops)
     else:
@@ -87,9 +83,8 @@ def prefill_step(params, cache, tables, prev, tokens, batch: Batch, sampling: Sa
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def prompt_step(params, tables, hidden, targets, *, config, ops) -> "PromptLogprobs":
     """hidden: [R, T, H], a prefill's; targets: [R, T], the next prompt token where its logprob is wanted, else -1 ->
-    PromptLogprobs [R, T](, MAX_LOGPROBS), unadjusted but for the vocabulary limit, computed only on rows with targets.
-    Its own program: its conditional reads its predicate back on the host, which inside the prefill program held every
-    prefill's dispatch until the GPU was done (docs/perf_notes.md, "Dispatch and host overhead")."""
+    PromptLogprobs [R, T](, MAX_LOGPROBS), only on rows with targets. Its own program: its conditional syncs with the
+    host (docs/perf_notes.md, "Dispatch and host overhead")."""
     def row(args):
         h, target = args
         logits = lm_logits(params, h, ops) + tables.bias[tables.neutral]  # 0, and -inf past the vocabulary limit
@@ -108,10 +103,9 @@ def prompt_step(params, tables, hidden, targets, *, config, ops) -> "PromptLogpr
 @functools.partial(jax.jit, static_argnames=(*_STATIC, "num_steps"), donate_argnums=(1, 2))
 def decode_step(params, cache, tables, prev, tokens, batch: Batch, sampling: SamplingBatch, row_steps, sources, *,
                 config, ops, num_steps):
-    """num_steps decode steps in one dispatch, with no host sync between them. tokens: [B], or from prev [S] where
-    sources [B] >= 0 (`chained`); batch: the first step's; row_steps: [B], the steps row b takes (its KV slots). After
-    them a row writes no KV and counts no token, but still computes (the host drops its tokens). -> (Sampled
-    [num_steps, B], last tokens [S]: row b's step row_steps[b], cache, tables)."""
+    """num_steps decode steps in one dispatch. tokens: [B], or from prev [S] where sources [B] >= 0 (`chained`); batch:
+    the first step's; row_steps: [B], the steps row b takes, after which it writes no KV and counts no token. ->
+    (Sampled [num_steps, B], last tokens [S]: row b's step row_steps[b], cache, tables)."""
     def body(i, carry):
         tokens, cache, tables, seq_lens, out = carry
         active = jnp.where(i < row_steps, batch.q_lens, 0)
@@ -153,7 +147,7 @@ def _last_of(out: Sampled, row_steps, size: int):
 @functools.partial(jax.jit, static_argnames=("step", "layout", "static"), donate_argnums=(1, 2))
 def packed_step(params, cache, tables, prev, packed, *, step, layout, static):
     """step(params, cache, tables, prev, *host_args, **static), the host arguments sent as one byte buffer (`pack`'s):
-    one host-to-device copy per dispatch, not one per array (docs/perf_notes.md, "Dispatch and host overhead")."""
+    one host-to-device copy per dispatch (docs/perf_notes.md, "Dispatch and host overhead")."""
     return step(params, cache, tables, prev, *_unpack(packed, layout), **dict(static))
 
 
@@ -262,13 +256,12 @@ class ModelRunner:
     def __init__(self, config: ModelConfig, engine: EngineConfig, params, *, num_pages: int,
                  vocab_limit: int | None = None, tensor_parallel=None, executable_dir=None):
         tp = tensor_parallel
-        self.config, self.engine, self.executable_dir = config, engine, executable_dir
+        self.config, self.executable_dir = config, executable_dir
         self.vocab_limit = config.vocab_size if vocab_limit is None else vocab_limit
         # What a compile worker needs to build this runner again from the params' shapes (nanojax.compilation).
         self.rebuild_kwargs = dict(engine=engine, num_pages=num_pages)
         self.page_size, self.pages_per_seq, dtype = engine.page_size, engine.pages_per_seq, jnp.dtype(engine.dtype)
-        # Params as ShapeDtypeStructs (a compile worker; keys wanted before the weights are placed): the device state
-        # is shapes too, placed as the params are.
+        # Params as ShapeDtypeStructs (a compile worker, or keys wanted early): the device state is shapes too.
         shapes_only = all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))
         if shapes_only and tp is not None:
             raise ValueError("a tensor-parallel runner needs its params")
@@ -298,8 +291,7 @@ class ModelRunner:
         self.cascade_wave = 2 * -(-num_sms() // local_kv_heads)
         self.cascade_rows = () if rules is None else tuple(b for b in self.decode_rows if b >= rules.min_batch)
         self.cascade_dispatches = self.cascade_saved_tokens = 0  # saved: KV tokens per layer and KV head, all steps
-        # Decode buckets that speculate (above them a verifying forward costs more than its tokens save:
-        # docs/perf_notes.md, "Speculative decoding"), and the sum of their dispatches' stats.
+        # The decode buckets that speculate, and the sum of their dispatches' stats (`speculation_stats`).
         self.spec_rows = () if self.spec is None else tuple(b for b in self.decode_rows if b <= SPECULATIVE_MAX_ROWS)
         self.spec_stats = np.zeros(3, np.int64)
         self._spec_pending: list = []
@@ -330,10 +322,8 @@ class ModelRunner:
     def install(self, p, executable, cached: bool = False) -> None:
         """Keeps program p's executable, counted as compiled or (cached) as loaded from the executable cache."""
         self._compiled[p] = executable
-        if cached:
-            self.loaded += 1
-        else:
-            self.compiles += 1
+        self.loaded += cached
+        self.compiles += not cached
 
     @staticmethod
     def twin(p):
@@ -376,8 +366,7 @@ class ModelRunner:
         return self.trace(p).lower()
 
     def trace(self, p) -> jax.stages.Traced:
-        """Program p traced as it is dispatched: a Program through packed_step (its layout recorded as key_parts
-        does), the others with their arguments as they are."""
+        """Program p traced as it is dispatched: a Program through packed_step (its layout recorded as key_parts's)."""
         fn, args, kw = self._call(p)
         if not isinstance(p, Program):
             return fn.trace(*args, **kw)
@@ -405,7 +394,7 @@ class ModelRunner:
     def _run(self, p: Program, tokens: np.ndarray, table: np.ndarray, seq_lens, q_lens, sampling: dict,
              plan: CascadePlan | None = None, extra: tuple = ()) -> list:
         """extra: a decode's row_steps and sources [B], a prefill's decode segment (or None). -> [Sampled] for a
-        decode, [Sampled, hidden] for a prefill; its last tokens become `last`, the next dispatch's prev."""
+        decode, [Sampled, hidden] for a prefill; `last` becomes its last tokens."""
         packed, layout = pack((tokens, *self._inputs(p, table, seq_lens, q_lens, sampling, plan), *extra))
         program = self._program(p)
         if layout != self._layouts[p]:  # recorded when p was keyed (`key_parts`) or traced
@@ -472,8 +461,7 @@ class ModelRunner:
         return Pending(*outs)
 
     def speculation_stats(self) -> np.ndarray:
-        """[3] int64 since the start: forwards of the speculative decodes, row-forwards that verified proposals, and
-        the tokens those gave (1 + the proposals accepted, each)."""
+        """[3] int64 since the start: speculative forwards, row-forwards verifying proposals, the tokens those gave."""
         for stats in jax.device_get(self._spec_pending):
             self.spec_stats += stats
         self._spec_pending.clear()
@@ -535,8 +523,7 @@ class ModelRunner:
         return self._program("prompt")(self.params, self.tables, hidden, flat.reshape(-1, PREFILL_ROW))
 
     def release(self, keep: frozenset[int] = frozenset()) -> None:
-        """Deletes the device state, the params but those whose buffers are in `keep` (addresses), and the compiled
-        programs: the runner runs nothing after."""
+        """Deletes the device state, the params but those whose buffer addresses are in `keep`, and the programs."""
         arrays = [x for x in jax.tree.leaves((self.cache, self.tables, self.last, self.params))
                   if isinstance(x, jax.Array) and not x.is_deleted()]
         jax.block_until_ready(arrays)  # a step still running holds them: their memory is free once this returns
@@ -576,8 +563,7 @@ class Pending:
         return self._logprobs
 
     def prompt_logprobs(self, last_row: int, num_tokens: int) -> PromptLogprobs:
-        """A prefill chunk's PromptLogprobs, [num_tokens](, MAX_LOGPROBS) numpy: the chunk packed as the rows up to
-        last_row (prefill's (Pending, row)). The step's are fetched once."""
+        """The PromptLogprobs [num_tokens](, MAX_LOGPROBS) of the chunk packed up to row last_row, fetched once."""
         if not isinstance(self._prompt.logprobs, np.ndarray):
             self._prompt = PromptLogprobs(*jax.device_get(tuple(self._prompt)))
         rows = slice(last_row + 1 - -(-num_tokens // PREFILL_ROW), last_row + 1)

@@ -75,7 +75,15 @@ class TensorParallel:
         if jax.process_count() > 1 and size != len(devices):  # every process must hold a share of the model
             raise ValueError(f"tensor_parallel_size={size}: a job of {jax.process_count()} processes splits the "
                              f"model over all its {len(devices)} devices")
-        check_divisible(config, size)
+        if config.num_heads % size:
+            raise ValueError(f"num_heads={config.num_heads} is not divisible by tensor_parallel_size={size}")
+        kv = config.num_kv_heads
+        if (kv >= size and kv % size) or (kv < size and size % kv):
+            raise ValueError(f"num_kv_heads={kv} and tensor_parallel_size={size}: one must divide the other "
+                             "(KV heads are split, or replicated when fewer than the devices)")
+        if config.intermediate_size % size:
+            raise ValueError(f"intermediate_size={config.intermediate_size} is not divisible by "
+                             f"tensor_parallel_size={size}")
         return cls(config, Mesh(np.array(devices[:size]), (AXIS,)))
 
     @property
@@ -86,11 +94,6 @@ class TensorParallel:
     def kv_heads(self) -> int:
         """KV heads of the sharded model: each device holds kv_heads / size of them (replicas when Hkv < size)."""
         return max(self.config.num_kv_heads, self.size)
-
-    @property
-    def vocab(self) -> int:
-        """The vocabulary padded to a multiple of the size."""
-        return -(-self.config.vocab_size // self.size) * self.size
 
     @functools.cached_property
     def local_config(self) -> ModelConfig:
@@ -149,8 +152,9 @@ class TensorParallel:
         """For a split axis of `length`: the source index of each position of the placed axis (-1: zero padding),
         or None where the placed axis is the source axis split in contiguous blocks."""
         c, n = self.config, self.size
-        if names[0] in ("embed", "lm_head"):
-            return np.where(np.arange(self.vocab) < length, np.arange(self.vocab), -1)
+        if names[0] in ("embed", "lm_head"):  # the vocabulary padded to a multiple of n
+            padded = np.arange(-(-c.vocab_size // n) * n)
+            return np.where(padded < length, padded, -1)
         if "qkv" in names:
             return self._qkv_index()
         if "up" in names and c.mlp == "swiglu":  # gate | up: device i gets [gate_i | up_i]
@@ -178,19 +182,6 @@ class TensorParallel:
         layers = range(self.config.num_layers)
         return KVCache(k=tuple(zeros() for _ in layers), v=tuple(zeros() for _ in layers), tokens=jax.device_put(
             jnp.zeros(num_pages * page_size, jnp.int32), self.replicated) if tokens else None)
-
-
-def check_divisible(config: ModelConfig, n: int) -> None:
-    """ValueError naming the first dimension that does not split evenly over n devices."""
-    if config.num_heads % n:
-        raise ValueError(f"num_heads={config.num_heads} is not divisible by tensor_parallel_size={n}")
-    kv = config.num_kv_heads
-    if (kv >= n and kv % n) or (kv < n and n % kv):
-        raise ValueError(f"num_kv_heads={kv} and tensor_parallel_size={n}: one must divide the other "
-                         "(KV heads are split, or replicated when fewer than the devices)")
-    if config.intermediate_size % n:
-        raise ValueError(f"intermediate_size={config.intermediate_size} is not divisible by "
-                         f"tensor_parallel_size={n}")
 
 
 @dataclasses.dataclass(frozen=True)

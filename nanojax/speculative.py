@@ -1,16 +1,13 @@
 """Speculative decoding inside the compiled decode: n-gram proposals from a row's own tokens, checked by one forward
 of the model over the row's last token and its k proposals.
 
-A dispatch still yields exactly row_steps[b] tokens per row, as the plain decode does, in fewer forwards: so the
-scheduler, the pages and the chaining of dispatches are unchanged, and no KV is rolled back (a forward writes only
-within the slots its row was given; a rejected position is overwritten by the next forward, and attention never reads
-past seq_lens).
+A dispatch still yields exactly row_steps[b] tokens per row, as the plain decode does, in fewer forwards: the
+scheduler, the pages and the chaining of dispatches are unchanged, and no KV is rolled back (a rejected position is
+overwritten by the next forward; attention never reads past seq_lens).
 
-Position i of a forward draws its token exactly as the plain decode draws the row's j-th token of the dispatch (the
-same adjustments, token tables counted in order, noise keyed by counter + j), and position i + 1 counts only if that
-token equals proposal i. An n-gram proposal is one token with probability 1, for which this is rejection sampling
-(accept with probability p(x), else draw from p without x) with its draws coupled to the plain decode's: greedy and
-sampled rows get the tokens they get with speculation off.
+Position i of a forward draws its token exactly as the plain decode draws the row's j-th token (the same adjustments,
+tables and noise), and position i + 1 counts only if that token equals proposal i: rejection sampling of a proposal of
+probability 1, its draws coupled to the plain decode's, so rows get the tokens they get with speculation off.
 """
 import jax
 import jax.numpy as jnp
