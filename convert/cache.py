@@ -40,11 +40,6 @@ def default_gguf_path() -> Path:
     return cache_dir() / "gguf" / GGUF_NAME
 
 
-def made_by_nanojax(path: Path) -> bool:
-    """Whether `path` is the default model's GGUF or checkpoint in the cache, which nanojax makes again if deleted."""
-    return path in (default_checkpoint_path().absolute(), default_gguf_path().absolute())
-
-
 def remembered(kind: str, key: bytes, compute: Callable[[], Any]) -> Any:
     """compute()'s JSON value, kept per kind, key and transformers version: it saves importing transformers' auto
     classes, with torch (docs/perf_notes.md, "Transformers and the tokenizer"). An unwritable cache is no error."""
@@ -70,7 +65,9 @@ def temporary_folder(parent: Path, name: str) -> Iterator[Path]:
     """A new folder `.NAME.tmp-HEX` in `parent`, locked while the block runs and removed after it unless
     `move_into_place` renamed it; what killed writers left in `parent` is removed first."""
     parent.mkdir(parents=True, exist_ok=True)
-    _remove_abandoned(parent)
+    for path in parent.glob(f".*{TMP}????????"):
+        if path.is_dir() and _abandoned(path):  # folders only: a destination may lie among the user's own files
+            shutil.rmtree(path, ignore_errors=True)
     tmp = parent / f".{name}{TMP}{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
@@ -92,12 +89,6 @@ def move_into_place(tmp: Path, dst: Path) -> None:
         shutil.rmtree(dst)
     (tmp / WRITER_LOCK).unlink()
     os.replace(tmp, dst)
-
-
-def _remove_abandoned(parent: Path) -> None:
-    for path in parent.glob(f".*{TMP}????????"):
-        if path.is_dir() and _abandoned(path):  # folders only: a destination may lie among the user's own files
-            shutil.rmtree(path, ignore_errors=True)
 
 
 def _abandoned(folder: Path) -> bool:

@@ -59,7 +59,10 @@ class ModelConfig:
         if model_type not in _BUILDERS:
             raise ConfigError(f"unknown architecture: model_type={model_type!r} architectures={archs}; "
                               f"supported model_type values: {sorted(_BUILDERS)}")
-        config = cls(architecture=archs[0] if archs else model_type, **_BUILDERS[model_type](hf), **_token_ids(hf))
+        eos = hf.get("eos_token_id")
+        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+        config = cls(architecture=archs[0] if archs else model_type, **_BUILDERS[model_type](hf),
+                     bos_token_id=hf.get("bos_token_id"), eos_token_ids=eos_ids)
         if config.num_heads % config.num_kv_heads:
             raise ConfigError(f"num_attention_heads={config.num_heads} is not a multiple of "
                               f"num_key_value_heads={config.num_kv_heads}")
@@ -72,12 +75,6 @@ def _get(hf: dict, key: str):
     if key not in hf or hf[key] is None:
         raise ConfigError(f"config field {key!r} is missing (model_type={hf.get('model_type')!r})")
     return hf[key]
-
-
-def _token_ids(hf: dict) -> dict:
-    eos = hf.get("eos_token_id")
-    eos_ids = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
-    return {"bos_token_id": hf.get("bos_token_id"), "eos_token_ids": eos_ids}
 
 
 def _rope(hf: dict) -> dict:

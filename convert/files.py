@@ -2,7 +2,7 @@
 import json
 from pathlib import Path
 
-from convert.cache import made_by_nanojax
+from convert.cache import default_checkpoint_path, default_gguf_path
 from convert.keys import CheckpointError
 
 MANIFEST = "manifest.json"
@@ -27,7 +27,7 @@ def read_json(path: Path) -> dict:
 def recovery(path: Path) -> str:
     """How to get a whole copy of the damaged folder or file `path`."""
     path = Path(path).absolute()
-    if made_by_nanojax(path):
+    if path in (default_checkpoint_path().absolute(), default_gguf_path().absolute()):  # the default model's
         return f"delete {path} and run again: nanojax makes it again"
     if (path / MANIFEST).is_file():
         return f"convert it again: {convert_command(path)}"

@@ -6,6 +6,7 @@ rotates adjacent pairs, HF's the halves of each head); reading undoes that, as t
 scaling comes back from the rope_freqs tensor; scalings in metadata (linear, yarn) are refused, as in config.py.
 """
 import contextlib
+import functools
 import math
 import os
 import struct
@@ -21,8 +22,6 @@ from gguf import GGMLQuantizationType, GGUFValueType
 from convert import gguf_tokenizer
 from convert.files import recovery
 from convert.keys import interleaved_to_halves
-
-__all__ = ["GGUFError", "read_gguf", "tensor_label", "save_gguf_tokenizer", "SUPPORTED_TYPES"]
 
 
 class GGUFError(ValueError):
@@ -384,16 +383,13 @@ def _read_tensor(path: Path, t: gguf.ReaderTensor) -> np.ndarray:
     return dequantize(t.name, t.tensor_type, tuple(int(d) for d in reversed(t.shape)), raw)
 
 
-def _loader(path: Path, t: gguf.ReaderTensor, rope_heads: int | None, head_dim: int) -> Callable[[], np.ndarray]:
+def _load(path: Path, t: gguf.ReaderTensor, rope_heads: int | None, head_dim: int) -> np.ndarray:
     """rope_heads: undo llama.cpp's Q/K row permutation for that many heads."""
-    def load() -> np.ndarray:
-        with _naming(path):
-            array = _read_tensor(path, t)
-        if rope_heads and array.shape[0] == rope_heads * head_dim:  # another shape: keys.py reports it
-            array = interleaved_to_halves(array, rope_heads, head_dim)
-        return array
-
-    return load
+    with _naming(path):
+        array = _read_tensor(path, t)
+    if rope_heads and array.shape[0] == rope_heads * head_dim:  # another shape: keys.py reports it
+        array = interleaved_to_halves(array, rope_heads, head_dim)
+    return array
 
 
 def read_gguf(path: str | os.PathLike) -> tuple[dict, dict[str, Callable[[], np.ndarray]]]:
@@ -414,13 +410,13 @@ def read_gguf(path: str | os.PathLike) -> tuple[dict, dict[str, Callable[[], np.
         if arch == "llama" and name == _ROPE_FREQS:  # in the config now
             continue
         kind = name.split(".")[-2] if arch == "llama" and name.startswith("blk.") else None
-        tensors[hf_name(name) or name] = _loader(path, t, rope_heads.get(kind), cfg["head_dim"])
+        tensors[hf_name(name) or name] = functools.partial(_load, path, t, rope_heads.get(kind), cfg["head_dim"])
     return cfg, tensors
 
 
-def save_gguf_tokenizer(path: str | os.PathLike, dst_dir: str | os.PathLike) -> None:
+def save_gguf_tokenizer(path: str | os.PathLike, dst_dir: str | os.PathLike) -> bool:
     """Writes HF tokenizer files built from the GGUF's metadata into dst_dir, the chat template in
-    tokenizer_config.json."""
+    tokenizer_config.json; True (Source.save_tokenizer's answer: written), a GGUFError if the metadata lacks them."""
     path = Path(path)
     with _naming(path):
         reader = _open(path)
@@ -444,6 +440,7 @@ def save_gguf_tokenizer(path: str | os.PathLike, dst_dir: str | os.PathLike) -> 
     os.makedirs(dst_dir, exist_ok=True)
     # Without save_jinja_files=False, transformers 5 writes the chat template to a chat_template.jinja of its own.
     tok.save_pretrained(os.fspath(dst_dir), save_jinja_files=False)
+    return True
 
 
 def _special_token_ids(reader, vocab_size: int) -> dict[str, int | None]:

@@ -187,10 +187,9 @@ def params_from_parts(parts: Iterator[tuple[str, dict]], num_layers: int) -> dic
     return {**by_name.pop("top"), "layers": tuple(by_name[f"layers/{i}"] for i in range(num_layers))}
 
 
-def hf_to_params(config: ModelConfig, model_type: str, tensors: Mapping[str, Callable[[], np.ndarray]],
-                 dtype, progress: bool = False, label: Callable[[str], str] = repr) -> dict:
+def hf_to_params(config: ModelConfig, model_type: str, tensors: Mapping[str, Callable[[], np.ndarray]], dtype) -> dict:
     """The nanojax params pytree in `dtype` (numpy), from HF name -> loader of the array."""
-    return params_from_parts(param_parts(config, model_type, tensors, dtype, progress, label), config.num_layers)
+    return params_from_parts(param_parts(config, model_type, tensors, dtype), config.num_layers)
 
 
 def _cast(tree, dtype):

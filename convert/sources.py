@@ -1,6 +1,7 @@
 """Where weights come from: an HF folder of safetensors shards, a model id (its snapshot in the HF hub cache), or a
 GGUF file; each gives an HF config dict and HF-named tensors, read when asked for."""
 import dataclasses
+import functools
 import importlib
 import json
 import os
@@ -11,8 +12,15 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from convert.cache import remembered
+from convert.config import ModelConfig
 from convert.files import read_json, recovery
 from convert.keys import CheckpointError
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")  # any one of them
+ALL_TOKENIZER_FILES = (*TOKENIZER_FILES, "special_tokens_map.json", "added_tokens.json", "merges.txt",
+                       "chat_template.jinja")
+# Everything AutoTokenizer reads to pick and build a tokenizer (config.json: the model type, when no class is named).
+_TOKENIZER_INPUTS = (*ALL_TOKENIZER_FILES, "config.json")
 
 
 @dataclasses.dataclass
@@ -46,8 +54,7 @@ def local_path(src: str | os.PathLike) -> Path:
 
 # What a conversion reads from a Hub repository; other weight formats (.bin, .pth, .gguf, ...) are not fetched.
 HUB_FILES = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
-             "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
-             "merges.txt", "tokenizer.model", "chat_template.jinja"]
+             *ALL_TOKENIZER_FILES]
 
 
 def hub_snapshot(model_id: str) -> Path:
@@ -89,17 +96,17 @@ def normalized_hf_config(raw: dict) -> dict:
     return remembered("hf_config", json.dumps(raw, sort_keys=True).encode(), normalize)
 
 
-def config_as_written(folder: Path) -> dict | None:
-    """An HF folder's config.json read without transformers, for work that starts before the normalized config is
-    known and is checked against it; only rope_theta / rope_scaling move into rope_parameters, as transformers 5
-    does. None if unreadable."""
+def config_as_written(folder: Path) -> ModelConfig | None:
+    """The config of an HF folder's config.json read without transformers, for work that starts before the normalized
+    config is known and is checked against it; only rope_theta / rope_scaling move into rope_parameters, as
+    transformers 5 does. None if unreadable or a field ModelConfig reads is left out."""
     try:
         raw = _read_config(folder)
-    except (CheckpointError, OSError, ValueError):
+        if "rope_parameters" not in raw and "rope_theta" in raw:
+            raw["rope_parameters"] = {**(raw.get("rope_scaling") or {}), "rope_theta": raw["rope_theta"]}
+        return ModelConfig.from_hf_config(raw)
+    except (OSError, ValueError, TypeError, KeyError):  # CheckpointError, ConfigError, or a field of another type
         return None
-    if "rope_parameters" not in raw and "rope_theta" in raw:
-        raw["rope_parameters"] = {**(raw.get("rope_scaling") or {}), "rope_theta": raw["rope_theta"]}
-    return raw
 
 
 def _read_config(folder: Path) -> dict:
@@ -135,12 +142,8 @@ def _gguf_source(path: Path) -> Source:
     from convert.gguf_source import read_gguf, save_gguf_tokenizer, tensor_label
 
     cfg, tensors = read_gguf(path)
-
-    def save_tokenizer(dst: Path) -> bool:
-        save_gguf_tokenizer(path, dst)
-        return True
-
-    return Source(str(path), "gguf", normalized_hf_config(cfg), tensors, save_tokenizer, tensor_label)
+    return Source(str(path), "gguf", normalized_hf_config(cfg), tensors, functools.partial(save_gguf_tokenizer, path),
+                  tensor_label)
 
 
 def _safetensors_tensors(shards: list[Path]) -> dict[str, Callable[[], np.ndarray]]:
@@ -156,25 +159,15 @@ def _safetensors_tensors(shards: list[Path]) -> dict[str, Callable[[], np.ndarra
             if name in owner:
                 raise CheckpointError(f"tensor {name!r} appears in both {owner[name].name} and {shard.name}")
             owner[name] = shard
-    return {name: _loader(shard, name) for name, shard in owner.items()}
+    return {name: functools.partial(_read_tensor, shard, name) for name, shard in owner.items()}
 
 
-def _loader(shard: Path, name: str) -> Callable[[], np.ndarray]:
-    def load():
-        try:
-            with safe_open(shard, framework="numpy") as f:
-                return f.get_tensor(name)
-        except (SafetensorError, OSError) as e:
-            raise CheckpointError(f"{shard}: cannot read tensor {name!r} ({e}); {recovery(shard.parent)}") from None
-
-    return load
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")  # any one of them
-ALL_TOKENIZER_FILES = (*TOKENIZER_FILES, "special_tokens_map.json", "added_tokens.json", "merges.txt",
-                       "chat_template.jinja")
-# Everything AutoTokenizer reads to pick and build a tokenizer (config.json: the model type, when no class is named).
-_TOKENIZER_INPUTS = (*ALL_TOKENIZER_FILES, "config.json")
+def _read_tensor(shard: Path, name: str) -> np.ndarray:
+    try:
+        with safe_open(shard, framework="numpy") as f:
+            return f.get_tensor(name)
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{shard}: cannot read tensor {name!r} ({e}); {recovery(shard.parent)}") from None
 
 
 def has_tokenizer_files(folder) -> bool:

@@ -52,7 +52,7 @@ def load_model(model: "str | LoadedModel | None", dtype: str, place=None,
         config, params, _ = load_checkpoint(model)
         return LoadedModel(config, _cast(params, DTYPES[dtype]), *tokenizer)
     path = local_path(model)
-    early = _config_as_written(path) if on_config is not None else None
+    early = config_as_written(path) if on_config is not None else None
     if early is not None:
         on_config(LoadedModel(early, None, None))
     source = open_source(path)
@@ -66,15 +66,6 @@ def load_model(model: "str | LoadedModel | None", dtype: str, place=None,
         on_config(LoadedModel(ModelConfig.from_hf_config(source.hf_config), None, *tokenizer))
     config, params = params_from_source(source, dtype, place=place)
     return LoadedModel(config, params, *tokenizer)
-
-
-def _config_as_written(path) -> ModelConfig | None:
-    """The config of an HF folder's config.json as written; None where a field ModelConfig reads is left out."""
-    written = config_as_written(path) if path.is_dir() else None
-    try:
-        return None if written is None else ModelConfig.from_hf_config(written)
-    except (ValueError, TypeError, KeyError):  # a field missing (ConfigError) or of another type
-        return None
 
 
 def _start_tokenizer(folder) -> tuple:

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from conftest import TINY
 
+from convert.sources import config_as_written
 from nanojax import default_model
-from nanojax.loader import _config_as_written
 
 CONFIGS = Path(__file__).parents[1] / "scripts" / "configs"  # published config.json files of real models
 
@@ -130,7 +130,7 @@ def test_config_as_written_is_the_normalized_one(hf_model_dir, name):
     """config.json as transformers writes it, read without transformers (for the compile workers' early hand-out),
     gives the config of transformers' normalized form."""
     folder, _ = hf_model_dir(name)
-    assert _config_as_written(folder) == _normalized(folder / "config.json")
+    assert config_as_written(folder) == _normalized(folder / "config.json")
 
 
 def test_published_configs_as_written_are_the_normalized_ones(tmp_path):
@@ -140,7 +140,7 @@ def test_published_configs_as_written_are_the_normalized_ones(tmp_path):
     assert published
     for path in published:
         (tmp_path / "config.json").write_text(path.read_text())
-        written = _config_as_written(tmp_path)
+        written = config_as_written(tmp_path)
         assert written == _normalized(path) or written is None and path.name == "tiny-llama.json", path.name
 
 
