@@ -1,5 +1,5 @@
-"""The engine core: one loop thread owns scheduler, pages and runner; other threads reach it through its inbox (`Add`,
-`Abort`, `Call`). Step N+1 is dispatched before step N is read back (its decode rows take their last tokens on the
+"""The engine core: one loop thread owns scheduler, pages and runner; other threads reach it through its inbox (of
+functions it runs). Step N+1 is dispatched before step N is read back (its decode rows take their last tokens on the
 device), so the host checks, detokenizes and streams step N while the GPU runs N+1; a sequence that stops in step N
 wastes its row of N+1."""
 import atexit
@@ -35,23 +35,6 @@ def _stop_loops() -> None:
             thread.join(timeout=30)
 
 
-@dataclasses.dataclass(frozen=True)
-class Add:
-    """Requests' first choices, taken into one step together."""
-    firsts: list[Sequence[Request]]
-
-
-@dataclasses.dataclass(frozen=True)
-class Abort:
-    request_id: str
-
-
-@dataclasses.dataclass(frozen=True)
-class Call:
-    """A function run on the loop's thread (which alone touches scheduler and pages)."""
-    fn: Callable[[], None]
-
-
 class _Step(NamedTuple):
     chunks: list
     pending: dict  # {seq_id: (runner.Pending, row)} of the chunks that sample
@@ -61,16 +44,15 @@ class _Step(NamedTuple):
 
 
 class EngineCore:
-    """The loop over one runner, scheduler and page pool; tokenizer, max_model_len, eos_ids, seed: OutputProcessor's."""
+    """The loop over one runner (its model and engine configs), scheduler and page pool."""
 
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler, page_manager: PageManager, tokenizer,
-                 eos_ids: frozenset[int], vocab_size: int, max_model_len: int, decode_steps: int, max_num_seqs: int,
-                 seed: int):
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, page_manager: PageManager, tokenizer):
         self.runner, self.scheduler, self.page_manager = runner, scheduler, page_manager
-        self.output = OutputProcessor(tokenizer, max_model_len, eos_ids, seed)
-        self.vocab_size, self.decode_steps = vocab_size, decode_steps
-        self._free_slots = list(range(max_num_seqs))
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        engine = runner.engine
+        self.output = OutputProcessor(tokenizer, engine.max_model_len, frozenset(runner.config.eos_token_ids),
+                                      engine.seed)
+        self._free_slots = list(range(engine.max_num_seqs))
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # functions the loop's thread runs
         self._lock = threading.Lock()  # orders the loop's decision to stop against a new request's start
         self._running, self.closed = False, False
         self._thread: threading.Thread | None = None  # the loop's thread, while it runs
@@ -95,14 +77,9 @@ class EngineCore:
         if self.closed:
             return
         self.closed = True  # requests are refused from here on
-        if threading.current_thread() is self._thread:  # an event callback: the loop ends after this turn
-            for request_id in list(self._requests):
-                self._abort(request_id)
-            self._closing.set()
-            return
         self.end(list(self._requests))
         self._closing.set()  # the loop, idle once the aborts are read back, ends at once instead of lingering
-        if self._thread is not None:
+        if self._thread not in (None, threading.current_thread()):  # (an event callback: it ends after this turn)
             self._thread.join()
 
     def end(self, request_ids: list[str]) -> None:
@@ -111,8 +88,7 @@ class EngineCore:
 
     def abort(self, request_id: str) -> None:
         """Ends a request (all its choices) with finish_reason "abort"; its KV pages are freed in the next step."""
-        self._inbox.put(Abort(request_id))
-        self._start()
+        self._post(lambda: self._abort(request_id))
 
     def new_request(self, ids, params, request_id, index, stream, stream_text, pin=False) -> Sequence:
         """A validated request's first choice (OutputProcessor.sequences)."""
@@ -126,18 +102,27 @@ class EngineCore:
 
     def submit(self, firsts: list[Sequence]) -> None:
         """Requests' first choices as one inbox item: the next step sees them all, however fast the loop runs."""
-        self._inbox.put(Add(firsts))
-        self._start()
+        self._post(lambda: self._add(firsts))
 
     def in_loop(self, fn):
         """Runs fn on the loop's thread (the one that touches scheduler and pages); returns or raises its result."""
+        if threading.current_thread() is self._thread:  # (an event callback)
+            return fn()
         future = concurrent.futures.Future()
-        self._inbox.put(Call(lambda: _settle(future, fn)))
-        self._start()
+
+        def settle() -> None:
+            try:
+                future.set_result(fn())
+            except Exception as e:  # noqa: BLE001 -- handed to the caller's thread
+                future.set_exception(e)
+
+        self._post(settle)
         return future.result()
 
-    def _start(self) -> None:
-        """Runs the loop if it is not running (`_engine_loop`, which holds the engine only weakly)."""
+    def _post(self, item: Callable[[], None]) -> None:
+        """Queues item for the loop's thread, and runs the loop if it is not running (`_engine_loop`, which holds the
+        engine only weakly)."""
+        self._inbox.put(item)
         with self._lock:
             if not self._running:
                 self._running, self._turned_at = True, time.monotonic()
@@ -145,12 +130,12 @@ class EngineCore:
                                                 args=(weakref.ref(self), self._inbox, self._closing))
                 self._thread.start()
 
-    def _loop(self, first: tuple | None = None) -> bool:
+    def _loop(self, first: Callable[[], None] | None = None) -> bool:
         """Steps until nothing is left to do (-> True) or the process exits (-> False); first: an inbox item taken."""
         inflight = None  # the step dispatched last, not read back yet
         try:
             if first is not None:
-                self._take(first)
+                first()
             while not _EXITING.is_set():
                 self._turned_at = time.monotonic()
                 self._take_inbox()
@@ -204,27 +189,22 @@ class EngineCore:
 
     def _take_inbox(self) -> None:
         while not self._inbox.empty():  # (the loop alone takes from it)
-            self._take(self._inbox.get_nowait())
+            self._inbox.get_nowait()()
 
-    def _take(self, message: "Add | Abort | Call") -> None:
-        if isinstance(message, Add):
-            for seq in message.firsts:
-                self._requests[seq.request.output.request_id] = [seq, *seq.request.siblings]
-                try:
-                    self.scheduler.add(seq)
-                except ValueError as e:
-                    self._fail([seq], e)
-        elif isinstance(message, Abort):
-            self._abort(message.request_id)
-        else:
-            message.fn()
+    def _add(self, firsts: list[Sequence[Request]]) -> None:
+        for seq in firsts:
+            self._requests[seq.request.output.request_id] = [seq, *seq.request.siblings]
+            try:
+                self.scheduler.add(seq)
+            except ValueError as e:
+                self._fail([seq], e)
 
     def _dispatch(self, inflight: _Step | None = None, after_first_tokens: bool = False) -> _Step | None:
         """Decodes alone in one call of the decode program, else the prefill chunks with the decodes in one forward;
         rows whose last token inflight samples take it on the device. -> None: nothing runs until inflight is read."""
         if not self.scheduler.has_unfinished():
             return None
-        chunks = self.scheduler.schedule(decode_steps=self.decode_steps)
+        chunks = self.scheduler.schedule(decode_steps=self.runner.decode_steps)
         if not chunks:
             if inflight is None:
                 raise RuntimeError("the scheduler found nothing to run although requests are unfinished")
@@ -238,7 +218,7 @@ class EngineCore:
                 [c.end for c in decodes], _columns([fields[c.seq.seq_id] for c in decodes])) if decodes else None
         sources = [inflight.pending[c.seq.seq_id][1] if c.seq.num_pending else -1 for c in decodes]
         if not prefills:  # each row's steps (1..decode_steps) in one dispatch of the decode program
-            out = self.runner.decode(*rows, self.decode_steps, [c.num_steps for c in decodes], sources)
+            out = self.runner.decode(*rows, self.runner.decode_steps, [c.num_steps for c in decodes], sources)
             pending, prompt = {c.seq.seq_id: (out, i) for i, c in enumerate(decodes)}, {}
         else:
             targets = [prompt_targets(c) for c in prefills]
@@ -262,19 +242,18 @@ class EngineCore:
             self._release_slot(seq.request)
         fields = {}
         for c in chunks:
+            req: Request = c.seq.request
+            p = req.params
             try:
-                self._assign_slot(c.seq.request)
+                # bias, penalties or min_tokens: a token-table slot, written from the request's tokens so far
+                if (p.logit_bias or p.penalized or p.min_tokens > 0) and req.slot is None:
+                    req.slot = self._free_slots.pop()
+                    self.runner.set_slot(req.slot, *req.table_rows(self.runner.config.vocab_size))
                 if c.sample:
-                    fields[c.seq.seq_id] = c.seq.request.sampling_row(c.seq.num_generated, self.runner.neutral_slot)
+                    fields[c.seq.seq_id] = req.sampling_row(c.seq.num_generated, self.runner.neutral_slot)
             except Exception as e:  # noqa: BLE001 -- this request's error, the step goes on
                 self._fail([c.seq], e)
         return [c for c in chunks if c.seq.status is not SequenceStatus.FINISHED], fields
-
-    def _assign_slot(self, req: Request) -> None:
-        """A request with bias, penalties or min_tokens gets a token-table slot, written from its tokens so far."""
-        if req.needs_tables and req.slot is None:
-            req.slot = self._free_slots.pop()
-            self.runner.set_slot(req.slot, *req.table_rows(self.vocab_size))
 
     def _release_slot(self, req: Request) -> None:
         if req.slot is not None:
@@ -347,13 +326,13 @@ def _engine_loop(ref: "weakref.ref[EngineCore]", inbox: queue.SimpleQueue, closi
     start is paid by the next first token: docs/perf_notes.md, "Serving")."""
     item = None
     while (core := ref()) is not None and core._loop(item):
-        del core
+        del core, item  # (an item may hold the engine)
         item = _next_item(ref, inbox, closing)
         if item is None and ((core := ref()) is None or core._end_if_idle()):
             return
 
 
-def _next_item(ref: "weakref.ref[EngineCore]", inbox: queue.SimpleQueue, closing: threading.Event) -> tuple | None:
+def _next_item(ref: "weakref.ref[EngineCore]", inbox: queue.SimpleQueue, closing: threading.Event):
     """The inbox's next item within LINGER_S; None if none came, at exit, or once the engine is closed or freed."""
     deadline = time.monotonic() + LINGER_S
     while time.monotonic() < deadline and not _EXITING.is_set() and not closing.is_set() and ref() is not None:
@@ -367,10 +346,3 @@ def _next_item(ref: "weakref.ref[EngineCore]", inbox: queue.SimpleQueue, closing
 def _columns(rows: list[dict]) -> dict[str, list]:
     """Rows of sampling fields -> {name: [value per row]}."""
     return {name: [row[name] for row in rows] for name in rows[0]}
-
-
-def _settle(future: concurrent.futures.Future, fn) -> None:
-    try:
-        future.set_result(fn())
-    except Exception as e:  # noqa: BLE001 -- handed to the caller's thread
-        future.set_exception(e)

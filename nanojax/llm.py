@@ -82,9 +82,7 @@ class LLM(RequestFront):
             compilation.compile_all(self.runner, engine.progress, workers=workers or None)
         compiled_at = time.perf_counter()
         self.tokenizer = loaded.resolved().tokenizer  # its load overlapped the steps above
-        self.core = EngineCore(self.runner, self.scheduler, self.page_manager, self.tokenizer,
-                               frozenset(self.config.eos_token_ids), self.config.vocab_size, engine.max_model_len,
-                               engine.decode_steps, engine.max_num_seqs, engine.seed)
+        self.core = EngineCore(self.runner, self.scheduler, self.page_manager, self.tokenizer)
         self._ids = itertools.count()
         # close(), or this LLM collected: the device memory is free when `del llm` (+ gc.collect) returns, before
         # another LLM sizes its pool. Not at exit: the loops stop on their own then (nanojax.engine).

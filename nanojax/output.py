@@ -31,11 +31,6 @@ class Request:
     device_row: dict | None = None  # its sampling fields as the step's dtypes hold them (sampling_row)
     siblings: list[Sequence["Request"]] = dataclasses.field(default_factory=list)  # n > 1: admitted once cached
 
-    @property
-    def needs_tables(self) -> bool:
-        p = self.params
-        return bool(p.logit_bias) or p.penalized or p.min_tokens > 0
-
     def sampling_row(self, generated: int, neutral_slot: int) -> dict:
         """Its row of a step's sampling fields after `generated` tokens (in flight counted); its own fields cast once
         (checked_row: a value that does not fit fails this request alone)."""

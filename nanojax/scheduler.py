@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import numbers
 from collections import deque
-from dataclasses import dataclass
 from typing import Any, Mapping, Sequence as SequenceLike
 
 from .page_manager import PageManager
@@ -31,7 +30,7 @@ class CapacityError(RuntimeError):
         self.seq = seq
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 64  # running sequences (decoding or mid-prefill)
     max_num_batched_tokens: int = 4096  # tokens computed per model forward
@@ -55,7 +54,7 @@ class SchedulerConfig:
                              f"must be >= max_model_len ({self.max_model_len})")
 
 
-@dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(frozen=True, eq=False)
 class ScheduledChunk:
     """Compute ``seq.token_ids[start:start + num_tokens]``, then if ``sample`` (it ends at the last token) sample."""
 
