@@ -256,7 +256,7 @@ class ModelRunner:
     def __init__(self, config: ModelConfig, engine: EngineConfig, params, *, num_pages: int,
                  vocab_limit: int | None = None, tensor_parallel=None, executable_dir=None):
         tp = tensor_parallel
-        self.config, self.executable_dir = config, executable_dir
+        self.config, self.engine, self.executable_dir = config, engine, executable_dir
         self.vocab_limit = config.vocab_size if vocab_limit is None else vocab_limit
         # What a compile worker needs to build this runner again from the params' shapes (nanojax.compilation).
         self.rebuild_kwargs = dict(engine=engine, num_pages=num_pages)
