@@ -78,6 +78,8 @@ class PagedAttentionConfig:
 DECODE_CONFIG = PagedAttentionConfig(block_m=16, block_k=64, k_splits=None, num_warps=4, num_stages=5)
 # Prefill is compute-bound: FlashAttention-2's 128 x 64 tiles.
 PREFILL_CONFIG = PagedAttentionConfig()
+# Up to FEW_TOKENS a row (speculative verification) read as decode does: the KV split over the SMs.
+FEW_TOKENS, FEW_TOKENS_CONFIG = 32, PagedAttentionConfig(block_k=64, k_splits=None, num_warps=4, num_stages=5)
 
 
 def _default_config(config, dtype):
@@ -379,6 +381,6 @@ def paged_prefill_attention(q, k_pages, v_pages, page_table, seq_lens, q_lens, *
                             interpret=False):
     """paged_attention_reference for ragged chunked prefill: q_lens <= T and q_lens <= seq_lens <= P * page_size."""
     _check_inputs(q, k_pages, v_pages, page_table, seq_lens, q_lens)
-    config = config or _default_config(PREFILL_CONFIG, q.dtype)
+    config = config or _default_config(FEW_TOKENS_CONFIG if q.shape[1] <= FEW_TOKENS else PREFILL_CONFIG, q.dtype)
     return _paged_attention(q, k_pages, v_pages, page_table, seq_lens, q_lens, scale=scale, config=config,
                             interpret=interpret)

@@ -8,12 +8,12 @@ speculation off and on: the tokens must be equal; prints the mean tokens a verif
 proposals accepted) and the share of row-forwards that had proposals.
 speed: a bf16 model of random weights built on the device (scripts/configs) with each layer's output projections
 (o_proj, down_proj) zeroed: its next token depends on the last token only (a bigram model), while a forward reads and
-computes what the full model's does. Two LLMs over the same weights (speculation off and on), decode tok/s (the time of
-max_tokens tokens less that of one) at each batch for: prompts that contain their own continuation (P of --prompt-len
-random tokens, its greedy continuation G, P again and G's first half: the model continues with G's second half, which
-the lookup finds, so every proposal is accepted: the mechanism's ceiling), random prompts sampled at temperature 1
-(nothing is found: the overhead), and at batch 64. The peer, on the same weights and prompts at batch 1: HF
-transformers' `generate` (eager, bf16), plain and with its prompt lookup (`prompt_lookup_num_tokens=k`).
+computes what the full model's does. LLMs over the same weights (speculation off, and on at each --k), decode tok/s
+(the time of max_tokens tokens less that of one) at each batch for: prompts that contain their own continuation (P of
+--prompt-len random tokens, its greedy continuation G, P again and G's first half: the model continues with G's second
+half, which the lookup finds, so every proposal is accepted: the mechanism's ceiling), random prompts sampled at
+temperature 1 (nothing is found: the overhead), and at batch 64. The peer, on the same weights and prompts at batch 1:
+HF transformers' `generate` (eager, bf16), plain and with its prompt lookup (`prompt_lookup_num_tokens=k`) at each k.
 """
 import argparse
 import dataclasses
@@ -133,7 +133,8 @@ def speed(args) -> list[dict]:
     vocab = loaded.config.vocab_size
     kw = dict(dtype="bfloat16", max_model_len=4 * args.prompt_len + 6 * args.max_tokens, num_pages=args.num_pages,
               max_num_seqs=64)
-    plain, spec = LLM(loaded, **kw), LLM(loaded, **kw, speculative_config={**SPEC, "num_speculative_tokens": args.k})
+    plain = LLM(loaded, **kw)
+    specs = {k: LLM(loaded, **kw, speculative_config={**SPEC, "num_speculative_tokens": k}) for k in args.k}
     rng = np.random.default_rng(0)
     greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     sampled = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, ignore_eos=True, seed=1)
@@ -146,18 +147,19 @@ def speed(args) -> list[dict]:
         own = [p + o.token_ids + p + o.token_ids[:half] for p, o in zip(random_prompts, outs)]
         for kind, prompts, params in (("contains its continuation", own, greedy),
                                       ("random, sampled", random_prompts, sampled)):
-            row = {"batch": batch, "prompts": kind, "context": len(prompts[0]) + args.max_tokens}
-            for name, llm in (("off", plain), ("on", spec)):
+            row = {"batch": batch, "prompts": kind, "context": len(prompts[0]) + args.max_tokens,
+                   "off_tok_s": decode_tok_s(plain, prompts, params)}
+            for k, llm in specs.items():
                 before = llm.speculation_stats()
-                row[f"{name}_tok_s"] = decode_tok_s(llm, prompts, params)
+                row[f"k{k}_tok_s"] = decode_tok_s(llm, prompts, params)
                 stats = llm.speculation_stats() - before
-                if name == "on":
-                    row["tokens_per_verify"] = stats[2] / max(stats[1], 1)
-                    row["verifying_share"] = stats[1] / max(stats[0] * batch, 1)
-            row["speedup"] = row["on_tok_s"] / row["off_tok_s"]
+                row[f"k{k}_speedup"] = row[f"k{k}_tok_s"] / row["off_tok_s"]
+                row[f"k{k}_tokens_per_verify"] = stats[2] / max(stats[1], 1)
+                row[f"k{k}_verifying_share"] = stats[1] / max(stats[0] * batch, 1)
             if batch == 1 and kind != "random, sampled":
                 row["hf_tok_s"] = hf_tok_s(hf, prompts[0], args.max_tokens, None)
-                row["hf_lookup_tok_s"] = hf_tok_s(hf, prompts[0], args.max_tokens, args.k)
+                for k in args.k:
+                    row[f"hf_lookup_k{k}_tok_s"] = hf_tok_s(hf, prompts[0], args.max_tokens, k)
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
@@ -168,7 +170,7 @@ def main():
     ap.add_argument("mode", choices=["acceptance", "speed"])
     ap.add_argument("--model", default="qwen3-8b")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
-    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--k", type=int, nargs="+", default=[4])
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--num-pages", type=int, default=4096)

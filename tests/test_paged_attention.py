@@ -19,6 +19,7 @@ from pallas_kernels._compat import can_lower_for_cuda
 from pallas_kernels.paged_attention import (
     _MASK,
     DECODE_CONFIG,
+    FEW_TOKENS_CONFIG,
     PREFILL_CONFIG,
     PagedAttentionConfig,
     _combine_splits,
@@ -335,6 +336,15 @@ def test_prefill_head_dim_128_batch_1_no_prefix():
 def test_prefill_k_splits():
     case = prefill_case(8, [(50, 7), (9, 9), (0, 0)], 8, num_q_heads=4, num_kv_heads=1, head_dim=64, page_size=8)
     run_prefill(case, dataclasses.replace(PREFILL_CONFIG, block_m=16, block_k=16, k_splits=3))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_prefill_few_tokens_split_as_decode(dtype):
+    """Verification's shape, a few tokens a row over long tables: the default config splits the KV as decode does."""
+    case = prefill_case(11, [(130, 5), (37, 3), (0, 0), (71, 1)], 5, num_q_heads=8, num_kv_heads=2, head_dim=64,
+                        page_size=16, dtype=dtype)
+    run_prefill(case)
+    run_prefill(case, dataclasses.replace(FEW_TOKENS_CONFIG, block_k=16, k_splits=3))
 
 
 def test_prefill_default_config_bf16():
