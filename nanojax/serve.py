@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import html
 import itertools
 import json
 import math
@@ -22,7 +23,7 @@ from pathlib import Path
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from convert.cache import MODEL_NAME
@@ -203,7 +204,9 @@ class _AbortOnClose(StreamingResponse):
 
 
 # ----- the app -----
-_OPEN_PATHS = ("/health", "/metrics")  # answered without the API key: probes and scrapers do not have it
+# Answered without the API key: probes and scrapers do not have it; the chat page asks for it
+_OPEN_PATHS = ("/", "/health", "/metrics")
+CHAT_PAGE = Path(__file__).parent / "static" / "chat.html"
 
 
 class _Guard:
@@ -470,6 +473,8 @@ def build_app(llm, model_name: str, *, aliases: tuple[str, ...] = (), api_key: s
     app.post("/v1/chat/completions")(server.chat_completions)
     app.get("/v1/models")(server.models)
     app.get("/v1/models/{model:path}")(server.model)
+    page = CHAT_PAGE.read_text().replace("__MODEL__", html.escape(model_name))  # its name without a keyed call
+    app.get("/", response_class=HTMLResponse)(lambda: page)
     app.get("/health")(server.health)
     app.get("/metrics")(server.prometheus)
     app.post("/tokenize")(server.tokenize)
@@ -579,7 +584,7 @@ def parse_args(argv=None):
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes the server)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("NANOJAX_API_KEY"),
-                   help="require `Authorization: Bearer KEY` on every route but /health and /metrics (default: "
+                   help="require `Authorization: Bearer KEY` on every route but /, /health and /metrics (default: "
                    "$NANOJAX_API_KEY)")
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"])
     for flag in ("--max-model-len", "--max-num-seqs", "--max-num-batched-tokens", "--num-pages"):
