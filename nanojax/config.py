@@ -15,18 +15,23 @@ DEFAULT_MODEL_LEN = 4096  # when the model allows more
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding (nanojax.speculative), vLLM's terms: "ngram" proposes the num_speculative_tokens tokens
-    that followed the latest earlier occurrence of the sequence's last n tokens (prompt_lookup_min <= n <=
-    prompt_lookup_max) in its prompt and output."""
+    """Speculative decoding (nanojax.speculative), vLLM's terms. "ngram" proposes the num_speculative_tokens tokens
+    that followed an earlier occurrence of the sequence's last n tokens (prompt_lookup_min <= n <= prompt_lookup_max)
+    in its prompt and output; "draft_model" those that `model` (any model nanojax loads, of the target's vocabulary)
+    decodes greedily."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
+    model: str | None = None
 
     def __post_init__(self):
-        if self.method != "ngram":  # a draft model's method is not built yet
-            raise ValueError(f"speculative_config method must be 'ngram', got {self.method!r}")
+        if self.method not in ("ngram", "draft_model"):
+            raise ValueError(f"speculative_config method must be 'ngram' or 'draft_model', got {self.method!r}")
+        if (self.method == "draft_model") != isinstance(self.model, str):
+            raise ValueError(f"speculative_config model must be the draft model's path or name for method "
+                             f"'draft_model' and unset for 'ngram', got {self.model!r}")
         for name, hi in (("num_speculative_tokens", 16), ("prompt_lookup_min", 16), ("prompt_lookup_max", 16)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= hi:

@@ -9,18 +9,23 @@ from convert.config import ModelConfig
 @flax.struct.dataclass
 class KVCache:
     """k[i], v[i]: layer i's page pool, [num_pages, num_kv_heads, page_size, head_dim]; tokens: None, or the token
-    at each slot [num_pages * page_size] int32 (what speculative decoding looks its n-grams up in)."""
+    at each slot [num_pages * page_size] int32 (what speculative decoding looks its n-grams up in); draft: None, or
+    a draft model's cache over the same pages and slots, its tokens those the draft was fed (-1: none)."""
 
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
     tokens: jax.Array | None = None
+    draft: "KVCache | None" = None
 
     @classmethod
-    def create(cls, config: ModelConfig, num_pages: int, page_size: int, dtype, tokens: bool = False) -> "KVCache":
+    def create(cls, config: ModelConfig, num_pages: int, page_size: int, dtype, tokens: bool = False,
+               draft: ModelConfig | None = None) -> "KVCache":
         shape = (num_pages, config.num_kv_heads, page_size, config.head_dim)
         layers = range(config.num_layers)
         return cls(k=tuple(jnp.zeros(shape, dtype) for _ in layers), v=tuple(jnp.zeros(shape, dtype) for _ in layers),
-                   tokens=jnp.zeros(num_pages * page_size, jnp.int32) if tokens else None)
+                   tokens=jnp.zeros(num_pages * page_size, jnp.int32) if tokens else None,
+                   draft=None if draft is None else cls.create(draft, num_pages, page_size, dtype, True).replace(
+                       tokens=jnp.full(num_pages * page_size, -1, jnp.int32)))
 
     @property
     def num_pages(self) -> int:

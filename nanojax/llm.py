@@ -56,7 +56,9 @@ class LLM(RequestFront):
         _start_workers(workers, first_start)
         spawned_at = workers[0].spawned - start_wall if workers else None  # (compile_all empties the list)
         in_use = _bytes_in_use()  # before the weights: what every start of this build finds
-        hand_out = _HandOut(engine, workers, executable_dir, in_use) if workers and not engine.quantization else None
+        drafted = engine.speculative_config is not None and engine.speculative_config.model is not None
+        hand_out = (_HandOut(engine, workers, executable_dir, in_use) if workers and not engine.quantization
+                    and not drafted else None)
         loaded = load_model(model, engine.dtype, place=None if sharded or engine.quantization else jax.device_put,
                             on_config=hand_out)
         loaded_at = time.perf_counter()
@@ -65,9 +67,12 @@ class LLM(RequestFront):
         # Device buffers the caller handed over (a LoadedModel of device arrays): close() leaves them alone.
         callers_buffers = buffer_addresses(model.params) if isinstance(model, LoadedModel) else frozenset()
         params, tp = _placed(loaded.params, self.config, engine, several)
+        draft = _draft(engine, self.config) if drafted else None
+        if draft is not None:
+            params = {**params, "draft": draft.params}
         kv_heads = self.config.num_kv_heads if tp is None else tp.local_config.num_kv_heads
         num_pages = hand_out.num_pages if hand_out and hand_out.config == self.config else _num_pages(
-            engine, self.config, _bytes(params), kv_heads, in_use)
+            engine, self.config, _bytes(params), kv_heads, in_use, draft and draft.config)
         self.page_manager = PageManager(num_pages, engine.page_size)
         self.limits = EngineLimits(engine.max_model_len, engine.page_size, num_pages, engine.max_num_seqs)
         self.scheduler = Scheduler(SchedulerConfig(
@@ -76,7 +81,7 @@ class LLM(RequestFront):
             page_size=engine.page_size, prefill_row=PREFILL_ROW), self.page_manager)
         self.runner = (DistributedRunner if several else ModelRunner)(
             self.config, engine, params, num_pages=num_pages, tensor_parallel=tp, vocab_limit=loaded.vocab_limit(),
-            executable_dir=executable_dir)
+            executable_dir=executable_dir, draft=draft and draft.config)
         built_at = time.perf_counter()
         if engine.warmup:
             compilation.compile_all(self.runner, engine.progress, workers=workers or None)
@@ -264,13 +269,25 @@ def _placed(params, config, engine: EngineConfig, several: bool):
     return tp.place(params, engine.progress), tp
 
 
-def _num_pages(engine: EngineConfig, config, param_bytes: int, kv_heads: int, in_use: int) -> int:
+def _draft(engine: EngineConfig, config) -> LoadedModel:
+    """Speculative decoding's draft model, on the device, checked against the model's vocabulary."""
+    name = engine.speculative_config.model
+    draft = load_model(name, engine.dtype, place=jax.device_put)
+    if draft.config.vocab_size != config.vocab_size:
+        raise ValueError(f"speculative_config model {name!r} has a vocabulary of {draft.config.vocab_size} tokens and "
+                         f"the model one of {config.vocab_size}: a draft model must share the model's vocabulary")
+    return draft
+
+
+def _num_pages(engine: EngineConfig, config, param_bytes: int, kv_heads: int, in_use: int, draft=None) -> int:
     """num_pages, or what fits in memory_fraction of the device less in_use (before the weights) and param_bytes on one
-    device (the same before and after placing, so every start finds its executables' keys); kv_heads: one device's."""
+    device (the same before and after placing, so every start finds its executables' keys); kv_heads: one device's.
+    draft: a draft model's config, whose KV shares the pages."""
     if engine.num_pages is not None:
         return engine.num_pages
     itemsize = jnp.dtype(engine.dtype).itemsize
-    page_bytes = 2 * config.num_layers * kv_heads * engine.page_size * config.head_dim * itemsize
+    page_bytes = sum(2 * c.num_layers * h * engine.page_size * c.head_dim * itemsize
+                     for c, h in ((config, kv_heads), *(((draft, draft.num_kv_heads),) if draft else ())))
     limit = _device_limit()
     # CPU: no allocator limit to read, keep the pool modest
     budget = limit * engine.memory_fraction - in_use - param_bytes if limit is not None else 2 << 30

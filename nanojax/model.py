@@ -145,7 +145,7 @@ class Decoder(nnx.Module):
         slot_tokens = kv_cache.tokens  # each slot's token, where the cache keeps them (speculative decoding)
         if slot_tokens is not None:
             slot_tokens = slot_tokens.at[jnp.where(slots < 0, slot_tokens.shape[0], slots)].set(ids, mode="drop")
-        cache = KVCache(k=tuple(new_k), v=tuple(new_v), tokens=slot_tokens)
+        cache = kv_cache.replace(k=tuple(new_k), v=tuple(new_v), tokens=slot_tokens)
         if not isinstance(batch, tuple):
             return hidden.reshape(*tokens.shape, -1), cache
         prompt_rows = tokens[0].size

@@ -122,14 +122,14 @@ def decode_step(params, cache, tables, prev, tokens, batch: Batch, sampling: Sam
     return out, _last_of(out, row_steps, prev.shape[0]), cache, tables
 
 
-@functools.partial(jax.jit, static_argnames=(*_STATIC, "num_steps", "spec"), donate_argnums=(1, 2))
+@functools.partial(jax.jit, static_argnames=(*_STATIC, "num_steps", "spec", "draft"), donate_argnums=(1, 2))
 def speculative_decode_step(params, cache, tables, prev, tokens, batch: Batch, sampling: SamplingBatch, row_steps,
-                            sources, *, config, ops, num_steps, spec):
+                            sources, *, config, ops, num_steps, spec, draft):
     """decode_step's contract and tokens in fewer forwards (nanojax.speculative); also returns its stats [3]."""
     tokens = chained(prev, tokens, sources)
     out, cache, tables, stats = speculative_decode(params, cache, tables, tokens, batch, sampling, row_steps,
                                                    _no_samples(num_steps, tokens.shape[0]), config=config, ops=ops,
-                                                   spec=spec)
+                                                   spec=spec, draft=draft)
     return out, stats, _last_of(out, row_steps, prev.shape[0]), cache, tables
 
 
@@ -251,15 +251,19 @@ class Program:
 class ModelRunner:
     """Holds params, the KV cache and the token tables on device, and runs padded steps. vocab_limit: ids from it on
     are never drawn (the tokenizer's length: data in the tables, so that no program depends on it). tensor_parallel:
-    a nanojax.sharding.TensorParallel. executable_dir: where nanojax.compilation keeps the programs (None: nowhere)."""
+    a nanojax.sharding.TensorParallel. executable_dir: where nanojax.compilation keeps the programs (None: nowhere).
+    draft: the draft model's config (speculative "draft_model"), its params under params["draft"]."""
 
     def __init__(self, config: ModelConfig, engine: EngineConfig, params, *, num_pages: int,
-                 vocab_limit: int | None = None, tensor_parallel=None, executable_dir=None):
+                 vocab_limit: int | None = None, tensor_parallel=None, executable_dir=None,
+                 draft: ModelConfig | None = None):
         tp = tensor_parallel
+        if draft is not None and tp is not None:
+            raise ValueError("speculative_config method 'draft_model' runs on one device: no tensor_parallel_size")
         self.config, self.engine, self.executable_dir = config, engine, executable_dir
         self.vocab_limit = config.vocab_size if vocab_limit is None else vocab_limit
         # What a compile worker needs to build this runner again from the params' shapes (nanojax.compilation).
-        self.rebuild_kwargs = dict(engine=engine, num_pages=num_pages)
+        self.rebuild_kwargs = dict(engine=engine, num_pages=num_pages, draft=draft)
         self.page_size, self.pages_per_seq, dtype = engine.page_size, engine.pages_per_seq, jnp.dtype(engine.dtype)
         # Params as ShapeDtypeStructs (a compile worker, or keys wanted early): the device state is shapes too.
         shapes_only = all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))
@@ -272,9 +276,9 @@ class ModelRunner:
         self._inputs_sharding = None if tp is None else tp.replicated  # host inputs: on every device of the mesh
         self.sharded = tp is not None  # not rebuilt from the params' shapes (rebuild_kwargs) by a compile worker
         self.params = params if shapes_only else jax.device_put(params) if tp is None else tp.place(params)
-        self.spec = engine.speculative_config
-        tokens = self.spec is not None  # the cache holds each position's token, for the n-gram lookup
-        self.cache = (build(functools.partial(KVCache.create, config, num_pages, self.page_size, dtype, tokens))
+        self.spec, self.draft = engine.speculative_config, draft
+        tokens = self.spec is not None  # the cache holds each position's token, for the lookup and the draft's
+        self.cache = (build(functools.partial(KVCache.create, config, num_pages, self.page_size, dtype, tokens, draft))
                       if tp is None else tp.create_cache(num_pages, self.page_size, dtype, tokens))
         self.tables = build(lambda: jax.device_put(
             TokenTables.create(engine.max_num_seqs, config.vocab_size, self.vocab_limit), self._inputs_sharding))
@@ -349,7 +353,8 @@ class ModelRunner:
         if p.num_steps:
             rows = jax.ShapeDtypeStruct((b,), jnp.int32)
             if p.speculative:
-                return speculative_decode_step, (*args, rows, rows), {**kw, "num_steps": p.num_steps, "spec": self.spec}
+                return speculative_decode_step, (*args, rows, rows), {**kw, "num_steps": p.num_steps, "spec": self.spec,
+                                                                      "draft": self.draft}
             return decode_step, (*args, rows, rows), {**kw, "num_steps": p.num_steps}
         decode = self._decode_segment(p, [], [], [], []) if p.decode_rows else None
         return prefill_step, (*args, decode), {**kw, "hidden_rows": self.prefill_rows[-1]}

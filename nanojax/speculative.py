@@ -1,5 +1,5 @@
-"""Speculative decoding inside the compiled decode: n-gram proposals from a row's own tokens, checked by one forward
-of the model over the row's last token and its k proposals.
+"""Speculative decoding inside the compiled decode: proposals from n-grams of a row's own tokens or from a draft
+model's greedy decode, checked by one forward of the model over the row's last token and its k proposals.
 
 A dispatch still yields exactly row_steps[b] tokens per row, as the plain decode does, in fewer forwards: the
 scheduler, the pages and the chaining of dispatches are unchanged, and no KV is rolled back (a rejected position is
@@ -8,10 +8,14 @@ overwritten by the next forward; attention never reads past seq_lens).
 Position i of a forward draws its token exactly as the plain decode draws the row's j-th token (the same adjustments,
 tables and noise), and position i + 1 counts only if that token equals proposal i: rejection sampling of a proposal of
 probability 1, its draws coupled to the plain decode's, so rows get the tokens they get with speculation off.
+
+The draft keeps its KV in the target's pages and slots (KVCache.draft), with the token it was fed at each slot: where
+that differs from the target's token (pages new to it, a rejected proposal) the draft is fed again from there.
 """
 import jax
 import jax.numpy as jnp
 
+from convert.config import ModelConfig
 from nanojax.config import SpeculativeConfig
 from nanojax.kv_cache import Batch
 from nanojax.model import forward, lm_logits
@@ -55,8 +59,55 @@ def ngram_proposals(hist, base, spec: SpeculativeConfig):
     return jnp.maximum(proposals, 0), counts
 
 
+# Tokens a draft forward feeds a row that is behind (a prompt, or what plain dispatches decoded); steady state is 1-2.
+CATCH_UP = 64
+
+
+def draft_proposals(params, cache, batch: Batch, hist, base, last, left, k: int, *, draft: ModelConfig, ops):
+    """The draft model's k greedy tokens after `last` -> (proposals [B, k], counts [B], cache). The draft is fed each
+    row's tokens from its first stale slot to `last` (at base), then its own k - 1 tokens (only into the row's slots:
+    those before base + left)."""
+    b, width = hist.shape
+    pos = jnp.arange(width)[None, :]
+    stale = (pos < base[:, None]) & (history(cache.draft, batch, base, last) != hist)
+    start = jnp.where(left > 0, jnp.min(jnp.where(stale, pos, base[:, None]), axis=1), base + 1)
+
+    def next_tokens(ids, step, draft_cache, at):
+        hidden, draft_cache = forward(params["draft"], ids, draft_cache, step, config=draft, ops=ops)
+        hidden = jnp.take_along_axis(hidden, at[:, None, None], axis=1)[:, 0]
+        return jnp.argmax(lm_logits(params["draft"], hidden, ops), axis=-1).astype(jnp.int32), draft_cache
+
+    def feed(tokens_per_row):
+        def run(start, first, draft_cache):
+            q = jnp.clip(base + 1 - start, 0, tokens_per_row)
+            at = jnp.minimum(start[:, None] + jnp.arange(tokens_per_row)[None, :], width - 1)
+            step = batch.replace(seq_lens=jnp.where(q > 0, start + q, 0), q_lens=q)
+            token, draft_cache = next_tokens(jnp.maximum(jnp.take_along_axis(hist, at, axis=1), 0), step,
+                                             draft_cache, jnp.maximum(q - 1, 0))
+            return start + q, jnp.where((q > 0) & (start + q == base + 1), token, first), draft_cache
+        return run
+
+    def catch_up(state):
+        return jax.lax.cond(jnp.max(base + 1 - state[0]) <= 2, feed(2), feed(CATCH_UP), *state)
+
+    state = (start, jnp.zeros(b, jnp.int32), cache.draft)
+    _, first, draft_cache = jax.lax.while_loop(lambda state: jnp.any(state[0] <= base), catch_up, state)
+
+    def propose(i, state):
+        proposals, draft_cache = state
+        q = (i < left).astype(jnp.int32)
+        step = batch.replace(seq_lens=jnp.where(q > 0, base + i + 1, 0), q_lens=q)
+        ids = jax.lax.dynamic_slice_in_dim(proposals, i - 1, 1, axis=1)
+        token, draft_cache = next_tokens(ids, step, draft_cache, jnp.zeros(b, jnp.int32))
+        return proposals.at[:, i].set(token), draft_cache
+
+    proposals = jnp.zeros((b, k), jnp.int32).at[:, 0].set(first)
+    proposals, draft_cache = jax.lax.fori_loop(1, k, propose, (proposals, draft_cache))
+    return proposals, jnp.where(left > 0, k, 0), cache.replace(draft=draft_cache)
+
+
 def speculative_decode(params, cache, tables, tokens, batch: Batch, sampling, row_steps, out: Sampled, *, config,
-                       ops, spec: SpeculativeConfig):
+                       ops, spec: SpeculativeConfig, draft: ModelConfig | None = None):
     """The plain decode's contract (nanojax.runner.decode_step: tokens [B] after chaining, batch the first step's,
     out [num_steps, B, ...] zeros) in as few forwards as the proposals allow -> (out, cache, tables, stats [3] int32:
     forwards, row-forwards with proposals, tokens those gave)."""
@@ -67,7 +118,12 @@ def speculative_decode(params, cache, tables, tokens, batch: Batch, sampling, ro
         last, done, cache, tables, out, stats = carry
         base = jnp.maximum(batch.seq_lens - 1, 0) + done  # the last token's position
         left = jnp.where(batch.q_lens > 0, row_steps - done, 0)
-        proposals, counts = ngram_proposals(history(cache, batch, base, last), base, spec)
+        hist = history(cache, batch, base, last)
+        if draft is None:
+            proposals, counts = ngram_proposals(hist, base, spec)
+        else:
+            proposals, counts, cache = draft_proposals(params, cache, batch, hist, base, last, left,
+                                                       spec.num_speculative_tokens, draft=draft, ops=ops)
 
         def verify(width):
             def run(cache, tables, out):

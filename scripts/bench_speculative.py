@@ -1,7 +1,8 @@
-"""Speculative decoding (n-gram): acceptance on real weights, and speed with speculation off beside it.
+"""Speculative decoding: n-gram acceptance on real weights, and speed with speculation off beside it.
 
     python scripts/bench_speculative.py acceptance            # the default SmolLM2 model, CPU is fine
     PYTHONPATH=$PWD python3 scripts/bench_speculative.py speed --model qwen3-8b --out $OUT/spec.json   # GPU
+    PYTHONPATH=$PWD python3 scripts/bench_speculative.py draft --model qwen3-8b --draft qwen3-0.6b --k 2 4 8  # GPU
 
 acceptance: greedy answers to three kinds of prompt (quoting a given document, editing given code, open chat), with
 speculation off and on: the tokens must be equal; prints the mean tokens a verifying forward gives a row (1 + the
@@ -14,11 +15,13 @@ computes what the full model's does. LLMs over the same weights (speculation off
 half, which the lookup finds, so every proposal is accepted: the mechanism's ceiling), random prompts sampled at
 temperature 1 (nothing is found: the overhead), and at batch 64. The peer, on the same weights and prompts at batch 1:
 HF transformers' `generate` (eager, bf16), plain and with its prompt lookup (`prompt_lookup_num_tokens=k`) at each k.
+draft: the cost of a draft model's speculative forward (`draft_speed`), HF's assisted generation beside it.
 """
 import argparse
 import dataclasses
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -107,7 +110,7 @@ def bigram_model(name: str):
     return hf, dataclasses.replace(loaded, params=jax.device_put(loaded.params))
 
 
-def hf_tok_s(hf, prompt: list[int], max_tokens: int, lookup: int | None) -> float:
+def hf_tok_s(hf, prompt: list[int], max_tokens: int, **generate_kw) -> float:
     """HF generate's greedy decode tok/s at batch 1, the time of max_tokens tokens less that of one."""
     import torch
 
@@ -118,7 +121,7 @@ def hf_tok_s(hf, prompt: list[int], max_tokens: int, lookup: int | None) -> floa
         sync()
         t0 = time.perf_counter()
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                          do_sample=False, pad_token_id=0, prompt_lookup_num_tokens=lookup)
+                          do_sample=False, pad_token_id=0, **generate_kw)
         sync()
         return time.perf_counter() - t0, out.shape[1] - len(prompt)
 
@@ -157,18 +160,58 @@ def speed(args) -> list[dict]:
                 row[f"k{k}_tokens_per_verify"] = stats[2] / max(stats[1], 1)
                 row[f"k{k}_verifying_share"] = stats[1] / max(stats[0] * batch, 1)
             if batch == 1 and kind != "random, sampled":
-                row["hf_tok_s"] = hf_tok_s(hf, prompts[0], args.max_tokens, None)
+                row["hf_tok_s"] = hf_tok_s(hf, prompts[0], args.max_tokens)
                 for k in args.k:
-                    row[f"hf_lookup_k{k}_tok_s"] = hf_tok_s(hf, prompts[0], args.max_tokens, k)
+                    row[f"hf_lookup_k{k}_tok_s"] = hf_tok_s(hf, prompts[0], args.max_tokens, prompt_lookup_num_tokens=k)
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
 
 
+def draft_speed(args) -> list[dict]:
+    """A random --draft model (saved as an HF folder) proposing for the bigram --model: its proposals are wrong, so
+    on / off is the cost of a speculative forward (k draft steps and the verification) against a plain step."""
+    from random_model import random_hf_model
+
+    hf, loaded = bigram_model(args.model)
+    draft_hf = random_hf_model(args.draft, torch_dtype="bfloat16")
+    folder = Path(tempfile.mkdtemp()) / args.draft
+    draft_hf.save_pretrained(folder)
+    kw = dict(dtype="bfloat16", max_model_len=2 * args.prompt_len + 2 * args.max_tokens, num_pages=args.num_pages,
+              max_num_seqs=64)
+    plain = LLM(loaded, **kw)
+    specs = {k: LLM(loaded, **kw, speculative_config={"method": "draft_model", "model": str(folder),
+                                                      "num_speculative_tokens": k}) for k in args.k}
+    greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    rng = np.random.default_rng(0)
+    rows = []
+    for batch in args.batches:
+        prompts = rng.integers(0, loaded.config.vocab_size, (batch, args.prompt_len)).tolist()
+        row = {"batch": batch, "context": args.prompt_len + args.max_tokens,
+               "off_tok_s": decode_tok_s(plain, prompts, greedy)}
+        for k, llm in specs.items():
+            before = llm.speculation_stats()
+            row[f"k{k}_tok_s"] = decode_tok_s(llm, prompts, greedy)
+            stats = llm.speculation_stats() - before
+            per_forward = stats[2] / max(stats[1], 1)
+            row[f"k{k}_tokens_per_verify"] = per_forward
+            row[f"k{k}_step_cost"] = per_forward * row["off_tok_s"] / row[f"k{k}_tok_s"]
+        if batch == 1:
+            row["hf_tok_s"] = hf_tok_s(hf, prompts[0], args.max_tokens)
+            for k in args.k[:1]:  # eager and slow: the first k only
+                row[f"hf_assisted_k{k}_tok_s"] = hf_tok_s(hf, prompts[0], args.max_tokens, assistant_model=draft_hf,
+                                                          num_assistant_tokens=k,
+                                                          num_assistant_tokens_schedule="constant")
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["acceptance", "speed"])
+    ap.add_argument("mode", choices=["acceptance", "speed", "draft"])
     ap.add_argument("--model", default="qwen3-8b")
+    ap.add_argument("--draft", default="qwen3-0.6b")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--k", type=int, nargs="+", default=[4])
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -176,7 +219,7 @@ def main():
     ap.add_argument("--num-pages", type=int, default=4096)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    rows = acceptance(args) if args.mode == "acceptance" else speed(args)
+    rows = {"acceptance": acceptance, "speed": speed, "draft": draft_speed}[args.mode](args)
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
 

@@ -1,9 +1,9 @@
 """Speculative decoding: the n-gram proposer against a plain Python lookup, and the engine's tokens with speculation on
-against speculation off and HF."""
+(n-grams or a draft model) against speculation off and HF."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TINY, hf_greedy
+from conftest import TINY, build_hf_model, hf_greedy
 from test_page_manager import check_invariants
 
 from nanojax import LLM, SamplingParams
@@ -51,6 +51,8 @@ def test_ngram_proposals_match_the_reference(lo, hi, k):
     (dict(prompt_lookup_min=0), "prompt_lookup_min"),
     (dict(prompt_lookup_min=3, prompt_lookup_max=2), "prompt_lookup_max"),
     (dict(num_speculative_tokens="4"), "num_speculative_tokens"),
+    (dict(method="draft_model"), "model"),
+    (dict(model="Qwen/Qwen3-0.6B"), "model"),
 ])
 def test_bad_speculative_configs_name_the_field(bad, field):
     with pytest.raises(ValueError, match=field):
@@ -89,6 +91,53 @@ def qwen3(hf_model_dir):
     return str(folder), prompts, [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts]
 
 
+@pytest.fixture(scope="module")
+def drafts(hf_model_dir, tmp_path_factory):
+    """Draft models of the tiny qwen3's vocabulary: "self" (the model itself: its proposals are all right) and
+    "other" (one small layer of other weights: mostly wrong)."""
+    other = tmp_path_factory.mktemp("draft")
+    build_hf_model({**TINY["qwen3"], "num_hidden_layers": 1, "hidden_size": 32, "head_dim": 16}, seed=3
+                   ).save_pretrained(other)
+    return {"self": str(hf_model_dir("qwen3")[0]), "other": str(other)}
+
+
+def draft_spec(model: str, k: int = 3) -> dict:
+    return {"method": "draft_model", "model": model, "num_speculative_tokens": k}
+
+
+@pytest.mark.parametrize("draft,engine_args", [
+    ("self", {}),
+    ("other", dict(chunk_size=5, max_num_batched_tokens=12, max_num_seqs=4)),
+    ("other", dict(num_pages=22, max_num_seqs=4)),
+    ("self", dict(max_num_seqs=1)),
+], ids=["self", "other-chunked", "other-preempt", "self-serial"])
+def test_greedy_with_a_draft_model_equals_hf(qwen3, drafts, draft, engine_args):
+    """The draft is fed from its first stale slot (a new prompt, pages recomputed after preemption, a rejected
+    proposal) and its proposals checked: the model's own tokens whatever it proposes; all accepted when it is the
+    model itself."""
+    folder, prompts, expected = qwen3
+    with LLM(folder, dtype="float32", page_size=4, max_model_len=96, speculative_config=draft_spec(drafts[draft]),
+             **engine_args) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
+        forwards, verifying, tokens = llm.speculation_stats()
+        if draft == "self":  # k + 1 = 4 tokens a verifying forward, less where a dispatch's 8 steps run out
+            assert tokens >= 3.5 * verifying > 0, (forwards, verifying, tokens)
+        if "num_pages" in engine_args:
+            assert llm.scheduler.num_preemptions > 0
+        check_invariants(llm.page_manager)
+        assert llm.page_manager.num_free_pages == llm.page_manager.num_pages
+
+
+def test_a_draft_model_of_another_vocabulary_or_sharded_is_refused(qwen3, hf_model_dir, drafts):
+    folder = qwen3[0]
+    other_vocab = str(hf_model_dir("llama")[0])  # 101 tokens against 97
+    with pytest.raises(ValueError, match="vocabulary of 101 tokens and the model one of 97"):
+        LLM(folder, dtype="float32", max_model_len=96, speculative_config=draft_spec(other_vocab))
+    with pytest.raises(ValueError, match="one device"):
+        LLM(folder, dtype="float32", max_model_len=96, tensor_parallel_size=1,
+            speculative_config=draft_spec(drafts["other"]))
+
+
 @pytest.mark.parametrize("engine_args", [
     dict(decode_steps=1),
     dict(chunk_size=5, max_num_batched_tokens=12, max_num_seqs=4),  # chunked prefill mixed with decodes
@@ -105,9 +154,9 @@ def test_greedy_with_speculation_under_every_engine_path(qwen3, engine_args):
         assert llm.page_manager.num_free_pages == llm.page_manager.num_pages
 
 
-def test_sampled_tokens_and_logprobs_are_those_of_speculation_off(qwen3):
+def test_sampled_tokens_and_logprobs_are_those_of_speculation_off(qwen3, drafts):
     """Each position draws as the plain decode draws it (same noise, adjustments and counts): seeded sampling with
-    filters, penalties, bias, min_tokens, logprobs and n > 1 gives the same tokens."""
+    filters, penalties, bias, min_tokens, logprobs and n > 1 gives the same tokens, with n-grams or a draft model."""
     folder, prompts, _ = qwen3
     params = [SamplingParams(temperature=0.8, max_tokens=30, seed=7, logprobs=3, ignore_eos=True),
               SamplingParams(temperature=1.0, top_k=5, top_p=0.9, max_tokens=20, seed=1, n=2),
@@ -115,18 +164,19 @@ def test_sampled_tokens_and_logprobs_are_those_of_speculation_off(qwen3):
                              min_tokens=6, logit_bias={3: 2.0, 4: -5.0}, max_tokens=25, seed=2, logprobs=2),
               SamplingParams(temperature=0, max_tokens=18, frequency_penalty=0.5, ignore_eos=True),
               SamplingParams(temperature=0.5, min_p=0.1, max_tokens=22, seed=3)]
-    outs = {}
-    for spec in (None, SPEC):
+    outs = []
+    for spec in (None, SPEC, draft_spec(drafts["self"])):
         with LLM(folder, dtype="float32", page_size=4, max_model_len=96, speculative_config=spec) as llm:
-            outs[spec is None] = llm.generate(prompts[:len(params)], params, use_tqdm=False)
+            outs.append(llm.generate(prompts[:len(params)], params, use_tqdm=False))
             if spec:
                 assert llm.speculation_stats()[1] > 0
-    assert len(outs[True]) == len(params) + 1  # n = 2 gives two
-    for off, on in zip(outs[True], outs[False]):
-        assert on.token_ids == off.token_ids
-        np.testing.assert_allclose(np.nan_to_num([lp for lp, _ in on.logprobs or []], neginf=-1e9),
-                                   np.nan_to_num([lp for lp, _ in off.logprobs or []], neginf=-1e9), rtol=1e-4,
-                                   atol=1e-4)
+    assert len(outs[0]) == len(params) + 1  # n = 2 gives two
+    for on in outs[1:]:
+        for off, out in zip(outs[0], on):
+            assert out.token_ids == off.token_ids
+            np.testing.assert_allclose(np.nan_to_num([lp for lp, _ in out.logprobs or []], neginf=-1e9),
+                                       np.nan_to_num([lp for lp, _ in off.logprobs or []], neginf=-1e9), rtol=1e-4,
+                                       atol=1e-4)
 
 
 @pytest.mark.long
@@ -181,3 +231,6 @@ def test_server_and_cli_take_the_speculative_config():
     assert generate_args(["--speculative-config", text, "--prompt", "hi"]).speculative_config == want
     with pytest.raises(SystemExit):
         serve_args(["--speculative-config", '{"method": "ngram", "k": 2}'])
+    draft = '{"method": "draft_model", "model": "Qwen/Qwen3-0.6B", "num_speculative_tokens": 2}'
+    assert generate_args(["--speculative-config", draft, "--prompt", "hi"]).speculative_config == SpeculativeConfig(
+        method="draft_model", model="Qwen/Qwen3-0.6B", num_speculative_tokens=2)
