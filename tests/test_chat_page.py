@@ -120,3 +120,20 @@ def test_a_wrong_key_shows_an_error(server, browser):
     ask(browser, "Hello", 8)
     wait_for(lambda: not busy(browser) and by_id(browser, "error").text, 30, "the error")
     assert "API key" in by_id(browser, "error").text
+
+
+def test_code_is_rendered_and_regenerate_and_clear_work(server, browser):
+    open_page(browser, server.url, KEY)
+    by_id(browser, "clear").click()
+    ask(browser, "Write a Python function that adds two numbers.", 40)
+    wait_for(lambda: not busy(browser), what="the answer")
+    code = browser.find_elements("css selector", ".message.assistant .content pre code")
+    assert code and "def add_two_numbers" in code[0].text  # the model's fenced block, rendered as code
+    first = browser.find_elements("css selector", ".message.assistant .content")[-1].text
+    by_id(browser, "regenerate").click()
+    wait_for(lambda: busy(browser), 10, "the regenerated stream")
+    wait_for(lambda: not busy(browser), what="the regenerated answer")
+    answers = browser.find_elements("css selector", ".message.assistant .content")
+    assert len(answers) == 1 and answers[0].text == first  # replaced, and greedy gives the same again
+    by_id(browser, "clear").click()
+    assert not browser.find_elements("css selector", "#messages .message")
