@@ -216,9 +216,11 @@ def test_close_gives_the_device_memory_back_and_a_new_llm_the_same_pool():
 
 
 @requires_gpu
-def test_speculative_decoding_gives_hf_greedy_tokens_with_the_kernels():
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_decoding_gives_hf_greedy_tokens_with_the_kernels(method, tmp_path):
     """The verifying forwards (k + 1 query tokens per row through the Pallas kernels) in float32: HF's tokens, with
-    proposals found (prompts that repeat a span) and accepted."""
+    proposals found (prompts that repeat a span) and accepted; draft_model: the model as its own draft, so that every
+    proposal is right."""
     import torch
 
     hf = random_hf_model("qwen3-0.6b", "float32")
@@ -229,11 +231,16 @@ def test_speculative_decoding_gives_hf_greedy_tokens_with_the_kernels():
         expected = [hf.generate(torch.tensor([p], device=hf.device), max_new_tokens=24, min_new_tokens=24,
                                 do_sample=False)[0, len(p):].tolist() for p in prompts]
     loaded = loaded_model(hf, "float32")
+    spec = {"method": method, "num_speculative_tokens": 4}
+    if method == "draft_model":
+        hf.save_pretrained(tmp_path)
+        spec["model"] = str(tmp_path)
     del hf
-    spec = {"method": "ngram", "num_speculative_tokens": 4}
     with LLM(loaded, dtype="float32", kernels="pallas", max_model_len=256, max_num_seqs=4, decode_steps=8,
              num_pages=128, warmup=False, speculative_config=spec) as llm:
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
         assert [o.token_ids for o in outs] == expected
         forwards, verifying, tokens = llm.speculation_stats()
+        if method == "draft_model":  # 5 then 3 tokens a dispatch of 8
+            assert tokens >= 3.5 * verifying, (forwards, verifying, tokens)
         assert verifying > 0 and tokens > verifying
