@@ -207,9 +207,9 @@ def test_the_kv_pool_is_sized_from_what_the_weights_leave(qwen3, monkeypatch):
     seen = []
     num_pages = llm_module._num_pages
 
-    def spy(engine, config, param_bytes, kv_heads, in_use):
+    def spy(engine, config, param_bytes, *rest):
         seen.append(param_bytes)
-        return num_pages(engine, config, param_bytes, kv_heads, in_use)
+        return num_pages(engine, config, param_bytes, *rest)
 
     monkeypatch.setattr(llm_module, "_num_pages", spy)
     llm = LLM(qwen3[0], warmup=False, progress=False)
