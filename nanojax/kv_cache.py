@@ -9,8 +9,8 @@ from convert.config import ModelConfig
 @flax.struct.dataclass
 class KVCache:
     """k[i], v[i]: layer i's page pool, [num_pages, num_kv_heads, page_size, head_dim]; tokens: None, or the token
-    at each slot [num_pages * page_size] int32 (what speculative decoding looks its n-grams up in); draft: None, or
-    a draft model's cache over the same pages and slots, its tokens those the draft was fed (-1: none)."""
+    at each slot [num_pages * page_size] int32, -1 where none was written (what speculative decoding looks its n-grams
+    up in); draft: None, or a draft model's cache over the same pages and slots, its tokens those the draft was fed."""
 
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
@@ -23,9 +23,8 @@ class KVCache:
         shape = (num_pages, config.num_kv_heads, page_size, config.head_dim)
         layers = range(config.num_layers)
         return cls(k=tuple(jnp.zeros(shape, dtype) for _ in layers), v=tuple(jnp.zeros(shape, dtype) for _ in layers),
-                   tokens=jnp.zeros(num_pages * page_size, jnp.int32) if tokens else None,
-                   draft=None if draft is None else cls.create(draft, num_pages, page_size, dtype, True).replace(
-                       tokens=jnp.full(num_pages * page_size, -1, jnp.int32)))
+                   tokens=jnp.full(num_pages * page_size, -1, jnp.int32) if tokens else None,
+                   draft=None if draft is None else cls.create(draft, num_pages, page_size, dtype, True))
 
     @property
     def num_pages(self) -> int:

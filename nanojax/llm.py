@@ -67,12 +67,13 @@ class LLM(RequestFront):
         # Device buffers the caller handed over (a LoadedModel of device arrays): close() leaves them alone.
         callers_buffers = buffer_addresses(model.params) if isinstance(model, LoadedModel) else frozenset()
         params, tp = _placed(loaded.params, self.config, engine, several)
-        draft = _draft(engine, self.config) if drafted else None
+        draft = _draft(engine, self.config, sharded) if drafted else None
         if draft is not None:
             params = {**params, "draft": draft.params}
+        draft_config = draft.config if draft else None
         kv_heads = self.config.num_kv_heads if tp is None else tp.local_config.num_kv_heads
         num_pages = hand_out.num_pages if hand_out and hand_out.config == self.config else _num_pages(
-            engine, self.config, _bytes(params), kv_heads, in_use, draft and draft.config)
+            engine, self.config, _bytes(params), kv_heads, in_use, draft_config)
         self.page_manager = PageManager(num_pages, engine.page_size)
         self.limits = EngineLimits(engine.max_model_len, engine.page_size, num_pages, engine.max_num_seqs)
         self.scheduler = Scheduler(SchedulerConfig(
@@ -81,7 +82,7 @@ class LLM(RequestFront):
             page_size=engine.page_size, prefill_row=PREFILL_ROW), self.page_manager)
         self.runner = (DistributedRunner if several else ModelRunner)(
             self.config, engine, params, num_pages=num_pages, tensor_parallel=tp, vocab_limit=loaded.vocab_limit(),
-            executable_dir=executable_dir, draft=draft and draft.config)
+            executable_dir=executable_dir, draft=draft_config)
         built_at = time.perf_counter()
         if engine.warmup:
             compilation.compile_all(self.runner, engine.progress, workers=workers or None)
@@ -269,8 +270,10 @@ def _placed(params, config, engine: EngineConfig, several: bool):
     return tp.place(params, engine.progress), tp
 
 
-def _draft(engine: EngineConfig, config) -> LoadedModel:
+def _draft(engine: EngineConfig, config, sharded: bool) -> LoadedModel:
     """Speculative decoding's draft model, on the device, checked against the model's vocabulary."""
+    if sharded:
+        raise ValueError("speculative_config method 'draft_model' runs on one device: no tensor_parallel_size")
     name = engine.speculative_config.model
     draft = load_model(name, engine.dtype, place=jax.device_put)
     if draft.config.vocab_size != config.vocab_size:
@@ -286,8 +289,10 @@ def _num_pages(engine: EngineConfig, config, param_bytes: int, kv_heads: int, in
     if engine.num_pages is not None:
         return engine.num_pages
     itemsize = jnp.dtype(engine.dtype).itemsize
-    page_bytes = sum(2 * c.num_layers * h * engine.page_size * c.head_dim * itemsize
-                     for c, h in ((config, kv_heads), *(((draft, draft.num_kv_heads),) if draft else ())))
+    def kv_bytes(c, heads):
+        return 2 * c.num_layers * heads * engine.page_size * c.head_dim * itemsize
+
+    page_bytes = kv_bytes(config, kv_heads) + (kv_bytes(draft, draft.num_kv_heads) if draft else 0)
     limit = _device_limit()
     # CPU: no allocator limit to read, keep the pool modest
     budget = limit * engine.memory_fraction - in_use - param_bytes if limit is not None else 2 << 30

@@ -258,8 +258,6 @@ class ModelRunner:
                  vocab_limit: int | None = None, tensor_parallel=None, executable_dir=None,
                  draft: ModelConfig | None = None):
         tp = tensor_parallel
-        if draft is not None and tp is not None:
-            raise ValueError("speculative_config method 'draft_model' runs on one device: no tensor_parallel_size")
         self.config, self.engine, self.executable_dir = config, engine, executable_dir
         self.vocab_limit = config.vocab_size if vocab_limit is None else vocab_limit
         # What a compile worker needs to build this runner again from the params' shapes (nanojax.compilation).

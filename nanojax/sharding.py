@@ -181,7 +181,7 @@ class TensorParallel:
         zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=NamedSharding(self.mesh, _KV_PAGES))
         layers = range(self.config.num_layers)
         return KVCache(k=tuple(zeros() for _ in layers), v=tuple(zeros() for _ in layers), tokens=jax.device_put(
-            jnp.zeros(num_pages * page_size, jnp.int32), self.replicated) if tokens else None)
+            jnp.full(num_pages * page_size, -1, jnp.int32), self.replicated) if tokens else None)
 
 
 @dataclasses.dataclass(frozen=True)
