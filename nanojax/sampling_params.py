@@ -5,6 +5,8 @@ import math
 
 import numpy as np
 
+from nanojax.structured import StructuredOutputs
+
 MAX_LOGPROBS = 20  # OpenAI's limit on top logprobs; the compiled step computes this many
 _INT32_MAX = 2**31 - 1
 
@@ -22,7 +24,8 @@ class SamplingParams:
     """temperature 0 is greedy; top_k 0, top_p 1 and min_p 0 disable those filters; seed: reproducible whatever else is
     in the batch; stop strings are cut from the text; n choices share the prompt's KV pages. logprobs: how many top
     tokens' logprobs come with each generated token; prompt_logprobs: with each prompt token after the first (such a
-    request reads nothing from the prefix cache). Penalties: HF's repetition, OpenAI's presence and frequency."""
+    request reads nothing from the prefix cache). structured_outputs: a StructuredOutputs (or a dict of its fields)
+    that the output follows. Penalties: HF's repetition, OpenAI's presence and frequency."""
 
     temperature: float = _field(1.0, 0, 100, device=np.float32, fill=0.0)
     top_k: int = _field(0, 0, _INT32_MAX, integer=True, device=np.int32, fill=0)
@@ -41,10 +44,12 @@ class SamplingParams:
     n: int = _field(1, 1, _INT32_MAX, integer=True)
     logprobs: int | None = _field(None, 0, MAX_LOGPROBS, integer=True, device=np.int32, fill=0)
     prompt_logprobs: int | None = _field(None, 0, MAX_LOGPROBS, integer=True)
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
+        object.__setattr__(self, "structured_outputs", StructuredOutputs.of(self.structured_outputs))
         for f in dataclasses.fields(self):
             if "check" in f.metadata:
                 _check_range(f.name, getattr(self, f.name), **f.metadata["check"])

@@ -1,0 +1,74 @@
+"""Structured outputs: a request's constraint (a JSON schema, any JSON object, a regular expression, a choice among
+strings, or a Lark grammar) as an llguidance grammar, checked on construction (docs/perf_notes.md, "Structured
+outputs: the token-mask library")."""
+import dataclasses
+import json
+
+try:
+    import llguidance
+except ImportError:  # a pip dependency; a machine without it runs everything but constraints
+    llguidance = None
+
+_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclasses.dataclass(frozen=True)
+class StructuredOutputs:
+    """Exactly one of: json, a JSON schema (a dict, or its JSON text); json_object, any JSON object; regex; choice,
+    one of the strings; grammar, in llguidance's Lark syntax (which may embed a JSON schema: `%json { ... }`)."""
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self):
+        if llguidance is None:
+            raise ValueError("structured_outputs needs the llguidance package (pip install llguidance)")
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [k for k in _KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs must set exactly one of {', '.join(_KINDS)}; got {given or 'none'}")
+        kind = given[0]
+        if isinstance(self.json, str):
+            try:
+                object.__setattr__(self, "json", json.loads(self.json))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"structured_outputs json is not JSON: {e}") from None
+        checks = {"json": isinstance(self.json, dict), "json_object": self.json_object is True,
+                  "regex": isinstance(self.regex, str),
+                  "choice": bool(self.choice) and all(isinstance(c, str) and c for c in self.choice or ()),
+                  "grammar": isinstance(self.grammar, str)}
+        if not checks[kind]:
+            what = {"json": "a JSON schema (an object)", "json_object": "true", "regex": "a string",
+                    "choice": "a non-empty list of non-empty strings", "grammar": "a string"}[kind]
+            raise ValueError(f"structured_outputs {kind} must be {what}, got {getattr(self, kind)!r}")
+        if error := llguidance.LLMatcher.validate_grammar(self.grammar_text):
+            raise ValueError(f"structured_outputs {kind} is not valid: {error.strip()}")
+
+    @property
+    def grammar_text(self) -> str:
+        """The llguidance grammar (also the key under which its compiled form is cached)."""
+        m = llguidance.LLMatcher
+        if self.json is not None:
+            return m.grammar_from_json_schema(self.json)
+        if self.json_object:
+            return m.grammar_from_json_schema({"type": "object"})
+        if self.regex is not None:
+            return m.grammar_from_regex(self.regex)
+        if self.choice is not None:
+            return m.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.choice))
+        return m.grammar_from_lark(self.grammar)
+
+    @classmethod
+    def of(cls, value) -> "StructuredOutputs | None":
+        """From None, a StructuredOutputs, or a dict of its fields (vLLM's `structured_outputs` request extra)."""
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"structured_outputs must be a dict, got {value!r}")
+        if unknown := set(value) - set(_KINDS):
+            raise ValueError(f"structured_outputs has unknown keys {sorted(unknown)}")
+        return cls(**value)
