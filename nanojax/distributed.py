@@ -112,6 +112,7 @@ class DistributedRunner(ModelRunner):
     decode = _broadcast_call("decode")
     prefill = _broadcast_call("prefill")
     set_slot = _broadcast_call("set_slot")
+    set_masks = _broadcast_call("set_masks")
 
     def stop(self) -> None:
         """On process 0: tells the other processes to stop following (their `follow` returns); no-op elsewhere."""

@@ -217,8 +217,10 @@ class EngineCore:
         rows = ([max(c.seq.token_ids[c.start], 0) for c in decodes], [c.seq.page_table for c in decodes],
                 [c.end for c in decodes], _columns([fields[c.seq.seq_id] for c in decodes])) if decodes else None
         sources = [inflight.pending[c.seq.seq_id][1] if c.seq.num_pending else -1 for c in decodes]
-        if not prefills:  # each row's steps (1..decode_steps) in one dispatch of the decode program
-            out = self.runner.decode(*rows, self.runner.decode_steps, [c.num_steps for c in decodes], sources)
+        if not prefills:  # each row's steps (1..decode_steps) in one dispatch of the decode program (of one step
+            # when no row takes more: constrained rows alone)
+            steps = 1 if all(c.num_steps == 1 for c in decodes) else self.runner.decode_steps
+            out = self.runner.decode(*rows, steps, [c.num_steps for c in decodes], sources)
             pending, prompt = {c.seq.seq_id: (out, i) for i, c in enumerate(decodes)}, {}
         else:
             targets = [prompt_targets(c) for c in prefills]
@@ -231,13 +233,16 @@ class EngineCore:
         # The next step may go before this one is read back when its decode rows can take their tokens from this
         # one's (one dispatch), unless this one samples first tokens only, or follows such a step: their streams
         # would wait (time to first token, docs/perf_notes.md).
+        # A constrained row's next mask needs this step's tokens on the host.
         one_dispatch = len({id(out) for out, _ in pending.values()}) <= 1
         first_tokens_only = bool(pending) and not decodes
-        return _Step(chunks, pending, prompt, one_dispatch and not first_tokens_only and not after_first_tokens,
-                     first_tokens_only)
+        constrained = any(c.seq.request.matcher is not None for c in chunks if c.sample)
+        return _Step(chunks, pending, prompt, one_dispatch and not first_tokens_only and not after_first_tokens
+                     and not constrained, first_tokens_only)
 
     def _prepare(self, chunks) -> tuple[list, dict]:
-        """Token-table slots and sampling rows (a request whose row fails ends alone) -> (chunks kept, {seq_id: row})"""
+        """Token-table slots, constraints' masks and sampling rows (a request whose row fails ends alone) -> (chunks
+        kept, {seq_id: row})"""
         for seq in self.scheduler.waiting:
             self._release_slot(seq.request)
         fields = {}
@@ -245,15 +250,30 @@ class EngineCore:
             req: Request = c.seq.request
             p = req.params
             try:
-                # bias, penalties or min_tokens: a token-table slot, written from the request's tokens so far
-                if (p.logit_bias or p.penalized or p.min_tokens > 0) and req.slot is None:
+                # bias, penalties, min_tokens or a constraint: a token-table slot, written from the tokens so far
+                if (p.logit_bias or p.penalized or p.min_tokens > 0 or req.matcher) and req.slot is None:
                     req.slot = self._free_slots.pop()
                     self.runner.set_slot(req.slot, *req.table_rows(self.runner.config.vocab_size))
                 if c.sample:
                     fields[c.seq.seq_id] = req.sampling_row(c.seq.num_generated, self.runner.neutral_slot)
             except Exception as e:  # noqa: BLE001 -- this request's error, the step goes on
                 self._fail([c.seq], e)
-        return [c for c in chunks if c.seq.status is not SequenceStatus.FINISHED], fields
+        chunks = [c for c in chunks if c.seq.status is not SequenceStatus.FINISHED]
+        return self._constrain(chunks), fields
+
+    def _constrain(self, chunks) -> list:
+        """Writes the constrained rows' masks; such a row takes one step, or more where the tokens drawn after the
+        masked one may be kept as far as its grammar allows them (Request.speculative_constraint), unless every row
+        to decode is constrained (the one-step program then runs)."""
+        constrained = [c for c in chunks if c.sample and c.seq.request.matcher is not None]
+        if not constrained:
+            return chunks
+        reqs = [c.seq.request for c in constrained]
+        self.runner.set_masks([r.slot for r in reqs], self.output.grammars.masks([r.matcher for r in reqs]))
+        decodes = [c for c in chunks if c.num_tokens == 1 and c.sample]
+        alone = all(c.seq.request.matcher is not None for c in decodes)
+        return [dataclasses.replace(c, num_steps=1) if c.sample and c.seq.request.matcher is not None and (
+            alone or not c.seq.request.speculative_constraint) else c for c in chunks]
 
     def _release_slot(self, req: Request) -> None:
         if req.slot is not None:

@@ -11,6 +11,7 @@ from nanojax.runner import checked_row
 from nanojax.sampling import BANNED, PROMPT
 from nanojax.sampling_params import SamplingParams
 from nanojax.sequence import Sequence
+from nanojax.structured import Grammars
 
 
 @dataclasses.dataclass
@@ -27,7 +28,8 @@ class Request:
     pin_handle: int | None = None  # ... under this page-manager handle
     cut: bool = False  # a stop string ended it: its text is cut there
     stream_tokens: bool = False  # streamed without a tokenizer: an event for every step's new tokens
-    slot: int | None = None  # its row of the runner's token tables, while it runs (bias, penalties, min_tokens)
+    slot: int | None = None  # its row of the runner's token tables, while it runs (bias, penalties, min_tokens, mask)
+    matcher: object = None  # its structured output's llguidance matcher, at the tokens accepted so far
     device_row: dict | None = None  # its sampling fields as the step's dtypes hold them (sampling_row)
     siblings: list[Sequence["Request"]] = dataclasses.field(default_factory=list)  # n > 1: admitted once cached
 
@@ -38,7 +40,15 @@ class Request:
         if self.device_row is None:
             self.device_row = checked_row(dict(p.device_values(), seeds=p.seed))
         slot = neutral_slot if self.slot is None else self.slot
-        return dict(self.device_row, counters=generated, slots=slot, ban_steps=max(0, p.min_tokens - generated))
+        return dict(self.device_row, counters=generated, slots=slot, ban_steps=max(0, p.min_tokens - generated),
+                    mask_steps=int(self.matcher is not None))
+
+    @property
+    def speculative_constraint(self) -> bool:
+        """Whether tokens drawn after its masked first one may be kept where its grammar allows them: it draws them
+        as a masked draw would (no filter to apply after the mask, no penalty counting them on the device)."""
+        p = self.params
+        return p.top_k == 0 and p.top_p == 1 and p.min_p == 0 and not p.penalized
 
     def table_rows(self, vocab: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Its token-table rows: (token counts, PROMPT / BANNED flags, logit bias), each [vocab]."""
@@ -56,6 +66,7 @@ class OutputProcessor:
 
     def __init__(self, tokenizer, max_model_len: int, eos_ids: frozenset[int], seed: int):
         self.tokenizer, self.max_model_len, self.eos_ids = tokenizer, max_model_len, eos_ids
+        self.grammars = Grammars(tokenizer)
         self._rng = np.random.default_rng(seed)  # draws the seeds of requests that bring none
 
     def sequences(self, ids: list[int], params: SamplingParams, request_id: str, index: int, stream: RequestStream,
@@ -78,7 +89,8 @@ class OutputProcessor:
                             logprobs=[] if params.logprobs is not None else None,
                             prompt_logprobs=None if params.prompt_logprobs is None else [None] * len(ids))
         req = Request(out, params, stop_ids, stream, time.perf_counter(), detok,
-                      stream_tokens=stream_text and self.tokenizer is None)
+                      stream_tokens=stream_text and self.tokenizer is None,
+                      matcher=params.structured_outputs and self.grammars.matcher(params.structured_outputs))
         # The first choice computes the prompt's logprobs; the others, admitted once its pages are committed, find
         # it cached. It ends at max_tokens or max_model_len tokens, and samples one token whatever the prompt's length.
         limit = max(len(ids) + 1, min(len(ids) + params.max_tokens, self.max_model_len))
@@ -92,11 +104,18 @@ class OutputProcessor:
         out, known = req.output, seq.num_known
         kept = []
         for tok in pending.tokens()[:num_steps, row].tolist():
+            if req.matcher is not None and not req.matcher.try_consume_tokens([tok]):
+                if kept:  # a draw after the masked one that the grammar does not allow: drawn again, masked
+                    break
+                raise RuntimeError(f"request {out.request_id}: its grammar rejects token {tok}, which its mask "
+                                   f"allowed ({req.matcher.get_error()})")
             kept.append(tok)
             out.token_ids.append(tok)
             if out.time_to_first_token is None:
                 out.time_to_first_token = time.perf_counter() - req.start
             if tok in req.stop_ids and len(out.token_ids) > req.params.min_tokens:
+                out.finish_reason = "stop"
+            elif req.matcher is not None and req.matcher.is_stopped():
                 out.finish_reason = "stop"
             elif len(out.token_ids) >= req.params.max_tokens or known + len(kept) >= self.max_model_len:
                 out.finish_reason = "length"

@@ -181,8 +181,14 @@ def _unpack(packed, layout):
 
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _set_slot(tables: TokenTables, slot, counts, flags, bias) -> TokenTables:
-    return TokenTables(tables.counts.at[slot].set(counts), tables.flags.at[slot].set(flags),
-                       tables.bias.at[slot].set(bias))
+    return tables.replace(counts=tables.counts.at[slot].set(counts), flags=tables.flags.at[slot].set(flags),
+                          bias=tables.bias.at[slot].set(bias))
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def set_masks(tables: TokenTables, slots, masks) -> TokenTables:
+    """slots [M] (out of range: dropped), masks [M, W]: the constraints' next-token bitmasks (TokenTables.allowed)."""
+    return tables.replace(allowed=tables.allowed.at[slots].set(masks, mode="drop"))
 
 
 def _shapes_of(make, sharding):
@@ -205,7 +211,7 @@ def pow2_buckets(hi: int) -> tuple[int, ...]:
 # Per-row sampling fields: (dtype, the value a row without a request takes: greedy, no adjustments), the request's
 # own (SamplingParams) and the engine's state of the row (slots: the neutral slot, filled in by _sampling_fill).
 _SAMPLING_FIELDS = {**DEVICE_FIELDS, "seeds": (np.dtype(np.uint32), 0), "counters": (np.dtype(np.int32), 0),
-                    "ban_steps": (np.dtype(np.int32), 0), "slots": (np.dtype(np.int32), None)}
+                    "ban_steps": (np.dtype(np.int32), 0), "mask_steps": (np.dtype(np.int32), 0), "slots": (np.dtype(np.int32), None)}
 
 
 def checked_row(fields: dict) -> dict:
@@ -305,12 +311,14 @@ class ModelRunner:
 
     # ----- programs -----
     def programs(self) -> list:
-        """Every program the engine runs: the decode, cascade decode and prefill buckets, prompt logprobs, set_slot."""
-        return [Program(b, self.decode_steps) for b in self.decode_rows] + [
+        """Every program the engine runs: the decode (decode_steps steps, and one step for constrained rows alone),
+        cascade decode and prefill buckets, prompt logprobs, set_slot, and set_masks per bucket of rows."""
+        steps = sorted({1, self.decode_steps})
+        return [Program(b, n) for n in steps for b in self.decode_rows] + [
             Program(b, self.decode_steps, True) for b in self.cascade_rows] + [
             Program(b, self.decode_steps, speculative=True) for b in self.spec_rows] + [
             Program(r, 0, decode_rows=d) for r in self.prefill_rows for d in (0, self.mixed_rows)] + [
-            "prompt", "set_slot"]
+            "prompt", "set_slot"] + [("set_masks", b) for b in self.decode_rows]
 
     @property
     def mixed_rows(self) -> int:
@@ -338,6 +346,9 @@ class ModelRunner:
         if p == "set_slot":
             row = lambda dtype: jax.ShapeDtypeStruct((self.config.vocab_size,), dtype)  # noqa: E731
             return _set_slot, (self.tables, np.int32(0), row(jnp.int32), row(jnp.int8), row(jnp.float32)), {}
+        if isinstance(p, tuple):  # ("set_masks", rows)
+            return set_masks, (self.tables, jax.ShapeDtypeStruct((p[1],), jnp.int32),
+                               jax.ShapeDtypeStruct((p[1], self.tables.allowed.shape[1]), jnp.int32)), {}
         if p == "prompt":
             r, dtype = self.prefill_rows[-1], self.params["embed"].dtype
             hidden = jax.ShapeDtypeStruct((r, PREFILL_ROW, self.config.hidden_size), dtype)
@@ -539,6 +550,14 @@ class ModelRunner:
         """Writes one request's token tables ([V] each) into `slot`, queued before the next step."""
         self.tables = self._program("set_slot")(self.tables, np.int32(slot), counts, flags,
                                                 limited_bias(bias, self.vocab_limit))
+
+    def set_masks(self, slots: list[int], masks: np.ndarray) -> None:
+        """Writes constraints' next-token bitmasks (masks [M, <= W] int32, zeros after) into their slots."""
+        rows = bucket(len(slots), self.decode_rows)
+        padded = np.zeros((rows, self.tables.allowed.shape[1]), np.int32)
+        padded[:len(slots), :masks.shape[1]] = masks
+        self.tables = self._program(("set_masks", rows))(self.tables, _padded(slots, rows, self.tables.neutral + 1),
+                                                         padded)
 
 
 def buffer_addresses(tree) -> frozenset[int]:

@@ -6,6 +6,8 @@ greedy, random, filtered, biased and penalized rows shares one program (docs/per
   them read the shared all-zero row, which stays in L2.
 - Top-k / top-p / min-p and top-N logprobs read a prefix of a row's descending order (`Ops.sampling_filters`, no
   branch on the host); the draw masks the tokens outside it.
+- A structured output's token mask (nanojax.structured) is a bitmask row of the tables, applied to the row's first
+  `mask_steps` steps before the filters; logprobs stay the model's.
 """
 import flax.struct
 import jax
@@ -22,7 +24,8 @@ PROMPT, BANNED = 1, 2  # TokenTables.flags bits: the token is in the prompt; it 
 class SamplingBatch:
     """Per-row sampling parameters, each [B]. temperature 0 is greedy; top_k 0, top_p 1, min_p 0 disable filters.
     seeds and counters (+1 per sampled token) key each row's noise; slots: its `TokenTables` row (`neutral` for rows
-    with no bias, penalty or ban); ban_steps: the steps BANNED tokens stay banned; logprobs: top logprobs wanted."""
+    with no bias, penalty, ban or constraint); ban_steps: the steps BANNED tokens stay banned; mask_steps: the steps
+    the slot's `allowed` mask holds; logprobs: top logprobs wanted."""
 
     temperature: jax.Array
     top_k: jax.Array
@@ -32,6 +35,7 @@ class SamplingBatch:
     counters: jax.Array
     slots: jax.Array
     ban_steps: jax.Array
+    mask_steps: jax.Array
     repetition_penalty: jax.Array
     presence_penalty: jax.Array
     frequency_penalty: jax.Array
@@ -43,18 +47,21 @@ class TokenTables:
     """Per-request token state on the device, one row per slot plus the neutral last row ([S + 1, V] each). counts:
     int32, each token's occurrences in the output; flags: int8, PROMPT | BANNED bits; bias: float32, logit_bias, -inf
     in every row past the vocabulary limit: data, so that the programs do not depend on the tokenizer (a first start
-    compiles them before it has read it)."""
+    compiles them before it has read it). allowed: [S + 1, ceil(V / 32)] int32, the tokens a constraint allows next
+    as bits (token t: bit t % 32 of word t // 32), all set in the neutral row."""
 
     counts: jax.Array
     flags: jax.Array
     bias: jax.Array
+    allowed: jax.Array
 
     @classmethod
     def create(cls, num_slots: int, vocab: int, vocab_limit: int) -> "TokenTables":
         shape = (num_slots + 1, vocab)
         row = limited_bias(np.zeros(vocab, np.float32), vocab_limit)
         # Broadcast on the device, not built whole on the host and copied (docs/perf_notes.md, "Sampling").
-        return cls(jnp.zeros(shape, jnp.int32), jnp.zeros(shape, jnp.int8), jnp.broadcast_to(jnp.asarray(row), shape))
+        return cls(jnp.zeros(shape, jnp.int32), jnp.zeros(shape, jnp.int8), jnp.broadcast_to(jnp.asarray(row), shape),
+                   jnp.full((num_slots + 1, -(-vocab // 32)), -1, jnp.int32))
 
     @property
     def neutral(self) -> int:
@@ -85,13 +92,14 @@ class Sampled:
 def sample(logits, s: SamplingBatch, tables: TokenTables, step, *, ops) -> Sampled:
     """logits: [B, V] f32 -> Sampled, for the `step`-th step of a multi-step dispatch. Logprobs: the model's
     distribution after bias and penalties, before temperature and filters. ops: nanojax.ops.Ops."""
-    logits = _adjust(logits, s, tables, step)
-    log_norm = jax.nn.logsumexp(logits, axis=-1)
+    model = _adjust(logits, s, tables, step)
+    log_norm = jax.nn.logsumexp(model, axis=-1)
+    logits = jnp.where(_disallowed(tables, s, step, model.shape[1]), -jnp.inf, model)
     cut_key, cut_id, top_ids, top_logits = ops.sampling_filters(logits, s, num_top=MAX_LOGPROBS)
     noisy = jnp.where(kept(logits, cut_key, cut_id), logits / jnp.maximum(s.temperature, 1e-6)[:, None]
                       + _gumbel(s.seeds, s.counters + step, logits.shape[1]), -jnp.inf)
     tokens = jnp.argmax(jnp.where(s.temperature[:, None] > 0, noisy, logits), axis=-1).astype(jnp.int32)
-    chosen = jnp.take_along_axis(logits, tokens[:, None], axis=1)[:, 0] - log_norm
+    chosen = jnp.take_along_axis(model, tokens[:, None], axis=1)[:, 0] - log_norm
     return Sampled(tokens, chosen, top_ids, top_logits - log_norm[:, None])
 
 
@@ -106,6 +114,13 @@ def _adjust(logits, s: SamplingBatch, tables: TokenTables, step):
     logits -= s.frequency_penalty[:, None] * counts + s.presence_penalty[:, None] * (counts > 0)
     banned = ((flags & BANNED) != 0) & (step < s.ban_steps)[:, None]
     return jnp.where(banned, -jnp.inf, logits)
+
+
+def _disallowed(tables: TokenTables, s: SamplingBatch, step, vocab: int):
+    """[B, V] bool: the tokens the rows' constraints forbid at this step."""
+    token = jnp.arange(vocab)
+    words = tables.allowed[s.slots][:, token // 32]
+    return ((words >> (token % 32)) & 1 == 0) & (step < s.mask_steps)[:, None]
 
 
 def _gumbel(seeds, counters, vocab):

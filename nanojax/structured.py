@@ -1,11 +1,17 @@
 """Structured outputs: a request's constraint (a JSON schema, any JSON object, a regular expression, a choice among
 strings, or a Lark grammar) as an llguidance grammar, checked on construction (docs/perf_notes.md, "Structured
 outputs: the token-mask library")."""
+import collections
 import dataclasses
 import json
+import threading
+
+import numpy as np
 
 try:
     import llguidance
+    import llguidance.hf
+    import llguidance.numpy
 except ImportError:  # a pip dependency; a machine without it runs everything but constraints
     llguidance = None
 
@@ -72,3 +78,39 @@ class StructuredOutputs:
         if unknown := set(value) - set(_KINDS):
             raise ValueError(f"structured_outputs has unknown keys {sorted(unknown)}")
         return cls(**value)
+
+
+class Grammars:
+    """Matchers for requests' constraints over one tokenizer: compiled on the caller's thread (not the engine loop's),
+    each grammar once (the last MAX_CACHED kept), then copied per request; and their next-token masks, filled in
+    parallel."""
+
+    MAX_CACHED = 256
+
+    def __init__(self, tokenizer):
+        self._tokenizer, self._ll_tokenizer = tokenizer, None  # the latter built at the first constraint
+        self._compiled: collections.OrderedDict[str, "llguidance.LLMatcher"] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self._executor = None
+
+    def matcher(self, constraint: StructuredOutputs) -> "llguidance.LLMatcher":
+        if self._tokenizer is None:
+            raise ValueError("structured_outputs needs the model's tokenizer; this LLM has none")
+        text = constraint.grammar_text
+        with self._lock:
+            if self._ll_tokenizer is None:
+                self._ll_tokenizer = llguidance.hf.from_tokenizer(self._tokenizer)
+                self._executor = llguidance.LLExecutor()
+            compiled = self._compiled.pop(text, None) or llguidance.LLMatcher(self._ll_tokenizer, text)
+            if compiled.is_error():
+                raise ValueError(f"structured_outputs cannot be compiled: {compiled.get_error()}")
+            self._compiled[text] = compiled
+            while len(self._compiled) > self.MAX_CACHED:
+                self._compiled.popitem(last=False)
+        return compiled.deep_copy()
+
+    def masks(self, matchers: list["llguidance.LLMatcher"]) -> np.ndarray:
+        """-> [len(matchers), ceil(tokenizer vocabulary / 32)] int32: each one's next-token bitmask."""
+        masks = llguidance.numpy.allocate_token_bitmask(len(matchers), self._ll_tokenizer.vocab_size)
+        llguidance.numpy.fill_next_token_bitmask_par(self._executor, list(zip(matchers, range(len(matchers)))), masks)
+        return masks

@@ -61,7 +61,7 @@ def test_mixed_and_row_limited_steps_are_one_dispatch_each(qwen3, monkeypatch):
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outs] == expected
     assert calls["mixed"] > 0 and calls["row_limited"] > 0
-    assert all(p in ("prompt", "set_slot") or p.num_steps in (0, llm.decode_steps) for p in llm.runner._compiled)
+    assert all(p in ("prompt", "set_slot") or p.num_steps in (0, 1, llm.decode_steps) for p in llm.runner._compiled)
 
 
 def test_prefix_cache_hits_give_the_same_tokens(qwen3):
@@ -90,9 +90,9 @@ def test_no_compiles_after_warmup_for_any_request_mix(qwen3):
     llm = LLM(folder, dtype="float32", page_size=4, max_model_len=96, max_num_seqs=8, max_num_batched_tokens=64)
     llm.warmup(progress=False)
     compiled = llm.runner.compiles
-    # decode 1..8 rows x 8 steps, the cascade decode at 8 rows, prefill 1 row alone and with 8 decode rows (a mixed
-    # step), prompt logprobs, the token tables
-    assert compiled == len(llm.runner.programs()) == 4 + 1 + 2 + 1 + 1
+    # decode 1..8 rows x 8 steps and x 1 step, the cascade decode at 8 rows, prefill 1 row alone and with 8 decode rows
+    # (a mixed step), prompt logprobs, the token tables and their masks for 1..8 rows
+    assert compiled == len(llm.runner.programs()) == 4 + 4 + 1 + 2 + 1 + 1 + 4
     mix = [GREEDY, SamplingParams(temperature=0.7, top_p=0.9, max_tokens=9, seed=1),
            SamplingParams(temperature=1.0, top_k=5, max_tokens=5), SamplingParams(temperature=0.5, min_p=0.1),
            SamplingParams(temperature=0, presence_penalty=0.5, frequency_penalty=0.3, max_tokens=12),

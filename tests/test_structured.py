@@ -1,0 +1,128 @@
+"""Structured outputs: constrained greedy tokens equal HF's greedy decode under the same llguidance masks, alone, in a
+batch beside unconstrained rows (where tokens drawn after the masked one are kept as far as the grammar allows them)
+and with speculation; sampled tokens equal alone and in a batch; outputs of the default model follow their schemas."""
+import json
+
+import jsonschema
+import llguidance
+import llguidance.hf
+import numpy as np
+import pytest
+import torch
+from conftest import TINY, build_hf_model
+
+from nanojax import LLM, SamplingParams
+from nanojax.default_model import default_checkpoint
+from nanojax.loader import load_hf_tokenizer
+from nanojax.structured import StructuredOutputs
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                           "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2}},
+          "required": ["name", "age"], "additionalProperties": False}
+CONSTRAINTS = [StructuredOutputs(json=PERSON), StructuredOutputs(regex=r"(yes|no), [0-9]{1,3}"),
+               StructuredOutputs(choice=["red", "green", "blue"]),
+               StructuredOutputs(grammar='start: "x=" NUM ("," NUM)*\nNUM: /[0-9]{1,2}/')]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_hf_tokenizer(default_checkpoint())
+
+
+@pytest.fixture(scope="module")
+def tiny(tokenizer, tmp_path_factory):
+    """(folder, HF model): a tiny random Llama over the default model's tokenizer and vocabulary."""
+    hf = build_hf_model({**TINY["llama"], "vocab_size": len(tokenizer)})
+    folder = tmp_path_factory.mktemp("tiny_structured")
+    hf.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder, hf
+
+
+def masked_greedy(hf, tokenizer, prompt: list[int], constraint: StructuredOutputs, max_tokens: int) -> list[int]:
+    """The oracle: HF's greedy tokens, each drawn among those the grammar allows next."""
+    ll = llguidance.hf.from_tokenizer(tokenizer)
+    matcher, ids, out = llguidance.LLMatcher(ll, constraint.grammar_text), list(prompt), []
+    with torch.no_grad():
+        while len(out) < max_tokens and not matcher.is_stopped():
+            logits = hf(torch.tensor([ids])).logits[0, -1].numpy()
+            words = llguidance.numpy.allocate_token_bitmask(1, ll.vocab_size)
+            llguidance.numpy.fill_next_token_bitmask(matcher, words)
+            allowed = np.unpackbits(words.view(np.uint8), bitorder="little")[:logits.shape[0]].astype(bool)
+            token = int(np.argmax(np.where(allowed, logits, -np.inf)))
+            assert matcher.consume_token(token)
+            ids.append(token)
+            out.append(token)
+    return out
+
+
+def test_bad_constraints_are_refused_naming_the_field():
+    for kw, message in [({}, "exactly one"), ({"json": {"type": "nope"}}, "json is not valid"),
+                        ({"regex": "[a-"}, "regex is not valid"), ({"choice": []}, "choice must be"),
+                        ({"json": "{x"}, "json is not JSON"), ({"grammar": "start: nothing"}, "grammar is not valid"),
+                        ({"regex": "a", "choice": ["a"]}, "exactly one")]:
+        with pytest.raises(ValueError, match=message):
+            StructuredOutputs(**kw)
+    with pytest.raises(ValueError, match="unknown keys"):
+        SamplingParams(structured_outputs={"schema": {}})
+
+
+def test_greedy_constrained_tokens_equal_hf_under_the_same_masks(tiny, tokenizer):
+    folder, hf = tiny
+    prompt = tokenizer.encode("Answer:")
+    refs = [masked_greedy(hf, tokenizer, prompt, c, 40) for c in CONSTRAINTS]
+    greedy = [SamplingParams(temperature=0, max_tokens=40, structured_outputs=c) for c in CONSTRAINTS]
+    free = [SamplingParams(temperature=0, max_tokens=40), SamplingParams(temperature=0, max_tokens=40,
+                                                                         presence_penalty=1.0)]
+    with LLM(str(folder), dtype="float32", page_size=4, max_model_len=128) as llm:
+        free_alone = [o.token_ids for o in llm.generate([prompt] * 2, free, use_tqdm=False)]
+        alone = [llm.generate([prompt], p, use_tqdm=False)[0] for p in greedy]
+        # beside unconstrained rows: multi-step dispatches, the constrained rows' later draws checked by the grammar
+        mixed = llm.generate([prompt] * 6, greedy + free, use_tqdm=False)
+    assert [o.token_ids for o in alone] == refs
+    assert [o.token_ids for o in mixed[:4]] == refs and [o.token_ids for o in mixed[4:]] == free_alone
+    assert alone[2].text in ("red", "green", "blue") and alone[2].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("speculation", [None, {"method": "ngram", "num_speculative_tokens": 3}])
+def test_sampled_constrained_tokens_equal_alone_and_in_a_batch(tiny, tokenizer, speculation):
+    folder, _ = tiny
+    prompt = tokenizer.encode("Person:")
+    sampled = [SamplingParams(temperature=1.0, seed=s, max_tokens=30, structured_outputs=StructuredOutputs(json=PERSON),
+                              **filters) for s, filters in ((1, {}), (2, {"top_p": 0.9}), (3, {"logprobs": 2}))]
+    free = SamplingParams(temperature=1.0, seed=4, max_tokens=30)
+    with LLM(str(folder), dtype="float32", page_size=4, max_model_len=128, speculative_config=speculation) as llm:
+        alone = [llm.generate([prompt], p, use_tqdm=False)[0] for p in sampled]
+        mixed = llm.generate([prompt] * 4, [*sampled, free], use_tqdm=False)
+        assert llm.page_manager.num_free_pages == llm.page_manager.num_pages
+    for a, m in zip(alone, mixed):
+        assert a.token_ids == m.token_ids and a.finish_reason == m.finish_reason
+        if a.logprobs:
+            assert [e[0] for e in a.logprobs] == pytest.approx([e[0] for e in m.logprobs], abs=1e-5)
+    for out in alone:
+        if out.finish_reason == "stop":
+            jsonschema.validate(json.loads(out.text), PERSON)
+
+
+def test_default_model_answers_follow_their_schemas():
+    schemas = [PERSON, {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                         "population": {"type": "integer", "minimum": 0}},
+                        "required": ["city", "population"], "additionalProperties": False}]
+    with LLM(max_model_len=512, max_num_seqs=4) as llm:
+        chats = [llm.apply_chat_template([{"role": "user", "content": q}]) for q in (
+            "Describe a person as JSON with a name and an age.", "Give the largest city of France as JSON.")]
+        params = [SamplingParams(temperature=0, max_tokens=80, structured_outputs={"json": s}) for s in schemas]
+        alone = [llm.generate([c], p, use_tqdm=False)[0] for c, p in zip(chats, params)]
+        mixed = llm.generate([*chats, chats[1]], [*params, SamplingParams(temperature=0, max_tokens=40)],
+                             use_tqdm=False)
+    for out, schema in zip(alone, schemas):
+        assert out.finish_reason == "stop"
+        jsonschema.validate(json.loads(out.text), schema)
+    assert [o.token_ids for o in mixed[:2]] == [o.token_ids for o in alone]
+
+
+def test_a_model_without_tokenizer_refuses_constraints(hf_model_dir):
+    folder, _ = hf_model_dir("llama")
+    with LLM(str(folder), dtype="float32", max_model_len=64) as llm, pytest.raises(ValueError, match="tokenizer"):
+        llm.generate([[1, 2, 3]], SamplingParams(structured_outputs={"regex": "a+"}), use_tqdm=False)
