@@ -34,11 +34,11 @@ def _sample(logits, batch, tables, step):
     return sample(logits, batch, tables, step, ops=Ops()).tokens
 
 
-def batch_and_tables(b, bias=None, seen=None, banned=None, vocab_limit=V, **rows):
+def batch_and_tables(b, bias=None, seen=None, banned=None, vocab_limit=V, allowed=None, **rows):
     """A SamplingBatch of b rows with the given per-row fields (a scalar is broadcast to every row), and token
     tables with one slot per row: bias {token: value}, seen {token: count in the output; 0 = prompt only} and
     banned [token ids] per row (a single dict or list is broadcast); the bias -inf from vocab_limit on, in every
-    row (as ModelRunner writes it)."""
+    row (as ModelRunner writes it); allowed: the token ids every row's mask allows (None: all)."""
     fields = {k: np.broadcast_to(np.asarray(v), (b,)).tolist() for k, v in rows.items()}
     counts, flags, biases = (np.zeros((b + 1, V), dt) for dt in (np.int32, np.int8, np.float32))
     for name, per_row in (("bias", bias), ("seen", seen), ("banned", banned)):
@@ -54,7 +54,12 @@ def batch_and_tables(b, bias=None, seen=None, banned=None, vocab_limit=V, **rows
                 else:
                     flags[i, t] |= BANNED
     biases[:, vocab_limit:] = -np.inf
-    tables = TokenTables(jnp.asarray(counts), jnp.asarray(flags), jnp.asarray(biases))
+    bits = np.ones((b + 1, -(-V // 32) * 32), bool)
+    if allowed is not None:
+        bits[:b] = False
+        bits[:b, list(allowed)] = True
+    words = np.packbits(bits, axis=1, bitorder="little").view(np.int32)
+    tables = TokenTables(jnp.asarray(counts), jnp.asarray(flags), jnp.asarray(biases), jnp.asarray(words))
     batch = sampling_batch({**fields, "slots": list(range(b))}, b, tables.neutral)
     return jax.tree.map(jnp.asarray, batch), tables
 
@@ -288,6 +293,20 @@ def test_banned_ids_are_not_drawn_while_ban_steps_last(mode):
                            reference(np.where(np.arange(V) == 6, -np.inf, logits)))
     released = draws(logits=logits, step=3, **rows)
     assert 6 in released.tolist() and (mode == "greedy" or 2 in released.tolist())  # the ban is over
+
+
+def test_a_constraint_mask_holds_for_mask_steps_before_the_filters():
+    allowed = [0, 2, 3, 4, 6]  # not 1 and 5, the likeliest
+    masked = np.where(np.isin(np.arange(V), allowed), LOGITS, -np.inf)
+    rows = dict(allowed=allowed, mask_steps=2, top_p=0.6, temperature=1.0)
+    for step in range(2):
+        assert_matches(draws(step=step, **rows), reference(masked, top_p=0.6),  # masked, then filtered
+                       reference(np.where(reference(LOGITS, top_p=0.6) > 0, masked, -np.inf)))
+    assert 1 in draws(step=2, **rows).tolist()  # its steps are over
+    batch, tables = batch_and_tables(1, allowed=allowed, mask_steps=1, temperature=0.0)
+    out = jax.jit(lambda *a: sample(*a, ops=Ops()))(jnp.asarray(LOGITS[None]), batch, tables, 0)
+    model = LOGITS - np.log(np.exp(LOGITS.astype(np.float64)).sum())
+    assert int(out.tokens[0]) == 3 and float(out.logprobs[0]) == pytest.approx(model[3], abs=1e-5)  # the model's
 
 
 # ---------------------------------------------------------------- end to end through LLM
