@@ -18,13 +18,22 @@ class RopeLlama3:
 
 
 @dataclasses.dataclass(frozen=True)
+class MoE:
+    """Top-k routed SwiGLU experts in place of every layer's MLP (Qwen3-MoE, Mixtral)."""
+
+    num_experts: int
+    top_k: int  # HF num_experts_per_tok
+    norm_topk_prob: bool  # the top k routing weights renormalized to sum 1 (always for Mixtral)
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Everything the decoder needs; the architectures differ only in these flags. Hashable: a static jit argument."""
 
     architecture: str  # HF architectures[0], kept for the manifest and error messages
     vocab_size: int
     hidden_size: int
-    intermediate_size: int
+    intermediate_size: int  # an expert's, for a MoE model
     num_layers: int
     num_heads: int
     num_kv_heads: int
@@ -40,6 +49,7 @@ class ModelConfig:
     rope_theta: float | None  # None: learned absolute positions (GPT-2)
     rope_llama3: RopeLlama3 | None
     tie_word_embeddings: bool
+    moe: MoE | None  # None: a dense MLP
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
 
@@ -90,7 +100,8 @@ def _rope(hf: dict) -> dict:
 
 
 def _decoder(hf: dict) -> dict:
-    """Llama, Qwen2, Qwen3 and ERNIE 4.5: they differ in their biases and Qwen3's q/k norms."""
+    """Llama, Qwen2, Qwen3 and ERNIE 4.5 (and the attention of _moe's): they differ in their biases and Qwen3's q/k
+    norms."""
     if _get(hf, "hidden_act") != "silu":
         raise ConfigError(f"hidden_act={hf['hidden_act']!r} is not supported (silu)")
     model_type = hf["model_type"]
@@ -98,7 +109,8 @@ def _decoder(hf: dict) -> dict:
     # ERNIE 4.5 rotates interleaved (x0, x1) pairs; convert/ permutes its q/k rows to the half-split layout the
     # shared decoder uses, which leaves every q.k product unchanged.
     qkv_bias, o_bias, mlp_bias = {"llama": (bias, bias, bool(hf.get("mlp_bias", False))), "qwen2": (True, False, False),
-                                  "qwen3": (bias, bias, False), "ernie4_5": (bias, bias, bias)}[model_type]
+                                  "qwen3": (bias, bias, False), "ernie4_5": (bias, bias, bias),
+                                  "qwen3_moe": (bias, bias, False), "mixtral": (bias, bias, False)}[model_type]
     heads = _get(hf, "num_attention_heads")
     return {
         "vocab_size": _get(hf, "vocab_size"),
@@ -115,10 +127,26 @@ def _decoder(hf: dict) -> dict:
         "qkv_bias": qkv_bias,
         "o_bias": o_bias,
         "mlp_bias": mlp_bias,
-        "qk_norm": model_type == "qwen3",
+        "qk_norm": model_type in ("qwen3", "qwen3_moe"),
         "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        "moe": None,
         **_rope(hf),
     }
+
+
+def _moe(hf: dict) -> dict:
+    """Qwen3-MoE and Mixtral: _decoder's attention, every layer's MLP a set of routed experts."""
+    qwen = hf["model_type"] == "qwen3_moe"
+    if qwen and (hf.get("mlp_only_layers") or _get(hf, "decoder_sparse_step") != 1):
+        raise ConfigError(f"mlp_only_layers={hf.get('mlp_only_layers')}, decoder_sparse_step="
+                          f"{hf.get('decoder_sparse_step')}: dense MLP layers between the MoE ones are not supported")
+    if hf.get("sliding_window") is not None and hf.get("use_sliding_window", True):  # Mixtral has no such switch
+        raise ConfigError(f"sliding_window={hf['sliding_window']} is not supported (attention sees the whole context)")
+    # Qwen3-MoE's num_experts: transformers 5.2x writes it as Mixtral's num_local_experts
+    moe = MoE(num_experts=_get(hf, "num_local_experts" if "num_local_experts" in hf else "num_experts"),
+              top_k=_get(hf, "num_experts_per_tok"), norm_topk_prob=bool(_get(hf, "norm_topk_prob")) if qwen else True)
+    size = _get(hf, "moe_intermediate_size" if qwen else "intermediate_size")
+    return {**_decoder(hf), "intermediate_size": size, "moe": moe}
 
 
 def _gpt2(hf):
@@ -149,7 +177,9 @@ def _gpt2(hf):
         "rope_theta": None,
         "rope_llama3": None,
         "tie_word_embeddings": True,  # GPT2LMHeadModel always ties lm_head to wte
+        "moe": None,
     }
 
 
-_BUILDERS = {"llama": _decoder, "qwen2": _decoder, "qwen3": _decoder, "ernie4_5": _decoder, "gpt2": _gpt2}
+_BUILDERS = {"llama": _decoder, "qwen2": _decoder, "qwen3": _decoder, "ernie4_5": _decoder, "gpt2": _gpt2,
+             "qwen3_moe": _moe, "mixtral": _moe}

@@ -4,7 +4,7 @@ Every tensor is shape-checked; a missing or unmapped one is an error naming it. 
 the checkpoint's dtype, so a conversion holds one layer in float32 at most. Linear weights go from HF's [out, in] to
 [in, out] (GPT-2's Conv1D already is). An RMSNorm's scale is folded into the rows of the projection after it, which
 then needs only the norm's statistic (pallas_kernels/rmsnorm_matmul.py); GPT-2's LayerNorms, the final norm (the tied
-embedding after it must stay unscaled) and Qwen3's q/k norms stay as they are.
+embedding after it must stay unscaled), Qwen3's q/k norms and the norm before a MoE router stay as they are.
 """
 import collections
 import concurrent.futures
@@ -30,6 +30,9 @@ class _Reader:
     def __init__(self, tensors: Mapping[str, Callable[[], np.ndarray]], prefix: str, label: Callable[[str], str]):
         self.tensors, self.prefix, self.label, self.used = tensors, prefix, label, set()
 
+    def has(self, name: str) -> bool:
+        return self.prefix + name in self.tensors
+
     def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         full = self.prefix + name
         if full not in self.tensors:
@@ -54,8 +57,8 @@ def interleaved_to_halves(w: np.ndarray, heads: int, head_dim: int) -> np.ndarra
     return w.reshape(heads, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(heads * head_dim, *rest)
 
 
-def _llama_layer(r: _Reader, c: ModelConfig, i: int, ernie: bool) -> dict:
-    p, h, d = f"model.layers.{i}.", c.hidden_size, c.head_dim
+def _llama_layer(r: _Reader, c: ModelConfig, i: int, model_type: str) -> dict:
+    p, h, d, ernie = f"model.layers.{i}.", c.hidden_size, c.head_dim, model_type == "ernie4_5"
 
     def halves(w, heads):  # the shared decoder's RoPE layout
         return interleaved_to_halves(w, heads, d) if ernie else w
@@ -63,12 +66,10 @@ def _llama_layer(r: _Reader, c: ModelConfig, i: int, ernie: bool) -> dict:
     q = halves(r.get(p + "self_attn.q_proj.weight", (c.q_size, h)), c.num_heads)
     k = halves(r.get(p + "self_attn.k_proj.weight", (c.kv_size, h)), c.num_kv_heads)
     v = r.get(p + "self_attn.v_proj.weight", (c.kv_size, h))
-    gate_up = np.concatenate([r.get(p + f"mlp.{n}_proj.weight", (c.intermediate_size, h)) for n in ("gate", "up")])
     layer = {
         "qkv": {"w": fold_norm_scale(r.get(p + "input_layernorm.weight", (h,)), np.concatenate([q, k, v]).T)},
         "o": {"w": r.get(p + "self_attn.o_proj.weight", (h, c.q_size)).T},
-        "up": {"w": fold_norm_scale(r.get(p + "post_attention_layernorm.weight", (h,)), gate_up.T)},
-        "down": {"w": r.get(p + "mlp.down_proj.weight", (h, c.intermediate_size)).T},
+        **(_experts(r, c, p, model_type == "mixtral") if c.moe else _mlp(r, c, p)),
     }
     if c.qkv_bias:
         qb = halves(r.get(p + "self_attn.q_proj.bias", (c.q_size,)), c.num_heads)
@@ -76,14 +77,45 @@ def _llama_layer(r: _Reader, c: ModelConfig, i: int, ernie: bool) -> dict:
         layer["qkv"]["b"] = np.concatenate([qb, kb, r.get(p + "self_attn.v_proj.bias", (c.kv_size,))])
     if c.o_bias:
         layer["o"]["b"] = r.get(p + "self_attn.o_proj.bias", (h,))
-    if c.mlp_bias:
-        layer["up"]["b"] = np.concatenate([r.get(p + f"mlp.{n}_proj.bias", (c.intermediate_size,))
-                                           for n in ("gate", "up")])
-        layer["down"]["b"] = r.get(p + "mlp.down_proj.bias", (h,))
     if c.qk_norm:
         layer["q_norm"] = r.get(p + "self_attn.q_norm.weight", (d,))
         layer["k_norm"] = r.get(p + "self_attn.k_norm.weight", (d,))
     return layer
+
+
+def _mlp(r: _Reader, c: ModelConfig, p: str) -> dict:
+    """The dense SwiGLU MLP: {up {w [H, 2I] (gate | up, the norm's scale folded in), b?}, down {w [I, H], b?}}."""
+    h, i = c.hidden_size, c.intermediate_size
+    gate_up = np.concatenate([r.get(p + f"mlp.{n}_proj.weight", (i, h)) for n in ("gate", "up")])
+    mlp = {"up": {"w": fold_norm_scale(r.get(p + "post_attention_layernorm.weight", (h,)), gate_up.T)},
+           "down": {"w": r.get(p + "mlp.down_proj.weight", (h, i)).T}}
+    if c.mlp_bias:
+        mlp["up"]["b"] = np.concatenate([r.get(p + f"mlp.{n}_proj.bias", (i,)) for n in ("gate", "up")])
+        mlp["down"]["b"] = r.get(p + "mlp.down_proj.bias", (h,))
+    return mlp
+
+
+def _experts(r: _Reader, c: ModelConfig, p: str, mixtral: bool) -> dict:
+    """The routed experts: {mlp_norm {scale [H]}, router {w [H, E]}, experts {up {w [E, H, 2I]}, down {w [E, I, H]}}},
+    from the experts stacked as transformers 5 holds them, or one tensor per expert as checkpoints store them
+    (Mixtral's w1 / w3 / w2 under block_sparse_moe). The norm stays apart: the router reads the normalized rows too."""
+    e, h, i = c.moe.num_experts, c.hidden_size, c.intermediate_size
+    stacked = r.has(p + "mlp.experts.down_proj")
+    mlp = p + ("block_sparse_moe." if mixtral and not stacked else "mlp.")
+    if stacked:
+        gate_up = r.get(mlp + "experts.gate_up_proj", (e, 2 * i, h))
+        down = r.get(mlp + "experts.down_proj", (e, h, i))
+    else:
+        gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+
+        def stack(name, shape):
+            return np.stack([r.get(f"{mlp}experts.{j}.{name}.weight", shape) for j in range(e)])
+
+        gate_up = np.concatenate([stack(gate, (i, h)), stack(up, (i, h))], axis=1)
+        down = stack(down, (h, i))
+    return {"mlp_norm": {"scale": r.get(p + "post_attention_layernorm.weight", (h,))},
+            "router": {"w": r.get(mlp + "gate.weight", (e, h)).T},
+            "experts": {"up": {"w": gate_up.swapaxes(1, 2)}, "down": {"w": down.swapaxes(1, 2)}}}
 
 
 def _gpt2_layer(r: _Reader, c: ModelConfig, i: int) -> dict:
@@ -116,7 +148,7 @@ def param_parts(config: ModelConfig, model_type: str, tensors: Mapping[str, Call
     r = _Reader(tensors, prefix, label)
 
     def layer(i: int) -> dict:
-        return _cast(_gpt2_layer(r, c, i) if gpt2 else _llama_layer(r, c, i, ernie=model_type == "ernie4_5"), dtype)
+        return _cast(_gpt2_layer(r, c, i) if gpt2 else _llama_layer(r, c, i, model_type), dtype)
 
     layers = tqdm(_in_order(layer, c.num_layers, threads), total=c.num_layers, desc="converting layers",
                   disable=not progress)
@@ -167,8 +199,12 @@ def param_shapes(config: ModelConfig, dtype) -> dict:
 
     norm = {"scale": ((h,), d), **({"bias": ((h,), d)} if layer_norm else {})}
     up = 2 * i if c.mlp == "swiglu" else i
-    layer = {"qkv": projection(h, q + 2 * kv, c.qkv_bias), "o": projection(q, h, c.o_bias),
-             "up": projection(h, up, c.mlp_bias), "down": projection(i, h, c.mlp_bias)}
+    mlp = {"up": projection(h, up, c.mlp_bias), "down": projection(i, h, c.mlp_bias)}
+    if c.moe:
+        e = c.moe.num_experts
+        mlp = {"mlp_norm": norm, "router": projection(h, e, False),
+               "experts": {"up": {"w": ((e, h, up), d)}, "down": {"w": ((e, i, h), d)}}}
+    layer = {"qkv": projection(h, q + 2 * kv, c.qkv_bias), "o": projection(q, h, c.o_bias), **mlp}
     if layer_norm:  # an RMSNorm's scale is folded into the projection after it
         layer.update(attn_norm=norm, mlp_norm=norm)
     if c.qk_norm:

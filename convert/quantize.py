@@ -4,7 +4,8 @@ weight once, and E4M3 halves bf16's bytes. Each projection {w [K, N], b [N]?} be
     {w_t: float8_e4m3fn [N, K], scale: float32 [N], b [N]?}    w[:, n] ~= w_t[n, :] * scale[n]
 
 HF's [out, in] layout, which XLA's dot reads faster than [K, N] (docs/perf_notes.md, "FP8 weights"). The RMSNorm
-scales folded into the qkv / up weights are quantized with them. Embedding rows and norms keep their dtype.
+scales folded into the qkv / up weights are quantized with them. A MoE layer's experts {w [E, K, N]} become {w_t
+[E, N, K], scale [E, N]}, each expert's columns scaled apart; its router, embedding rows and norms keep their dtype.
 """
 import jax
 import jax.numpy as jnp
@@ -50,21 +51,32 @@ def quantize_weight(w):
 
 
 def dequantize(p, dtype=jnp.float32):
-    """{w_t [N, K], scale [N]} -> the weight [K, N] the FP8 projection stands for, in dtype, for references."""
-    return (p["w_t"].astype(jnp.float32) * p["scale"].astype(jnp.float32)[:, None]).T.astype(dtype)
+    """{w_t [..., N, K], scale [..., N]} -> the weight [..., K, N] the FP8 projection stands for, in dtype, for
+    references."""
+    w = p["w_t"].astype(jnp.float32) * p["scale"].astype(jnp.float32)[..., None]
+    return jnp.swapaxes(w, -1, -2).astype(dtype)
 
 
 def quantize_layer(lp: dict) -> dict:
-    """One layer's params with its projections (qkv, o, up, down) in FP8, the rest as is."""
-    return {**lp, **{name: {k: v for k, v in lp[name].items() if k != "w"} | quantize_weight(lp[name]["w"])
-                     for name in PROJECTIONS}}
+    """One layer's params with its projections (qkv, o, and up, down or the experts') in FP8, the rest as is."""
+    out = {**lp, **{name: _quantized(lp[name]) for name in PROJECTIONS if name in lp}}
+    if "experts" in lp:
+        out["experts"] = {name: _quantized(p) for name, p in lp["experts"].items()}
+    return out
+
+
+def _quantized(p: dict) -> dict:
+    """{w [K, N] or [E, K, N], b?} -> {w_t, scale, b?}; experts one at a time, in one expert's memory."""
+    w = p["w"]
+    return {k: v for k, v in p.items() if k != "w"} | (quantize_weight(w) if w.ndim == 2 else
+                                                       jax.lax.map(quantize_weight, jnp.asarray(w)))
 
 
 def quantize_params(params, config, *, lm_head: bool = True) -> dict:
     """The params with every layer's projections and, if lm_head, the LM head in FP8: params["lm_head"] = {w_t [V, H],
     scale [V]}, for tied embeddings beside params["embed"], which stays for the lookup (the head's share of FP8's
     KL divergence: docs/perf_notes.md, "FP8 weights")."""
-    if any(is_quantized(lp[name]) for lp in params["layers"] for name in PROJECTIONS):
+    if any(is_quantized(lp["qkv"]) for lp in params["layers"]):
         raise ValueError("params are FP8-quantized already")
     layers = tuple(quantize_layer(lp) for lp in params["layers"])
     if not lm_head:

@@ -2,8 +2,9 @@
     embed [V, H]; pos_embed [P, H] (learned positions only); final_norm; lm_head [H, V] (untied only);
     layers: tuple of {attn_norm?, qkv {w [H, q+2kv], b?}, q_norm [D]?, k_norm [D]?, o {w [q, H], b?},
                       mlp_norm?, up {w [H, 2I] (gate|up, swiglu) or [H, I] (gelu), b?}, down {w [I, H], b?}}
-    a norm is {scale [H], bias [H]?}; attn_norm and mlp_norm for LayerNorm (GPT-2) only: convert/ folds an RMSNorm's
-    scale into the projection after it, which computes the norm's statistic.
+                   or, MoE, up and down replaced by router {w [H, E]}, experts {up {w [E, H, 2I]}, down {w [E, I, H]}}
+    a norm is {scale [H], bias [H]?}; attn_norm and mlp_norm for LayerNorm (GPT-2) and before a MoE router only:
+    convert/ folds an RMSNorm's scale into the projection after it, which computes the norm's statistic.
 
 The compiled steps take the params as an argument and build the modules while tracing (`forward`, `lm_logits`), so
 a dispatch flattens a plain dict. In a layer the [B, T] tokens are N = B * T rows; only attention sees [B, T] again.
@@ -17,7 +18,9 @@ import numpy as np
 from flax import nnx
 
 from convert.config import ModelConfig
+from convert.quantize import dequantize
 from nanojax.kv_cache import KVCache
+from nanojax.moe import grouped_swiglu, route
 from nanojax.ops import Ops
 from pallas_kernels.qkv_rope_cache import rope_cos_sin
 from pallas_kernels.rms_norm import rms_norm
@@ -62,6 +65,26 @@ class Projection(nnx.Module):
     def quantized(self) -> bool:
         return self.w_t is not None
 
+    def weight(self, dtype):
+        """w [..., K, N] in dtype, an FP8 one dequantized (the experts' grouped GEMMs have no FP8 kernel)."""
+        return dequantize({"w_t": self.w_t[...], "scale": self.scale[...]}, dtype) if self.quantized else (
+            self.w[...].astype(dtype))
+
+
+class Experts(nnx.Module):
+    """A MoE layer's experts: {up, down} Projections of [E, H, 2I] (gate | up) and [E, I, H] (FP8: per expert)."""
+
+    def __init__(self, p: dict):
+        self.up, self.down = Projection(p["up"]), Projection(p["down"])
+
+    @property
+    def num_experts(self) -> int:
+        return (self.up.w_t if self.up.quantized else self.up.w).shape[0]
+
+    def __call__(self, x, weights, ids):
+        """x: [N, H]; weights, ids: [N, k] each row's experts (ids outside [0, E) skipped) -> [N, H]."""
+        return grouped_swiglu(x, weights, ids, self.up.weight(x.dtype), self.down.weight(x.dtype))
+
 
 class DecoderLayer(nnx.Module):
     """Pre-norm attention and MLP, each with a residual."""
@@ -71,7 +94,9 @@ class DecoderLayer(nnx.Module):
         self.qkv, self.o = Projection(lp["qkv"]), Projection(lp["o"])
         self.q_norm, self.k_norm = _param(lp.get("q_norm")), _param(lp.get("k_norm"))
         self.mlp_norm = Norm(lp["mlp_norm"], config) if "mlp_norm" in lp else None
-        self.up, self.down = Projection(lp["up"]), Projection(lp["down"])
+        moe = "experts" in lp
+        self.router, self.experts = (Projection(lp["router"]), Experts(lp["experts"])) if moe else (None, None)
+        self.up, self.down = (None, None) if moe else (Projection(lp["up"]), Projection(lp["down"]))
 
     def __call__(self, ops: Ops, x, positions, cos_sin, slots, k_pages, v_pages, batch, config: ModelConfig):
         """x: [N, H]; positions, slots: [N]; cos_sin: [N, D] the tokens' RoPE table or None; batch: a Batch of the
@@ -83,6 +108,8 @@ class DecoderLayer(nnx.Module):
                                                  value(self.q_norm), value(self.k_norm), eps=config.norm_eps)
         x = ops.row_project(attention(ops, q, k_pages, v_pages, batch, config), self.o, residual=x)
         h, norm_eps = self._pre_norm(self.mlp_norm, x, config)
+        if self.experts is not None:  # h is normalized: the router reads it too
+            return x + ops.experts(self.experts, h, *route(h, self.router.w[...], config.moe)), k_pages, v_pages
         if config.mlp == "swiglu":
             h = ops.project(h, self.up, norm_eps=norm_eps, activation="silu_mul")
         else:  # GELU runs beside the projection

@@ -64,6 +64,10 @@ class Ops:
         """o_proj / down_proj: x @ w [+ b] + residual (tensor-parallel: partial products summed over the devices)."""
         return self.project(x, p, residual=residual)
 
+    def experts(self, experts, x, weights, ids):
+        """experts (a nanojax.model.Experts)(x, weights, ids) -> [N, H] (tensor-parallel: each device's experts)."""
+        return experts(x, weights, ids)
+
     def run_layer(self, layer, x, positions, cos_sin, slots, k_pages, v_pages, batch, config):
         """Runs layer (a nanojax.model.DecoderLayer) on x; a tensor-parallel Ops runs it per shard."""
         return layer(self, x, positions, cos_sin, slots, k_pages, v_pages, batch, config)

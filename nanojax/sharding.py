@@ -4,7 +4,9 @@ Column-parallel projections (qkv, gate|up) are split by heads / columns, row-par
 device runs the whole layer (kernels or references, under `shard_map`) on its own heads, with two all-reduces (after
 o and after down). Fused layouts are re-ordered at load so that device i holds [q_i | k_i | v_i] and [gate_i | up_i];
 with fewer KV heads than devices each is replicated, so that every device holds the KV heads its q heads read (the
-KV pages have max(Hkv, N) heads). The embedding and LM head are split by vocabulary (padded to a multiple of N with
+KV pages have max(Hkv, N) heads). A MoE layer's experts are split whole instead (expert parallelism): each device
+holds E / N of them, sees every row, runs the rows routed to its experts and the all-reduce after them sums the
+outputs. The embedding and LM head are split by vocabulary (padded to a multiple of N with
 zero rows) under `shard_map` too: one all-reduce of the looked-up rows, one all-gather of the logits. Left to XLA's
 SPMD partitioner, both all-gathered the weights every step (docs/perf_notes.md, "Tensor parallelism").
 """
@@ -39,6 +41,8 @@ def split_axis(names: tuple[str, ...], ndim: int) -> int | None:
     fp8 = names[-1] == "w_t"  # FP8 weights are [N, K] (convert/quantize.py)
     if names[0] == "lm_head":
         return 0 if fp8 else ndim - 1  # w [H, V], an FP8 head's w_t [V, H] and scale [V]: by vocabulary
+    if "experts" in names:
+        return 0  # [E, ...]: by experts
     group = names[-2] if len(names) > 1 else None
     if group in ("qkv", "up"):
         return 0 if fp8 else ndim - 1  # w [H, N'], w_t [N', H], b and scale [N']: by output columns
@@ -81,9 +85,10 @@ class TensorParallel:
         if (kv >= size and kv % size) or (kv < size and size % kv):
             raise ValueError(f"num_kv_heads={kv} and tensor_parallel_size={size}: one must divide the other "
                              "(KV heads are split, or replicated when fewer than the devices)")
-        if config.intermediate_size % size:
-            raise ValueError(f"intermediate_size={config.intermediate_size} is not divisible by "
-                             f"tensor_parallel_size={size}")
+        split, name = (config.moe.num_experts, "num_experts") if config.moe else (config.intermediate_size,
+                                                                                   "intermediate_size")
+        if split % size:
+            raise ValueError(f"{name}={split} is not divisible by tensor_parallel_size={size}")
         return cls(config, Mesh(np.array(devices[:size]), (AXIS,)))
 
     @property
@@ -97,10 +102,11 @@ class TensorParallel:
 
     @functools.cached_property
     def local_config(self) -> ModelConfig:
-        """The model one device runs: its share of the heads and of the intermediate columns."""
+        """The model one device runs: its share of the heads and of the intermediate columns, or of the experts."""
         c, n = self.config, self.size
-        return dataclasses.replace(c, num_heads=c.num_heads // n, num_kv_heads=self.kv_heads // n,
-                                   intermediate_size=c.intermediate_size // n)
+        mlp = ({"moe": dataclasses.replace(c.moe, num_experts=c.moe.num_experts // n)} if c.moe else
+               {"intermediate_size": c.intermediate_size // n})
+        return dataclasses.replace(c, num_heads=c.num_heads // n, num_kv_heads=self.kv_heads // n, **mlp)
 
     @property
     def replicated(self) -> NamedSharding:
@@ -157,6 +163,8 @@ class TensorParallel:
             return np.where(padded < length, padded, -1)
         if "qkv" in names:
             return self._qkv_index()
+        if "experts" in names:
+            return None
         if "up" in names and c.mlp == "swiglu":  # gate | up: device i gets [gate_i | up_i]
             cols = np.arange(c.intermediate_size).reshape(n, -1)
             return np.concatenate([cols, cols + c.intermediate_size], axis=1).ravel()
@@ -198,6 +206,12 @@ class TensorParallelOps(Ops):
         if p.b is not None:
             out = out + p.b[...].astype(out.dtype)
         return out + residual
+
+    def experts(self, experts, x, weights, ids):
+        """Device i holds experts i E / size onwards: it runs the rows routed to them, and the all-reduce sums every
+        device's outputs."""
+        first = jax.lax.axis_index(AXIS) * experts.num_experts
+        return jax.lax.psum(experts(x, weights, ids - first), AXIS)
 
     def run_layer(self, layer, x, positions, cos_sin, slots, k_pages, v_pages, batch, config):
         graphdef, state = nnx.split(layer)

@@ -19,7 +19,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 # Small configs covering each architecture's flags: GQA ratios 1..4, head_dim from config or hidden/heads,
-# tied and untied embeddings, odd vocabulary sizes, biases, Llama 3 rope scaling.
+# tied and untied embeddings, odd vocabulary sizes, biases, Llama 3 rope scaling, top-2 of 8 experts with and without
+# the top-k weights renormalized.
 TINY = {
     "llama": dict(model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, vocab_size=101, tie_word_embeddings=False,
@@ -40,6 +41,13 @@ TINY = {
                      num_attention_heads=4, num_key_value_heads=1, head_dim=16, vocab_size=99, use_bias=True,
                      max_position_embeddings=256),
     "gpt2": dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=95, n_positions=256),
+    "qwen3_moe": dict(model_type="qwen3_moe", hidden_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=89, num_experts=8,
+                      num_experts_per_tok=2, norm_topk_prob=False, tie_word_embeddings=False,
+                      max_position_embeddings=256),
+    "mixtral": dict(model_type="mixtral", hidden_size=64, intermediate_size=48, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, vocab_size=83, num_local_experts=8,
+                    num_experts_per_tok=2, tie_word_embeddings=False, max_position_embeddings=256),
 }
 
 

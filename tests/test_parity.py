@@ -82,7 +82,7 @@ def test_greedy_tokens_match_hf(hf_model_dir, name):
     assert one_by_one == [o.token_ids for o in batched]
 
 
-@pytest.mark.parametrize("name", ["gpt2", "qwen3"])
+@pytest.mark.parametrize("name", ["gpt2", "qwen3", "mixtral"])
 def test_the_modules_state_is_the_converted_params(hf_model_dir, name):
     """The decoder's Flax NNX state holds the converted arrays themselves, at the paths of the params' keys (layers
     by index): loading is handing the params over, nothing copied or renamed."""

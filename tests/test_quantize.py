@@ -136,11 +136,15 @@ def test_params_layout(hf_model_dir, name):
 
 
 def dequantized_layers(layers):
-    """Every FP8 projection's {w_t, scale, b?} replaced by its f32 weight {w, b?}."""
+    """Every FP8 projection's {w_t, scale, b?} (a MoE layer's experts' too) replaced by its f32 weight {w, b?}."""
     def weight(p):
         return {key: v for key, v in p.items() if key not in ("w_t", "scale")} | {"w": dequantize(p)}
 
-    return tuple(lp | {name: weight(lp[name]) for name in PROJECTIONS} for lp in layers)
+    def layer(lp):
+        experts = {"experts": {k: weight(p) for k, p in lp["experts"].items()}} if "experts" in lp else {}
+        return lp | {name: weight(lp[name]) for name in PROJECTIONS if name in lp} | experts
+
+    return tuple(map(layer, layers))
 
 
 def dequantized(params, config):
@@ -166,7 +170,8 @@ def run_model(params, config, ops):
     return np.concatenate(logits)
 
 
-MODELS = ["llama", "llama3", "qwen3", "gpt2"]  # untied, tied with biases, q/k norms, LayerNorm + GELU
+# untied, tied with biases, q/k norms, LayerNorm + GELU, routed experts
+MODELS = ["llama", "llama3", "qwen3", "gpt2", "qwen3_moe"]
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -174,7 +179,7 @@ def test_fp8_model_is_the_dequantized_model(hf_model_dir, name):
     """The FP8 forward (reference ops: dequantize-then-dot, scales after the dot) equals the f32 forward on the
     dequantized weights up to f32 rounding, and stays near the unquantized model. E4M3 rounds each weight by up to
     6.25%, 2.3% RMS on these weights; the LM head alone then moves the logits by 2.4-2.6%, and the tiny models (random
-    weights of std 0.2) measured 3.4% (gpt2), 3.9% (llama), 4.4% (qwen3) and 6.1% (llama3) in all."""
+    weights of std 0.2) measured 3.4% (gpt2), 3.9% (llama), 4.4% (qwen3), 6.1% (llama3) and 3.6% (qwen3_moe) in all."""
     config, params = load_tiny(hf_model_dir, name)
     fp8 = quantize_params(params, config)
     out = run_model(fp8, config, Ops())
