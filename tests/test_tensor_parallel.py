@@ -1,7 +1,7 @@
 """Tensor parallelism (nanojax.sharding) on 8 host devices: sizes 1, 2, 4 and 8 give HF's float32 greedy tokens for
-every architecture, KV heads fewer than the devices included, through prefix-cache hits, chunked prefill and
-preemption; the Pallas kernels per shard in interpret mode; FP8 weights per shard; two all-reduces per layer in
-the compiled decode.
+every dense architecture and Qwen3-MoE (its experts split whole: Mixtral's layer is the same), KV heads fewer than the
+devices included, through prefix-cache hits, chunked prefill and preemption; the Pallas kernels per shard in interpret
+mode; FP8 weights per shard; two all-reduces per layer in the compiled decode.
 
 The host device count is fixed when jax starts, so under the default single device these tests re-run this file in
 subprocesses with NANOJAX_TEST_DEVICES=8 (tests/conftest.py), in three parts of similar work: each part's process
@@ -31,6 +31,7 @@ TP_TINY = {
     "qwen3": dict(TINY["qwen3"], num_attention_heads=8),
     "ernie4_5": dict(TINY["ernie4_5"], num_attention_heads=8),
     "gpt2": dict(TINY["gpt2"], n_head=8),
+    "qwen3_moe": dict(TINY["qwen3_moe"], num_attention_heads=8),  # 8 experts: 1 to 8 per device
 }
 # For the kernels' tests: qwen3 (a head_dim the kernels take) in one layer, since every layer's kernels, interpreted,
 # lengthen each compile, and a second layer checks nothing more of them.
@@ -39,7 +40,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
 
 _GREEDY = "test_greedy_tokens_match_hf_at_every_size"
-PARTS = {"greedy-1": [f"::{_GREEDY}[{name}]" for name in ("ernie4_5", "gpt2", "llama")],
+PARTS = {"greedy-1": [f"::{_GREEDY}[{name}]" for name in ("ernie4_5", "gpt2", "llama", "qwen3_moe")],
          "greedy-2": [f"::{_GREEDY}[{name}]" for name in ("llama3", "qwen2", "qwen3")],
          "rest": ["", "-k", f"not {_GREEDY} and not test_on_8_host_devices"]}
 
@@ -164,7 +165,7 @@ def test_uneven_shapes_are_refused():
 
     from transformers import AutoConfig
 
-    from convert.config import ModelConfig
+    from convert.config import ModelConfig, MoE
 
     spec = dict(TINY["qwen2"])
     qwen2 = ModelConfig.from_hf_config(AutoConfig.for_model(spec.pop("model_type"), **spec).to_dict())
@@ -174,6 +175,8 @@ def test_uneven_shapes_are_refused():
         TensorParallel.create(dataclasses.replace(qwen2, num_heads=6, num_kv_heads=3), 2)
     with pytest.raises(ValueError, match="intermediate_size=84 is not divisible by tensor_parallel_size=8"):
         TensorParallel.create(dataclasses.replace(qwen2, num_heads=8, intermediate_size=84), 8)
+    with pytest.raises(ValueError, match="num_experts=6 is not divisible by tensor_parallel_size=4"):
+        TensorParallel.create(dataclasses.replace(qwen2, num_heads=8, moe=MoE(6, 2, True)), 4)
     with pytest.raises(ValueError, match="tensor_parallel_size=16 but only 8 devices"):
         TensorParallel.create(qwen2, 16)
 
@@ -198,6 +201,27 @@ def test_each_device_holds_only_its_slices(tp_model):
     assert embed.shape == (104, 64)
     np.testing.assert_array_equal(np.asarray(embed)[:101], params["embed"])
     assert not np.asarray(embed)[101:].any()
+
+
+@on_host_devices
+@pytest.mark.parametrize("size", [2, 8])
+def test_experts_are_split_whole(tp_model, size):
+    """Expert parallelism: device i holds experts i E / size onwards whole (FP8 ones with their scales); the router
+    and the norm before it are on every device."""
+    from convert.quantize import quantize_params
+    from nanojax.loader import load_model
+
+    loaded = load_model(tp_model("qwen3_moe")[0], "float32")
+    layer = quantize_params(loaded.params, loaded.config, lm_head=False)["layers"][0]
+    placed = TensorParallel.create(loaded.config, size).place({"layers": (layer,)})["layers"][0]
+    per_device = 8 // size
+    for leaf in ("w_t", "scale"):
+        source = np.asarray(layer["experts"]["up"][leaf], np.float32)
+        for shard in placed["experts"]["up"][leaf].addressable_shards:
+            first = shard.device.id * per_device
+            np.testing.assert_array_equal(np.asarray(shard.data, np.float32), source[first:first + per_device])
+    for name in ("router", "mlp_norm"):
+        assert all(s.data.shape == v.shape for v in jax.tree.leaves(placed[name]) for s in v.addressable_shards)
 
 
 @on_host_devices
