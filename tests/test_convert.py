@@ -228,7 +228,7 @@ def test_transposed_weights_copy_as_numpy_does(shape, src, dst):
     np.testing.assert_array_equal(got.view(f"u{got.itemsize}"), want.view(f"u{want.itemsize}"))
 
 
-@pytest.mark.parametrize("name", ["llama", "llama3", "qwen2", "qwen3", "ernie4_5", "gpt2"])
+@pytest.mark.parametrize("name", ["llama", "llama3", "qwen2", "qwen3", "ernie4_5", "gpt2", "qwen3_moe", "mixtral"])
 def test_param_shapes_are_the_conversions(hf_model_dir, name):
     """param_shapes, known from the config alone, is the tree and the shapes the conversion gives."""
     import jax
@@ -239,3 +239,22 @@ def test_param_shapes_are_the_conversions(hf_model_dir, name):
     config, params = params_from_source(open_source(folder), "bfloat16")
     shapes = param_shapes(config, next(iter(jax.tree.leaves(params))).dtype)
     assert shapes == jax.tree.map(lambda x: (x.shape, x.dtype), params)  # the same nesting, keys and shapes
+
+
+@pytest.mark.parametrize("name,expert", [("qwen3_moe", "mlp.experts.7.up_proj"),
+                                         ("mixtral", "block_sparse_moe.experts.7.w3")])
+def test_experts_stacked_or_one_tensor_each(hf_model_dir, tmp_path, name, expert):
+    """A MoE model's experts convert alike from one tensor per expert (as save_pretrained writes them) and stacked
+    [E, ...] as transformers 5 holds them (its state_dict, which scripts/random_model.py converts); a missing expert's
+    tensor is named."""
+    from convert.keys import hf_to_params
+
+    folder, model = hf_model_dir(name)
+    config, params = params_from_source(open_source(folder), "float32")
+    state = {n: (lambda t=t: t.detach().numpy()) for n, t in model.state_dict().items()}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state
+    _tree_equal(hf_to_params(config, name, state, np.float32), params)
+    broken = _copy_model(folder, tmp_path / "broken")
+    _rewrite(broken, lambda tensors: tensors.pop(f"model.layers.1.{expert}.weight"))
+    with pytest.raises(CheckpointError, match=rf"missing tensor 'model.layers.1.{expert}.weight' \(expected shape"):
+        params_from_source(open_source(broken), "float32")

@@ -4,14 +4,16 @@ import sys
 from pathlib import Path
 
 import jax
+import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
 from random_model import loaded_model, random_hf_model, random_params  # noqa: E402
 
 
-def test_random_params_have_the_converted_tree():
-    drawn = random_params("tiny-llama")
-    converted = loaded_model(random_hf_model("tiny-llama", "bfloat16", device="cpu"), "bfloat16")
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3-moe"])
+def test_random_params_have_the_converted_tree(name):
+    drawn = random_params(name)
+    converted = loaded_model(random_hf_model(name, "bfloat16", device="cpu"), "bfloat16")
     assert drawn.config == converted.config
     shapes = lambda params: jax.tree.map(lambda x: (x.shape, str(x.dtype)), params)  # noqa: E731
     assert shapes(drawn.params) == shapes(converted.params)
