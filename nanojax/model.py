@@ -79,7 +79,7 @@ class Experts(nnx.Module):
 
     @property
     def num_experts(self) -> int:
-        return (self.up.w_t if self.up.quantized else self.up.w).shape[0]
+        return (self.up.w_t if self.up.quantized else self.up.w)[...].shape[0]
 
     def __call__(self, x, weights, ids):
         """x: [N, H]; weights, ids: [N, k] each row's experts (ids outside [0, E) skipped) -> [N, H]."""
