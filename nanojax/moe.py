@@ -1,6 +1,8 @@
-"""The mixture-of-experts MLP (Qwen3-MoE, Mixtral) in plain jnp: a router picks each row's top-k experts, the rows are
-grouped by expert (one sort of the N * k choices) and run through grouped GEMMs (`jax.lax.ragged_dot`), so that a
-small batch reads only its chosen experts' weights; each row's k outputs are then summed with its routing weights."""
+"""The mixture-of-experts MLP (Qwen3-MoE, Mixtral) in plain jnp: a router picks each row's top-k experts, each choice
+runs through its expert's SwiGLU, and each row's k outputs are summed with its routing weights. A step of few rows
+(decode) gathers each choice's expert weights; more rows are grouped by expert (one sort of the N * k choices) for
+grouped GEMMs (`jax.lax.ragged_dot`). Both read only the chosen experts' weights in principle; on an H200 XLA's
+ragged_dot was slower than reading every expert (docs/perf_notes.md, "Mixture of experts")."""
 import jax
 import jax.numpy as jnp
 
@@ -24,16 +26,40 @@ def grouped_swiglu(x, weights, ids, up, down):
     [0, E) (an expert another device holds) adds nothing."""
     n, k = ids.shape
     num_experts = up.shape[0]
-    flat = jnp.where((ids >= 0) & (ids < num_experts), ids, num_experts).reshape(-1)  # others: last, in no group
-    order = jnp.argsort(flat)
-    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    kept = (ids >= 0) & (ids < num_experts)
+    # Gathered, the weights read never exceed the whole set of experts
+    outputs = _gathered if n * k <= num_experts else _grouped
+    out = outputs(x, jnp.where(kept, ids, num_experts).reshape(-1), up, down).reshape(n, k, -1)
+    return jnp.sum(jnp.where(kept[..., None], out * weights[..., None], 0), axis=1).astype(x.dtype)
 
-    def grouped(rows, w):
+
+def _swiglu(gate_up, dtype):
+    """gate_up: [M, 2I] f32 -> [M, I]: silu(gate) * up in dtype (the rows' dtype, as HF's experts round)."""
+    gate, up = jnp.split(gate_up.astype(dtype), 2, axis=-1)
+    return jax.nn.silu(gate) * up
+
+
+def _gathered(x, choices, up, down):
+    """x: [N, H]; choices: [N k] expert ids (E: none) -> [N k, H] f32: each choice's expert weights gathered."""
+    e = jnp.minimum(choices, up.shape[0] - 1)  # none: computed with the last expert, then dropped
+
+    def dot(rows, w):
+        return jnp.einsum("mk,mkn->mn", rows, w.astype(rows.dtype), precision=_HIGHEST,
+                          preferred_element_type=jnp.float32)
+
+    rows = jnp.repeat(x, choices.shape[0] // x.shape[0], axis=0)
+    return dot(_swiglu(dot(rows, up[e]), x.dtype), down[e])
+
+
+def _grouped(x, choices, up, down):
+    """_gathered's result, from the choices grouped by expert (sorted) through grouped GEMMs."""
+    num_experts, k = up.shape[0], choices.shape[0] // x.shape[0]
+    order = jnp.argsort(choices)  # none: last, in no group (ragged_dot leaves those rows zero)
+    group_sizes = jnp.bincount(choices, length=num_experts).astype(jnp.int32)
+
+    def dot(rows, w):
         return jax.lax.ragged_dot(rows, w.astype(rows.dtype), group_sizes, precision=_HIGHEST,
                                   preferred_element_type=jnp.float32)
 
-    gate, up_rows = jnp.split(grouped(x[order // k], up).astype(x.dtype), 2, axis=-1)
-    out = grouped(jax.nn.silu(gate) * up_rows, down)  # [N k, H] in expert order
-    out = jnp.zeros_like(out).at[order].set(out).reshape(n, k, -1)  # back in (row, choice) order
-    kept = (flat < num_experts).reshape(n, k, 1)  # rows past the groups are not computed: select, not multiply
-    return jnp.sum(jnp.where(kept, out * weights[..., None], 0), axis=1).astype(x.dtype)
+    out = dot(_swiglu(dot(x[order // k], up), x.dtype), down)  # [N k, H] in expert order
+    return jnp.zeros_like(out).at[order].set(out)  # back in (row, choice) order
