@@ -67,8 +67,9 @@ class Projection(nnx.Module):
 
     def weight(self, dtype):
         """w [..., K, N] in dtype, an FP8 one dequantized (the experts' grouped GEMMs have no FP8 kernel)."""
-        return dequantize({"w_t": self.w_t[...], "scale": self.scale[...]}, dtype) if self.quantized else (
-            self.w[...].astype(dtype))
+        if self.quantized:
+            return dequantize({"w_t": self.w_t[...], "scale": self.scale[...]}, dtype)
+        return self.w[...].astype(dtype)
 
 
 class Experts(nnx.Module):

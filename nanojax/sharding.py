@@ -5,10 +5,10 @@ device runs the whole layer (kernels or references, under `shard_map`) on its ow
 o and after down). Fused layouts are re-ordered at load so that device i holds [q_i | k_i | v_i] and [gate_i | up_i];
 with fewer KV heads than devices each is replicated, so that every device holds the KV heads its q heads read (the
 KV pages have max(Hkv, N) heads). A MoE layer's experts are split whole instead (expert parallelism): each device
-holds E / N of them, sees every row, runs the rows routed to its experts and the all-reduce after them sums the
-outputs. The embedding and LM head are split by vocabulary (padded to a multiple of N with
-zero rows) under `shard_map` too: one all-reduce of the looked-up rows, one all-gather of the logits. Left to XLA's
-SPMD partitioner, both all-gathered the weights every step (docs/perf_notes.md, "Tensor parallelism").
+holds E / N of them, sees every row, runs the rows routed to its experts, and an all-reduce sums the outputs. The
+embedding and LM head are split by vocabulary (padded to a multiple of N with zero rows) under `shard_map` too: one
+all-reduce of the looked-up rows, one all-gather of the logits. Left to XLA's SPMD partitioner, both all-gathered the
+weights every step (docs/perf_notes.md, "Tensor parallelism").
 """
 import dataclasses
 import functools
@@ -85,8 +85,8 @@ class TensorParallel:
         if (kv >= size and kv % size) or (kv < size and size % kv):
             raise ValueError(f"num_kv_heads={kv} and tensor_parallel_size={size}: one must divide the other "
                              "(KV heads are split, or replicated when fewer than the devices)")
-        split, name = (config.moe.num_experts, "num_experts") if config.moe else (config.intermediate_size,
-                                                                                   "intermediate_size")
+        name = "num_experts" if config.moe else "intermediate_size"  # what each device holds a share of
+        split = config.moe.num_experts if config.moe else config.intermediate_size
         if split % size:
             raise ValueError(f"{name}={split} is not divisible by tensor_parallel_size={size}")
         return cls(config, Mesh(np.array(devices[:size]), (AXIS,)))
