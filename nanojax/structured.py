@@ -58,10 +58,10 @@ class StructuredOutputs:
     def grammar_text(self) -> str:
         """The llguidance grammar (also the key under which its compiled form is cached)."""
         m = llguidance.LLMatcher
-        if self.json is not None:
-            return m.grammar_from_json_schema(self.json)
-        if self.json_object:
-            return m.grammar_from_json_schema({"type": "object"})
+        if self.json is not None or self.json_object:
+            # Whitespace between JSON tokens in runs of at most 32: a small model can loop on it forever otherwise.
+            schema = {"x-guidance": {"whitespace_pattern": r"[\n\t ]{0,32}"}, **(self.json or {"type": "object"})}
+            return m.grammar_from_json_schema(schema)
         if self.regex is not None:
             return m.grammar_from_regex(self.regex)
         if self.choice is not None:

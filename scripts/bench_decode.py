@@ -256,6 +256,15 @@ def make_runner(c, params, tp, kern: str, *, batch: int, num_pages: int, pages_p
     return ModelRunner(c, engine, params, num_pages=num_pages, vocab_limit=c.vocab_size, tensor_parallel=tp)
 
 
+def step_weight_bytes(c, params, wbytes: int, batch: int) -> float:
+    """The weight bytes a decode step of `batch` rows reads: all, or of a MoE model's experts those its rows choose
+    (expected under uniform routing: a share 1 - (1 - k / E)^batch of each layer's)."""
+    if c.moe is None:
+        return wbytes
+    experts = sum(weight_bytes(layer["experts"]) for layer in params["layers"])
+    return wbytes - experts * (1 - c.moe.top_k / c.moe.num_experts) ** batch
+
+
 def run_variant(args, name, kern, c, params, tp, wbytes, kv_token_bytes, results, save):
     """The TTFT, decode and shared-prefix points of one variant (kernels x weights x tensor-parallel size)."""
     def record(point, step_bytes):
@@ -284,7 +293,7 @@ def run_variant(args, name, kern, c, params, tp, wbytes, kv_token_bytes, results
             for steps in args.steps:
                 point = bench_point(runner, batch, context, steps)
                 point.update(batch=batch, context=context, steps=steps, table_tokens=pps * PAGE)
-                record(point, wbytes + batch * context * kv_token_bytes)
+                record(point, step_weight_bytes(c, params, wbytes, batch) + batch * context * kv_token_bytes)
             del runner
     steps = max(args.steps)
     prefixes = args.shared_prefix if kern != "reference" else []  # the cascade reference is for tests
