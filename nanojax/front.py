@@ -48,10 +48,11 @@ class RequestFront:
             raise ValueError(f"token ids must be in [0, {self.config.vocab_size}), got {min(ids)}..{max(ids)}")
         return ids
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """tools: OpenAI's function tools, for a template that renders them."""
         if self.tokenizer is None or not self.tokenizer.chat_template:
             raise ValueError("this model's tokenizer has no chat template")
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+        return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
                                                   return_dict=False)
 
     def check(self, index: int, ids: list[int], params: SamplingParams) -> None:

@@ -32,11 +32,13 @@ from nanojax.engine_io import RequestOutput, RequestStream
 from nanojax.engine_process import EngineProcess, freeze_startup_heap
 from nanojax.front import EngineStats
 from nanojax.llm import LLM
+from nanojax.reasoning import REASONING_PARSERS, ReasoningParser
 from nanojax.sampling_params import SamplingParams
 from nanojax.scheduler import CapacityError
 from nanojax.serve_metrics import ServeMetrics
 from nanojax.serve_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                     error_body)
+from nanojax.tool_calls import ToolCallParser, ToolFormat, forced_call_grammar, template_inputs, tool_format
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,12 +125,45 @@ def _json(value) -> str:
     return json.dumps(value, separators=(",", ":"), allow_nan=False)
 
 
+class _MessageParser:
+    """A chat choice's text as its message's fields (a delta's, streamed): reasoning_content, content, tool_calls."""
+
+    def __init__(self, prompt_tail: str | None, tools: ToolFormat | None):
+        """prompt_tail: the prompt's end, for a reasoning model (else None); tools: the format of calls to parse."""
+        self.reasoning = None if prompt_tail is None else ReasoningParser(prompt_tail)
+        self.tools = None if tools is None else ToolCallParser(tools)
+
+    @property
+    def called(self) -> bool:
+        return bool(self.tools and self.tools.calls)
+
+    def fields(self, text: str, streamed: bool, final: bool) -> dict:
+        """The fields for `text`, the choice's new text (streamed) or all of it; final: the choice has ended."""
+        reasoning, content = self.reasoning.feed(text, final) if self.reasoning else ("", text)
+        content, calls = self.tools.feed(content, final) if self.tools else (content, [])
+        fields = {"content": content}
+        if streamed:  # a delta carries what it adds; a call, whole, under its index among the choice's calls
+            if reasoning:
+                fields["reasoning_content"] = reasoning
+            if calls:
+                first = self.tools.calls - len(calls)
+                fields["tool_calls"] = [{"index": first + k, **call} for k, call in enumerate(calls)]
+            return fields
+        if self.reasoning:
+            fields["reasoning_content"] = reasoning or None
+        if calls:
+            fields.update(content=content.strip() or None, tool_calls=calls)
+        return fields
+
+
 class _Response:
     """Builds one HTTP request's choices (completions or chat) from the engine's events, whole or as chunks."""
 
     def __init__(self, llm, chat: bool, body, model: str, prompts: list[list[int]], echo: list[str | None],
-                 arrival: float):
+                 arrival: float, message_parser=None):
+        """message_parser(): a new _MessageParser, for a chat."""
         self.llm, self.chat, self.body, self.prompts, self.echo, self.arrival = llm, chat, body, prompts, echo, arrival
+        self.message_parser, self.parsers = message_parser, {}  # parsers: choice -> its streamed text's parser
         self.logprobs = bool(body.logprobs) if chat else body.logprobs is not None
         self.head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{_ID_PREFIX}{next(_response_numbers):08x}",
                      "created": int(time.time()), "model": model}
@@ -157,8 +192,12 @@ class _Response:
             if first:
                 fields["prompt_token_ids"] = self.prompts[event.index]
         if self.chat:
-            message = {"role": "assistant", "content": text} if first or not streamed else {"content": text}
-            fields["delta" if streamed else "message"] = message
+            parser = self.parsers.setdefault(i, self.message_parser()) if streamed else self.message_parser()
+            message = parser.fields(text, streamed, final=event.finish_reason is not None)
+            fields["delta" if streamed else "message"] = {"role": "assistant", **message} if first or not streamed \
+                else message
+            if parser.called and event.finish_reason == "stop":
+                fields["finish_reason"] = "tool_calls"
             if self.logprobs:
                 fields["logprobs"] = _chat_logprobs(self.llm, entries)
             return fields
@@ -270,8 +309,10 @@ async def _invalid(_, e: RequestValidationError):
 class _Server:
     """One LLM served under one name (and its aliases): the routes' handlers and what they share."""
 
-    def __init__(self, llm, model_name: str, aliases: tuple[str, ...], limits: ServerLimits):
-        self.llm, self.model_name, self.limits = llm, model_name, limits
+    def __init__(self, llm, model_name: str, aliases: tuple[str, ...], limits: ServerLimits,
+                 reasoning_parser: str | None):
+        self.llm, self.model_name, self.limits, self.reasoning_parser = llm, model_name, limits, reasoning_parser
+        self.tool_format = tool_format(llm.tokenizer and llm.tokenizer.chat_template)
         self.token_limit = limits.max_tokens or llm.max_model_len
         self.names = {model_name, *aliases}
         self.metrics = ServeMetrics()
@@ -300,9 +341,11 @@ class _Server:
         """engine_call(fn) in the tokenizing pool: for what encodes or decodes text a client sent."""
         return await asyncio.get_running_loop().run_in_executor(self.tokenizing, self.engine_call, fn, prompt_field, {})
 
-    async def chat_prompt(self, messages) -> list[int]:
-        return await self.tokenized(lambda: self.llm.apply_chat_template([m.as_template_input() for m in messages]),
-                                    "messages")
+    async def chat_prompt(self, messages, tools=None) -> list[int]:
+        tools = tools and [t.model_dump(exclude_none=True) for t in tools]
+        inputs = [m.as_template_input() for m in messages]
+        return await self.tokenized(lambda: self.llm.apply_chat_template(*template_inputs(self.tool_format, inputs,
+                                                                                          tools)), "messages")
 
     # ----- generation -----
     async def completions(self, body: CompletionRequest, request: Request):
@@ -321,12 +364,15 @@ class _Server:
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         arrival = time.perf_counter()
         self.check_model(body.model)
-        ids = await self.chat_prompt(body.messages)
+        ids = await self.chat_prompt(body.messages, body.tools)
+        # its last tokens show whether the template opened a <think> for the model
+        prompt_tail = self.llm.tokenizer.decode(ids[-4:]) if self.reasoning_parser else None
+        parser = functools.partial(_MessageParser, prompt_tail, self.tool_format if body.parses_tool_calls else None)
         max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
         if max_tokens is None:  # what is left of the context, within the server's limit
             max_tokens = min(max(1, self.llm.max_model_len - len(ids)), self.token_limit)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        response = _Response(self.llm, True, body, self.model_name, [ids], [None], arrival)
+        response = _Response(self.llm, True, body, self.model_name, [ids], [None], arrival, parser)
         return await self.respond(request, response, max_tokens, logprobs)
 
     async def respond(self, request: Request, response: _Response, max_tokens: int, logprobs: int | None,
@@ -337,7 +383,8 @@ class _Server:
             prompt_field = "messages"
             renames = {"logprobs": "top_logprobs",
                        "max_tokens": "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"}
-        params = self.engine_call(lambda: self.sampling_params(body, max_tokens, logprobs, prompt_logprobs),
+        renames["structured_outputs"], constraint = self.constraint(body, response.chat)
+        params = self.engine_call(lambda: self.sampling_params(body, max_tokens, logprobs, prompt_logprobs, constraint),
                                   prompt_field, renames)
         stream = RequestStream(loop=asyncio.get_running_loop())
         request_ids: list[str] = []
@@ -352,8 +399,21 @@ class _Server:
             return _AbortOnClose(_sse(events, response), close)
         return await _collect(request, events, response, close)
 
-    def sampling_params(self, body, max_tokens: int, logprobs: int | None,
-                        prompt_logprobs: int | None) -> SamplingParams:
+    def constraint(self, body, chat: bool) -> tuple[str, dict | None]:
+        """(the field that asks for a constraint on the output, the constraint as StructuredOutputs' fields or None):
+        at most one of structured_outputs, response_format and tool_choice ("required" or a named function) may."""
+        asked = {"structured_outputs": body.structured_outputs,
+                 "response_format": body.response_format and body.response_format.constraint()}
+        if chat and (functions := body.forced_functions()):
+            asked["tool_choice"] = {"grammar": forced_call_grammar(self.tool_format, functions,
+                                                                   body.parallel_tool_calls)}
+        asked = {field: value for field, value in asked.items() if value is not None}
+        if len(asked) > 1:
+            raise RequestError(400, f"{' and '.join(asked)} each constrain the output: give one", list(asked)[1])
+        return next(iter(asked.items()), ("structured_outputs", None))
+
+    def sampling_params(self, body, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None,
+                        constraint: dict | None) -> SamplingParams:
         """SamplingParams from the request's fields; past the server's limits (or a malformed logit_bias): 400."""
         if max_tokens > self.token_limit:
             raise RequestError(400, f"max_tokens={max_tokens} is more than this server allows ({self.token_limit})",
@@ -368,7 +428,8 @@ class _Server:
         given = {name: getattr(body, name) for name in _SAMPLING_FIELDS if getattr(body, name, None) is not None}
         return SamplingParams(**{**given, "top_k": 0 if body.top_k == -1 else body.top_k, "max_tokens": max_tokens,
                                  "stop_token_ids": tuple(body.stop_token_ids or ()), "stop": body.stop or (),
-                                 "logit_bias": bias or None, "logprobs": logprobs, "prompt_logprobs": prompt_logprobs})
+                                 "logit_bias": bias or None, "logprobs": logprobs, "prompt_logprobs": prompt_logprobs,
+                                 "structured_outputs": constraint})
 
     def add_requests(self, response: _Response, params: SamplingParams, stream: RequestStream,
                      request_ids: list[str]) -> None:
@@ -450,10 +511,11 @@ class _Server:
 
 
 def build_app(llm, model_name: str, *, aliases: tuple[str, ...] = (), api_key: str | None = None,
-              limits: ServerLimits = ServerLimits(), on_shutdown=None) -> FastAPI:
+              limits: ServerLimits = ServerLimits(), reasoning_parser: str | None = None, on_shutdown=None) -> FastAPI:
     """The app serving `llm` (an LLM or an EngineProcess) as `model_name` (requests may also name it by one of
-    `aliases`); on_shutdown() runs when the server shuts down (uvicorn then re-raises the signal)."""
-    server = _Server(llm, model_name, aliases, limits)
+    `aliases`); reasoning_parser: one of REASONING_PARSERS, to return the thinking as reasoning_content;
+    on_shutdown() runs when the server shuts down (uvicorn then re-raises the signal)."""
+    server = _Server(llm, model_name, aliases, limits, reasoning_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(_):
@@ -607,6 +669,8 @@ def parse_args(argv=None):
     p.add_argument("--max-prompts", type=int, default=limits.max_prompts, help="prompts per completions request")
     p.add_argument("--engine-in-process", action="store_true", help="run the engine loop in the server's process "
                    "(default: a process of its own, so that HTTP work and the loop do not share one GIL)")
+    p.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                   help="return a reasoning model's <think> text as reasoning_content (default: as content)")
     p.add_argument("--log-level", default="info")
     return p.parse_args(argv)
 
@@ -623,6 +687,7 @@ def main(argv=None) -> None:
     limits = ServerLimits(args.max_body_bytes, args.max_n, args.max_tokens_limit, args.max_prompts)
     name, *aliases = served_names(args.model, args.served_model_name)
     app = build_app(engine, name, aliases=tuple(aliases), api_key=args.api_key, limits=limits,
+                    reasoning_parser=args.reasoning_parser,
                     on_shutdown=engine.close if isinstance(engine, EngineProcess) else None)
     freeze_startup_heap()
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

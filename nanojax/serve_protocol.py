@@ -1,8 +1,9 @@
 """The OpenAI-compatible request bodies the server accepts (pydantic; vLLM's extra fields too), and OpenAI's errors.
 
 Unknown fields and loose types (numeric strings, booleans as numbers, infinities, NaN) are refused rather than
-ignored or guessed at: a client that sends `tools` learns that this server does not do them.
+ignored or guessed at: a client that sends a field this server does not do learns so.
 """
+import json
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
@@ -17,7 +18,14 @@ def _valid_unicode(text: str) -> str:
     return text
 
 
+def _json_object(text: str) -> str:
+    if not isinstance(json.loads(text), dict):  # a JSONDecodeError is a ValueError too
+        raise ValueError("not a JSON object")
+    return text
+
+
 Text = Annotated[str, AfterValidator(_valid_unicode)]  # text that reaches the tokenizer
+JsonObjectText = Annotated[str, AfterValidator(_json_object)]
 
 
 class _Body(BaseModel):
@@ -26,6 +34,30 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Body):
+    name: str
+    description: str | None = None
+    json_schema: dict = Field(alias="schema")  # `schema` would shadow pydantic's method
+    strict: bool | None = None  # accepted: the schema is always enforced
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema goes with type 'json_schema', and only with it")
+        return self
+
+    def constraint(self) -> dict | None:
+        """As StructuredOutputs' fields (None: any text)."""
+        if self.type == "json_schema":
+            return {"json": self.json_schema.json_schema}
+        return {"json_object": True} if self.type == "json_object" else None
 
 
 class _Sampling(_Body):
@@ -52,6 +84,8 @@ class _Sampling(_Body):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     return_token_ids: bool = False  # vLLM's: each choice also carries its token ids (prompt's in the first chunk)
+    structured_outputs: dict | None = None  # vLLM's: StructuredOutputs' fields
+    response_format: ResponseFormat | None = None  # vLLM takes it on completions too
 
 
 class CompletionRequest(_Sampling):
@@ -65,14 +99,55 @@ class TextPart(_Body):
     text: Text
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: JsonObjectText
+
+
+class ToolCall(_Body):  # an assistant's, sent back in the history
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's
+    tool_call_id: str | None = None  # a tool's result: of which call
 
     def as_template_input(self) -> dict:
+        """The message as chat templates take it: text content, calls' arguments as dicts (vLLM's)."""
         text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
-        return {"role": self.role, "content": text}
+        message = {"role": self.role, "content": text}
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
+                "name": c.function.name, "arguments": json.loads(c.function.arguments)}} for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+class Function(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema
+    strict: bool | None = None  # accepted: a forced call's arguments always follow the schema
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: Function
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(_Sampling):
@@ -80,12 +155,32 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice = "auto"
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
         return self
+
+    @model_validator(mode="after")
+    def _tool_choice_among_tools(self):
+        if self.tool_choice not in ("none", "auto") and not self.forced_functions():
+            raise ValueError("tool_choice asks for a call of a function not among tools")
+        return self
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def forced_functions(self) -> list[dict]:
+        """The functions of which tool_choice makes the model call one (none: it may answer in text)."""
+        if self.tool_choice in ("none", "auto"):
+            return []
+        named = None if self.tool_choice == "required" else self.tool_choice.function.name
+        return [t.function.model_dump(exclude_none=True) for t in self.tools or () if named in (None, t.function.name)]
 
 
 class TokenizeRequest(_Body):

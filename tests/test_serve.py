@@ -210,7 +210,7 @@ def test_bad_chat_requests_and_bodies(server, client):
               "top_logprobs"),
              ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
               "max_completion_tokens"),
-             ({"messages": [{"role": "user", "content": "x"}], "tools": []}, "tools")]
+             ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "web_search"}]}, "tools")]
     for body, param in cases:
         r = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=auth)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
