@@ -133,10 +133,6 @@ class _MessageParser:
         self.reasoning = None if prompt_tail is None else ReasoningParser(prompt_tail)
         self.tools = None if tools is None else ToolCallParser(tools)
 
-    @property
-    def called(self) -> bool:
-        return bool(self.tools and self.tools.calls)
-
     def fields(self, text: str, streamed: bool, final: bool) -> dict:
         """The fields for `text`, the choice's new text (streamed) or all of it; final: the choice has ended."""
         reasoning, content = self.reasoning.feed(text, final) if self.reasoning else ("", text)
@@ -196,7 +192,7 @@ class _Response:
             message = parser.fields(text, streamed, final=event.finish_reason is not None)
             fields["delta" if streamed else "message"] = {"role": "assistant", **message} if first or not streamed \
                 else message
-            if parser.called and event.finish_reason == "stop":
+            if parser.tools and parser.tools.calls and event.finish_reason == "stop":
                 fields["finish_reason"] = "tool_calls"
             if self.logprobs:
                 fields["logprobs"] = _chat_logprobs(self.llm, entries)
@@ -367,7 +363,8 @@ class _Server:
         ids = await self.chat_prompt(body.messages, body.tools)
         # its last tokens show whether the template opened a <think> for the model
         prompt_tail = self.llm.tokenizer.decode(ids[-4:]) if self.reasoning_parser else None
-        parser = functools.partial(_MessageParser, prompt_tail, self.tool_format if body.parses_tool_calls else None)
+        calls = self.tool_format if body.tools and body.tool_choice != "none" else None  # "none": left as text
+        parser = functools.partial(_MessageParser, prompt_tail, calls)
         max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
         if max_tokens is None:  # what is left of the context, within the server's limit
             max_tokens = min(max(1, self.llm.max_model_len - len(ids)), self.token_limit)

@@ -141,13 +141,9 @@ class Tool(_Body):
     function: Function
 
 
-class FunctionName(_Body):
-    name: str
-
-
 class NamedToolChoice(_Body):
     type: Literal["function"]
-    function: FunctionName
+    function: Function  # its name
 
 
 class ChatCompletionRequest(_Sampling):
@@ -170,10 +166,6 @@ class ChatCompletionRequest(_Sampling):
         if self.tool_choice not in ("none", "auto") and not self.forced_functions():
             raise ValueError("tool_choice asks for a call of a function not among tools")
         return self
-
-    @property
-    def parses_tool_calls(self) -> bool:
-        return bool(self.tools) and self.tool_choice != "none"
 
     def forced_functions(self) -> list[dict]:
         """The functions of which tool_choice makes the model call one (none: it may answer in text)."""

@@ -9,13 +9,13 @@ from nanojax.reasoning import held_back
 
 @dataclasses.dataclass(frozen=True)
 class ToolFormat:
-    """A call is JSON {"name": ..., args_key: {...}} between `open` and `close`; calls are joined by `separator`.
-    native: the chat template renders the tools, the calls and their results itself."""
+    """A call is JSON {"name": ..., args_key: {...}} between `open` and `close`; calls are joined by `separator` (None:
+    one call only). native: the chat template renders the tools, the calls and their results itself."""
 
     open: str
     close: str
     args_key: str
-    separator: str
+    separator: str | None
     native: bool
 
 
@@ -23,7 +23,7 @@ def tool_format(chat_template: str | None) -> ToolFormat:
     """Hermes' `<tool_call>` tags (Qwen's), Llama 3's bare JSON, or for a template without tools, Hermes' in text."""
     template = chat_template or ""
     if "ipython" in template and "<tool_call>" not in template:
-        return ToolFormat("", "", "parameters", "; ", native=True)
+        return ToolFormat("", "", "parameters", None, native=True)  # its template renders one call a turn
     return ToolFormat("<tool_call>\n", "\n</tool_call>", "arguments", "\n", native="<tool_call>" in template)
 
 
@@ -60,12 +60,12 @@ def call_text(fmt: ToolFormat, name: str, arguments: dict) -> str:
 
 def forced_call_grammar(fmt: ToolFormat, functions: list[dict], parallel: bool) -> str:
     """A Lark grammar (llguidance's) for a call of one of `functions` (OpenAI's: name, parameters), or with `parallel`
-    one or more, whose arguments follow the function's parameters schema."""
+    one or more where the format allows, whose arguments follow the function's parameters schema."""
     schema = {"anyOf": [{"type": "object", "required": ["name", fmt.args_key], "additionalProperties": False,
                          "properties": {"name": {"const": f["name"]},
                                         fmt.args_key: f.get("parameters") or {"type": "object"}}}
                         for f in functions]}
-    more = f" ({json.dumps(fmt.separator)} call)*" if parallel else ""
+    more = f" ({json.dumps(fmt.separator)} call)*" if parallel and fmt.separator is not None else ""
     return f"start: call{more}\ncall: {json.dumps(fmt.open)} %json {json.dumps(schema)} {json.dumps(fmt.close)}"
 
 
@@ -103,48 +103,26 @@ class ToolCallParser:
             self.pending = self.pending[keep:]
 
     def _take(self, piece: str, closed_by: str, texts: list[str], calls: list[dict]) -> None:
-        call = _call(_json_or_none(piece), self.fmt) if self.in_call else None
-        if call:
-            calls.append(call)
-        else:
-            texts.append(self.open_tag + piece + closed_by if self.in_call else piece)
+        call = _call(piece, self.fmt) if self.in_call else None
+        text = self.open_tag + piece + closed_by if self.in_call else piece
+        (calls if call else texts).append(call or text)
 
     def _bare(self, final: bool, texts: list[str], calls: list[dict]) -> None:
         if self.in_call is None and self.pending.strip():
             self.in_call = self.pending.lstrip().startswith("{")
-        if self.in_call is not False and not final:  # calls end with the output
+        if self.in_call is not False and not final:  # a call ends with the output
             return
-        found = _bare_calls(self.pending, self.fmt) if self.in_call else None
-        calls += found or []
-        texts += [] if found else [self.pending]
+        call = _call(self.pending, self.fmt) if self.in_call else None
+        (calls if call else texts).append(call or self.pending)
         self.pending = ""
 
 
-def _json_or_none(text: str):
+def _call(text: str, fmt: ToolFormat) -> dict | None:
+    """The call OpenAI's way from its JSON text, or None where it is not one."""
     try:
-        return json.loads(text)
+        value = json.loads(text)
     except ValueError:
         return None
-
-
-def _bare_calls(text: str, fmt: ToolFormat) -> list[dict] | None:
-    """Calls as JSON objects joined by the format's separator, or None where `text` is not that."""
-    decoder, calls, at, text = json.JSONDecoder(), [], 0, text.strip()
-    while at < len(text):
-        try:
-            value, at = decoder.raw_decode(text, at)
-        except ValueError:
-            return None
-        if not (call := _call(value, fmt)):
-            return None
-        calls.append(call)
-        rest = text[at:].lstrip().removeprefix(fmt.separator.strip()).lstrip()
-        at = len(text) - len(rest)
-    return calls
-
-
-def _call(value, fmt: ToolFormat) -> dict | None:
-    """The call OpenAI's way from its JSON value, or None where it is not one."""
     if not (isinstance(value, dict) and isinstance(value.get("name"), str)
             and isinstance(arguments := value.get(fmt.args_key, {}), dict)):
         return None
