@@ -363,8 +363,8 @@ class _Server:
         ids = await self.chat_prompt(body.messages, body.tools)
         # its last tokens show whether the template opened a <think> for the model
         prompt_tail = self.llm.tokenizer.decode(ids[-4:]) if self.reasoning_parser else None
-        calls = self.tool_format if body.tools and body.tool_choice != "none" else None  # "none": left as text
-        parser = functools.partial(_MessageParser, prompt_tail, calls)
+        call_format = self.tool_format if body.tools and body.tool_choice != "none" else None  # "none": calls as text
+        parser = functools.partial(_MessageParser, prompt_tail, call_format)
         max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
         if max_tokens is None:  # what is left of the context, within the server's limit
             max_tokens = min(max(1, self.llm.max_model_len - len(ids)), self.token_limit)
@@ -380,6 +380,7 @@ class _Server:
             prompt_field = "messages"
             renames = {"logprobs": "top_logprobs",
                        "max_tokens": "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"}
+        # StructuredOutputs' errors name the field that asked for the constraint
         renames["structured_outputs"], constraint = self.constraint(body, response.chat)
         params = self.engine_call(lambda: self.sampling_params(body, max_tokens, logprobs, prompt_logprobs, constraint),
                                   prompt_field, renames)
