@@ -2,8 +2,8 @@
 on the embedded default model (SmolLM2-135M-Instruct, greedy), whose chat template renders no tools: they go in a
 system message, and calls come back in Hermes' `<tool_call>` tags.
 
-Outputs must follow their constraint: the engine enforces it (the tests of the model's outputs need that). Calls and
-reasoning parsed out of text, and the refusals, run on replies scripted in place of the model's.
+The tests of the model's outputs (the first four) need the engine to enforce the constraints (llguidance's masks).
+Calls and reasoning parsed out of text, and the refusals, run on replies scripted in place of the model's.
 """
 import asyncio
 import json
