@@ -68,7 +68,7 @@ def test_projection_kernel_rows():
         assert ("pallas_call" in jaxpr) == kernel, (rows, norm_eps)
 
 
-@pytest.mark.parametrize("name", ARCHS)
+@pytest.mark.parametrize("name", [n for n in ARCHS if n != "mixtral"])  # one MoE model through the engine
 def test_greedy_tokens_match_hf(hf_model_dir, name):
     folder, model = hf_model_dir(name)
     llm = LLM(str(folder), dtype="float32", page_size=8, max_model_len=128, decode_steps=4)
