@@ -82,9 +82,10 @@ class Experts(nnx.Module):
     def num_experts(self) -> int:
         return (self.up.w_t if self.up.quantized else self.up.w)[...].shape[0]
 
-    def __call__(self, x, weights, ids):
-        """x: [N, H]; weights, ids: [N, k] each row's experts (ids outside [0, E) skipped) -> [N, H]."""
-        return grouped_swiglu(x, weights, ids, self.up.weight(x.dtype), self.down.weight(x.dtype))
+    def __call__(self, x, weights, ids, matmul):
+        """x: [N, H]; weights, ids: [N, k] each row's experts (ids outside [0, E) skipped) -> [N, H]; matmul:
+        pallas_kernels.expert_matmul's contract."""
+        return grouped_swiglu(x, weights, ids, self.up.weight(x.dtype), self.down.weight(x.dtype), matmul)
 
 
 class DecoderLayer(nnx.Module):

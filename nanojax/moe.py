@@ -2,11 +2,13 @@
 runs through its expert's SwiGLU, and each row's k outputs are summed with its routing weights. A step of few rows
 (decode) gathers each choice's expert weights; more rows are grouped by expert (one sort of the N * k choices) for
 grouped GEMMs (`jax.lax.ragged_dot`). Both read only the chosen experts' weights in principle; on an H200 XLA's
-ragged_dot was slower than reading every expert (docs/perf_notes.md, "Mixture of experts")."""
+ragged_dot was slower than reading every expert, and the gathered products want a kernel
+(pallas_kernels/expert_matmul.py; docs/perf_notes.md, "Mixture of experts")."""
 import jax
 import jax.numpy as jnp
 
 from convert.config import MoE
+from pallas_kernels.expert_matmul import expert_matmul_reference
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -20,16 +22,17 @@ def route(h, router, moe: MoE):
     return (weights / weights.sum(axis=-1, keepdims=True) if moe.norm_topk_prob else weights), ids
 
 
-def grouped_swiglu(x, weights, ids, up, down):
+def grouped_swiglu(x, weights, ids, up, down, matmul=expert_matmul_reference):
     """x: [N, H]; weights, ids: [N, k] each row's experts and their weights; up: [E, H, 2I] (gate | up); down:
     [E, I, H] -> [N, H]: sum over j of weights[:, j] * down_e(silu(gate_e(x)) * up_e(x)), e = ids[:, j]. An id outside
-    [0, E) (an expert another device holds) adds nothing."""
+    [0, E) (an expert another device holds) adds nothing. matmul: expert_matmul's contract, for few rows."""
     n, k = ids.shape
     num_experts = up.shape[0]
     kept = (ids >= 0) & (ids < num_experts)
-    # Gathered, the weights read never exceed the whole set of experts
-    outputs = _gathered if n * k <= num_experts else _grouped
-    out = outputs(x, jnp.where(kept, ids, num_experts).reshape(-1), up, down).reshape(n, k, -1)
+    choices = jnp.where(kept, ids, num_experts).reshape(-1)
+    # Few rows gather their experts (never more weights than the whole set); more are grouped by expert.
+    out = (_gathered(x, choices, up, down, matmul) if n * k <= num_experts else _grouped(x, choices, up, down))
+    out = out.reshape(n, k, -1)
     return jnp.sum(jnp.where(kept[..., None], out * weights[..., None], 0), axis=1).astype(x.dtype)
 
 
@@ -39,16 +42,11 @@ def _swiglu(gate_up, dtype):
     return jax.nn.silu(gate) * up
 
 
-def _gathered(x, choices, up, down):
-    """x: [N, H]; choices: [N k] expert ids (E: none) -> [N k, H] f32: each choice's expert weights gathered."""
+def _gathered(x, choices, up, down, matmul):
+    """x: [N, H]; choices: [N k] expert ids (E: none) -> [N k, H] f32: each choice through its expert's weights."""
     e = jnp.minimum(choices, up.shape[0] - 1)  # none: computed with the last expert, then dropped
-
-    def dot(rows, w):
-        return jnp.einsum("mk,mkn->mn", rows, w.astype(rows.dtype), precision=_HIGHEST,
-                          preferred_element_type=jnp.float32)
-
     rows = jnp.repeat(x, choices.shape[0] // x.shape[0], axis=0)
-    return dot(_swiglu(dot(rows, up[e]), x.dtype), down[e])
+    return matmul(_swiglu(matmul(rows, up, e), x.dtype), down, e)
 
 
 def _grouped(x, choices, up, down):

@@ -211,7 +211,7 @@ class TensorParallelOps(Ops):
         """Device i holds experts i E / size onwards: it runs the rows routed to them, and the all-reduce sums every
         device's outputs."""
         first = jax.lax.axis_index(AXIS) * experts.num_experts
-        return jax.lax.psum(experts(x, weights, ids - first), AXIS)
+        return jax.lax.psum(super().experts(experts, x, weights, ids - first), AXIS)
 
     def run_layer(self, layer, x, positions, cos_sin, slots, k_pages, v_pages, batch, config):
         graphdef, state = nnx.split(layer)
