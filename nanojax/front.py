@@ -48,12 +48,17 @@ class RequestFront:
             raise ValueError(f"token ids must be in [0, {self.config.vocab_size}), got {min(ids)}..{max(ids)}")
         return ids
 
-    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        """tools: OpenAI's function tools, for a template that renders them."""
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
+                            template_kwargs: dict | None = None) -> list[int]:
+        """tools: OpenAI's function tools, for a template that renders them; template_kwargs: the template's own
+        variables (vLLM's chat_template_kwargs, e.g. Qwen3's enable_thinking)."""
         if self.tokenizer is None or not self.tokenizer.chat_template:
             raise ValueError("this model's tokenizer has no chat template")
+        if taken := set(template_kwargs or ()) & {"tools", "add_generation_prompt", "tokenize", "return_dict",
+                                                   "conversation", "messages"}:
+            raise ValueError(f"chat_template_kwargs may not set {sorted(taken)}")
         return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
-                                                  return_dict=False)
+                                                  return_dict=False, **(template_kwargs or {}))
 
     def check(self, index: int, ids: list[int], params: SamplingParams) -> None:
         """ValueError naming what is wrong when prompt `index` (encoded) cannot run with `params`."""

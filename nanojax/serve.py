@@ -337,11 +337,12 @@ class _Server:
         """engine_call(fn) in the tokenizing pool: for what encodes or decodes text a client sent."""
         return await asyncio.get_running_loop().run_in_executor(self.tokenizing, self.engine_call, fn, prompt_field, {})
 
-    async def chat_prompt(self, messages, tools=None) -> list[int]:
-        tools = tools and [t.model_dump(exclude_none=True) for t in tools]
-        inputs = [m.as_template_input() for m in messages]
-        return await self.tokenized(lambda: self.llm.apply_chat_template(*template_inputs(self.tool_format, inputs,
-                                                                                          tools)), "messages")
+    async def chat_prompt(self, body) -> list[int]:
+        """The prompt of a chat request, or of /tokenize's messages: its messages, tools and template variables."""
+        tools = body.tools and [t.model_dump(exclude_none=True) for t in body.tools]
+        inputs = [m.as_template_input() for m in body.messages]
+        return await self.tokenized(lambda: self.llm.apply_chat_template(
+            *template_inputs(self.tool_format, inputs, tools), body.chat_template_kwargs), "messages")
 
     # ----- generation -----
     async def completions(self, body: CompletionRequest, request: Request):
@@ -360,7 +361,7 @@ class _Server:
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         arrival = time.perf_counter()
         self.check_model(body.model)
-        ids = await self.chat_prompt(body.messages, body.tools)
+        ids = await self.chat_prompt(body)
         # its last tokens show whether the template opened a <think> for the model
         prompt_tail = self.llm.tokenizer.decode(ids[-4:]) if self.reasoning_parser else None
         call_format = self.tool_format if body.tools and body.tool_choice != "none" else None  # "none": calls as text
@@ -490,7 +491,7 @@ class _Server:
         self.check_model(body.model)
         tokenizer = self.llm.tokenizer
         if body.messages is not None:
-            ids = await self.chat_prompt(body.messages)
+            ids = await self.chat_prompt(body)
         elif tokenizer is None:
             raise RequestError(400, "this model has no tokenizer", "prompt")
         else:

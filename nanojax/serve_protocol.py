@@ -4,7 +4,7 @@ Unknown fields and loose types (numeric strings, booleans as numbers, infinities
 ignored or guessed at: a client that sends a field this server does not do learns so.
 """
 import json
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
@@ -154,6 +154,7 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice = "auto"
     parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self):
@@ -179,6 +180,8 @@ class TokenizeRequest(_Body):
     model: str | None = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = True
 
     @model_validator(mode="after")

@@ -354,3 +354,18 @@ def test_a_pool_too_small_for_one_sequence_is_an_error_naming_the_knobs(qwen3, m
     monkeypatch.setattr(llm_module, "_device_limit", lambda: 1 << 16)  # a 64 KiB device
     with pytest.raises(ValueError, match=r"one sequence of max_model_len=96 needs 24.*memory_fraction.*num_pages"):
         LLM(qwen3[0], dtype="float32", page_size=4, max_model_len=96)
+
+
+
+def test_chat_template_variables_reach_the_template(llm_with_text):
+    tokenizer, chat = llm_with_text.tokenizer, [{"role": "user", "content": "the"}]
+    before, tokenizer.chat_template = tokenizer.chat_template, (
+        "{{ messages[0]['content'] }}{% if enable_thinking is false %}ab{% endif %}")
+    try:
+        assert llm_with_text.apply_chat_template(chat) == tokenizer.encode("the")
+        assert llm_with_text.apply_chat_template(chat, template_kwargs={"enable_thinking": False}) == tokenizer.encode(
+            "theab")
+        with pytest.raises(ValueError, match=r"chat_template_kwargs may not set \['tools'\]"):
+            llm_with_text.apply_chat_template(chat, template_kwargs={"tools": []})
+    finally:
+        tokenizer.chat_template = before

@@ -338,6 +338,11 @@ def test_models_health_metrics_tokenize(llm, server, client):
                    headers=AUTH).json()
     assert r["tokens"] == llm.apply_chat_template([{"role": "user", "content": "hi"}]) and r["count"] == len(
         r["tokens"])
+    chat = {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"enable_thinking": False}}
+    assert httpx.post(f"{server.url}/tokenize", json=chat, headers=AUTH).status_code == 200  # vLLM's template variables
+    chat["chat_template_kwargs"] = {"tokenize": False}
+    r = httpx.post(f"{server.url}/tokenize", json=chat, headers=AUTH)
+    assert r.status_code == 400 and "chat_template_kwargs may not set ['tokenize']" in r.text
     r = httpx.post(f"{server.url}/tokenize", json={"prompt": "the ab"}, headers=AUTH).json()
     assert r["tokens"] == llm.tokenizer.encode("the ab")
     assert httpx.post(f"{server.url}/detokenize", json={"tokens": [97]}, headers=AUTH).status_code == 400
