@@ -67,7 +67,7 @@ class LLM(RequestFront):
         # Device buffers the caller handed over (a LoadedModel of device arrays): close() leaves them alone.
         callers_buffers = buffer_addresses(model.params) if isinstance(model, LoadedModel) else frozenset()
         params, tp = _placed(loaded.params, self.config, engine, several)
-        draft = _draft(engine, self.config, sharded) if drafted else None
+        draft = _draft(engine, self.config, tp) if drafted else None
         if draft is not None:
             params = {**params, "draft": draft.params}
         draft_config = draft.config if draft else None
@@ -270,12 +270,12 @@ def _placed(params, config, engine: EngineConfig, several: bool):
     return tp.place(params, engine.progress), tp
 
 
-def _draft(engine: EngineConfig, config, sharded: bool) -> LoadedModel:
-    """Speculative decoding's draft model, on the device, checked against the model's vocabulary."""
-    if sharded:
-        raise ValueError("speculative_config method 'draft_model' runs on one device: no tensor_parallel_size")
+def _draft(engine: EngineConfig, config, tp: TensorParallel | None) -> LoadedModel:
+    """Speculative decoding's draft model, on the device (whole on each of tp's: a small model runs its steps
+    faster than their all-reduces), checked against the model's vocabulary."""
     name = engine.speculative_config.model
-    draft = load_model(name, engine.dtype, place=jax.device_put)
+    draft = load_model(name, engine.dtype, place=jax.device_put if tp is None else (
+        lambda params: jax.device_put(params, tp.replicated)))
     if draft.config.vocab_size != config.vocab_size:
         raise ValueError(f"speculative_config model {name!r} has a vocabulary of {draft.config.vocab_size} tokens and "
                          f"the model one of {config.vocab_size}: a draft model must share the model's vocabulary")

@@ -65,6 +65,11 @@ class Ops:
         """o_proj / down_proj: x @ w [+ b] + residual (tensor-parallel: partial products summed over the devices)."""
         return self.project(x, p, residual=residual)
 
+    @property
+    def unsharded(self) -> "Ops":
+        """These kernels on whole arrays (a tensor-parallel Ops's base)."""
+        return self
+
     def experts(self, experts, x, weights, ids):
         """experts (a nanojax.model.Experts)(x, weights, ids) -> [N, H] (tensor-parallel: each device's experts). FP8
         experts take the reference: XLA fuses their dequantization into its gather, not into a kernel's operand."""

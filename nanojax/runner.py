@@ -283,7 +283,7 @@ class ModelRunner:
         self.spec, self.draft = engine.speculative_config, draft
         tokens = self.spec is not None  # the cache holds each position's token, for the lookup and the draft's
         self.cache = (build(functools.partial(KVCache.create, config, num_pages, self.page_size, dtype, tokens, draft))
-                      if tp is None else tp.create_cache(num_pages, self.page_size, dtype, tokens))
+                      if tp is None else tp.create_cache(num_pages, self.page_size, dtype, tokens, draft))
         self.tables = build(lambda: jax.device_put(
             TokenTables.create(engine.max_num_seqs, config.vocab_size, self.vocab_limit), self._inputs_sharding))
         self.decode_rows = pow2_buckets(engine.max_num_seqs)

@@ -118,12 +118,12 @@ class TensorParallel:
 
     def place(self, params, progress: bool = False) -> dict:
         """Numpy params -> params on the mesh, each device given only its (re-ordered, padded) slices, one group (top,
-        each layer) at a time; params this method placed already are kept."""
-        top = {k: v for k, v in params.items() if k != "layers"}
+        each layer) at a time; params this method placed already are kept, a draft model's (replicated) as they are."""
+        top = {k: v for k, v in params.items() if k not in ("layers", "draft")}
         groups = [((), top), *((("layers",), lp) for lp in params["layers"])]
         placed = [jax.tree_util.tree_map_with_path(lambda path, x: self._place_leaf(root + param_names(path), x), group)
                   for root, group in tqdm(groups, desc=f"placing params on {self.size} devices", disable=not progress)]
-        return {**placed[0], "layers": tuple(placed[1:])}
+        return {**placed[0], "layers": tuple(placed[1:]), **{k: v for k, v in params.items() if k == "draft"}}
 
     def layout(self, names: tuple[str, ...], shape: tuple[int, ...]):
         """Where a tensor of `shape` at param path `names` goes: (its placed shape, its sharding, the source index
@@ -183,13 +183,17 @@ class TensorParallel:
         blocks = [columns(q_heads, 0), columns(kv_heads, c.q_size), columns(kv_heads, c.q_size + c.kv_size)]
         return np.concatenate(blocks, axis=1).ravel()
 
-    def create_cache(self, num_pages: int, page_size: int, dtype, tokens: bool = False) -> KVCache:
-        """The KV page pools, each device holding its KV heads' pages (the slots' tokens on every device)."""
+    def create_cache(self, num_pages: int, page_size: int, dtype, tokens: bool = False,
+                     draft: ModelConfig | None = None) -> KVCache:
+        """The KV page pools, each device holding its KV heads' pages (the slots' tokens, and a draft model's
+        cache, on every device)."""
         shape = (num_pages, self.kv_heads, page_size, self.config.head_dim)
         zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=NamedSharding(self.mesh, _KV_PAGES))
         layers = range(self.config.num_layers)
+        draft_cache = None if draft is None else jax.jit(
+            lambda: KVCache.create(draft, num_pages, page_size, dtype, True), out_shardings=self.replicated)()
         return KVCache(k=tuple(zeros() for _ in layers), v=tuple(zeros() for _ in layers), tokens=jax.device_put(
-            jnp.full(num_pages * page_size, -1, jnp.int32), self.replicated) if tokens else None)
+            jnp.full(num_pages * page_size, -1, jnp.int32), self.replicated) if tokens else None, draft=draft_cache)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,6 +202,11 @@ class TensorParallelOps(Ops):
     all-reduces of the row-parallel projections, and whose embedding lookup and logits run per vocabulary shard."""
 
     plan: TensorParallel | None = None
+
+    @property
+    def unsharded(self) -> Ops:
+        """The same kernels on whole arrays (a draft model, replicated)."""
+        return Ops(pallas=self.pallas, interpret=self.interpret)
 
     def row_project(self, x, p, *, residual):
         """x: [N, K / size] -> [N, H]: the partial products of this device's rows of w, summed over the devices;

@@ -73,9 +73,9 @@ def draft_proposals(params, cache, batch: Batch, hist, base, last, left, k: int,
     start = jnp.where(left > 0, jnp.min(jnp.where(stale, pos, base[:, None]), axis=1), base + 1)
 
     def next_tokens(ids, step, draft_cache, at):
-        hidden, draft_cache = forward(params["draft"], ids, draft_cache, step, config=draft, ops=ops)
+        hidden, draft_cache = forward(params["draft"], ids, draft_cache, step, config=draft, ops=ops.unsharded)
         hidden = jnp.take_along_axis(hidden, at[:, None, None], axis=1)[:, 0]
-        return jnp.argmax(lm_logits(params["draft"], hidden, ops), axis=-1).astype(jnp.int32), draft_cache
+        return jnp.argmax(lm_logits(params["draft"], hidden, ops.unsharded), axis=-1).astype(jnp.int32), draft_cache
 
     def feed(tokens_per_row):
         def run(start, first, draft_cache):

@@ -2,15 +2,15 @@
 strings, or a Lark grammar) as an llguidance grammar, checked on construction (docs/perf_notes.md, "Structured
 outputs: the token-mask library")."""
 import collections
+import copy
 import dataclasses
 import json
 import threading
 
 import numpy as np
 
-try:
+try:  # (not llguidance.hf: it imports transformers, which a start does not wait for)
     import llguidance
-    import llguidance.hf
     import llguidance.numpy
 except ImportError:  # a pip dependency; a machine without it runs everything but constraints
     llguidance = None
@@ -99,7 +99,7 @@ class Grammars:
         text = constraint.grammar_text
         with self._lock:
             if self._ll_tokenizer is None:
-                self._ll_tokenizer = llguidance.hf.from_tokenizer(self._tokenizer)
+                self._ll_tokenizer = _ll_tokenizer(self._tokenizer)
                 self._executor = llguidance.LLExecutor()
             compiled = self._compiled.pop(text, None) or llguidance.LLMatcher(self._ll_tokenizer, text)
             if compiled.is_error():
@@ -114,3 +114,12 @@ class Grammars:
         masks = llguidance.numpy.allocate_token_bitmask(len(matchers), self._ll_tokenizer.vocab_size)
         llguidance.numpy.fill_next_token_bitmask_par(self._executor, list(zip(matchers, range(len(matchers)))), masks)
         return masks
+
+
+def _ll_tokenizer(tokenizer) -> "llguidance.LLTokenizer":
+    """llguidance's view of a fast HF tokenizer (what llguidance.hf.from_tokenizer builds): its JSON, added tokens
+    included, without padding or truncation."""
+    backend = copy.copy(tokenizer.backend_tokenizer)
+    backend.no_padding()
+    backend.no_truncation()
+    return llguidance.LLTokenizer(backend.to_str(), eos_token=tokenizer.eos_token_id)

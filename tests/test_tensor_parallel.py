@@ -1,7 +1,7 @@
 """Tensor parallelism (nanojax.sharding) on 8 host devices: sizes 1, 2, 4 and 8 give HF's float32 greedy tokens for
 every dense architecture and Qwen3-MoE (its experts split whole: Mixtral's layer is the same), KV heads fewer than the
 devices included, through prefix-cache hits, chunked prefill and preemption; the Pallas kernels per shard in interpret
-mode; FP8 weights per shard; two all-reduces per layer in the compiled decode.
+mode; FP8 weights per shard; a draft model's speculation; two all-reduces per layer in the compiled decode.
 
 The host device count is fixed when jax starts, so under the default single device these tests re-run this file in
 subprocesses with NANOJAX_TEST_DEVICES=8 (tests/conftest.py), in three parts of similar work: each part's process
@@ -65,7 +65,8 @@ def tp_model(tmp_path_factory):
 
     def make(name):
         if name not in made:
-            model = build_hf_model(KERNELS_TINY if name == "kernels" else TP_TINY[name])
+            spec = {"kernels": KERNELS_TINY, "draft": dict(TP_TINY["qwen3"], num_hidden_layers=1)}.get(name)
+            model = build_hf_model(spec or TP_TINY[name], seed=3 if name == "draft" else 0)
             folder = tmp_path_factory.mktemp(f"tp-{name}")
             model.save_pretrained(folder)
             made[name] = (str(folder), model)
@@ -141,6 +142,21 @@ def test_cascade_per_shard(tp_model, kernels):
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert llm.runner.cascade_dispatches > 0
     assert [o.token_ids for o in outs] == [hf_greedy(model, p, 8) for p in prompts]
+
+
+@on_host_devices
+def test_draft_model_speculation_per_shard(tp_model):
+    """A draft model (whole on every device) proposing for the split model: HF's greedy tokens, proposals checked."""
+    folder, model = tp_model("qwen3")
+    draft_folder, _ = tp_model("draft")
+    prompts = scenario(model.config.vocab_size)
+    expected = [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts]
+    spec = {"method": "draft_model", "model": draft_folder, "num_speculative_tokens": 3}
+    for size in (2, 4):
+        llm = LLM(folder, dtype="float32", page_size=4, max_model_len=64, max_num_seqs=4, decode_steps=4,
+                  tensor_parallel_size=size, speculative_config=spec, progress=False)
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected, size
+        assert llm.speculation_stats()[1] > 0  # forwards that checked proposals
 
 
 @on_host_devices
