@@ -218,8 +218,8 @@ class EngineCore:
                 [c.end for c in decodes], _columns([fields[c.seq.seq_id] for c in decodes])) if decodes else None
         sources = [inflight.pending[c.seq.seq_id][1] if c.seq.num_pending else -1 for c in decodes]
         if not prefills:  # each row's steps (1..decode_steps) in one dispatch of the decode program (of one step
-            # when no row takes more: constrained rows alone)
-            steps = 1 if all(c.num_steps == 1 for c in decodes) else self.runner.decode_steps
+            # for constrained rows alone)
+            steps = 1 if all(c.seq.request.matcher is not None for c in decodes) else self.runner.decode_steps
             out = self.runner.decode(*rows, steps, [c.num_steps for c in decodes], sources)
             pending, prompt = {c.seq.seq_id: (out, i) for i, c in enumerate(decodes)}, {}
         else:
