@@ -82,10 +82,10 @@ class Experts(nnx.Module):
     def num_experts(self) -> int:
         return (self.up.w_t if self.up.quantized else self.up.w)[...].shape[0]
 
-    def __call__(self, x, weights, ids, matmul):
-        """x: [N, H]; weights, ids: [N, k] each row's experts (ids outside [0, E) skipped) -> [N, H]; matmul:
-        pallas_kernels.expert_matmul's contract."""
-        return grouped_swiglu(x, weights, ids, self.up.weight(x.dtype), self.down.weight(x.dtype), matmul)
+    def __call__(self, x, weights, ids, matmul, grouped):
+        """x: [N, H]; weights, ids: [N, k] each row's experts (ids outside [0, E) skipped) -> [N, H]; matmul,
+        grouped: the contracts of pallas_kernels.expert_matmul and grouped_matmul."""
+        return grouped_swiglu(x, weights, ids, self.up.weight(x.dtype), self.down.weight(x.dtype), matmul, grouped)
 
 
 class DecoderLayer(nnx.Module):

@@ -1,14 +1,13 @@
 """The mixture-of-experts MLP (Qwen3-MoE, Mixtral) in plain jnp: a router picks each row's top-k experts, each choice
 runs through its expert's SwiGLU, and each row's k outputs are summed with its routing weights. A step of few rows
-(decode) gathers each choice's expert weights; more rows are grouped by expert (one sort of the N * k choices) for
-grouped GEMMs (`jax.lax.ragged_dot`). Both read only the chosen experts' weights in principle; on an H200 XLA's
-ragged_dot was slower than reading every expert, and the gathered products want a kernel
-(pallas_kernels/expert_matmul.py; docs/perf_notes.md, "Mixture of experts")."""
+(decode) takes each choice through its expert's weights (pallas_kernels/expert_matmul.py); more rows are sorted by
+expert into blocks of one expert each (pallas_kernels/grouped_matmul.py). Both read only the chosen experts' weights."""
 import jax
 import jax.numpy as jnp
 
 from convert.config import MoE
 from pallas_kernels.expert_matmul import expert_matmul_reference
+from pallas_kernels.grouped_matmul import block_rows, grouped_matmul_reference
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -22,16 +21,17 @@ def route(h, router, moe: MoE):
     return (weights / weights.sum(axis=-1, keepdims=True) if moe.norm_topk_prob else weights), ids
 
 
-def grouped_swiglu(x, weights, ids, up, down, matmul=expert_matmul_reference):
+def grouped_swiglu(x, weights, ids, up, down, matmul=expert_matmul_reference, grouped=grouped_matmul_reference):
     """x: [N, H]; weights, ids: [N, k] each row's experts and their weights; up: [E, H, 2I] (gate | up); down:
     [E, I, H] -> [N, H]: sum over j of weights[:, j] * down_e(silu(gate_e(x)) * up_e(x)), e = ids[:, j]. An id outside
-    [0, E) (an expert another device holds) adds nothing. matmul: expert_matmul's contract, for few rows."""
+    [0, E) (an expert another device holds) adds nothing. matmul: expert_matmul's contract, for few rows; grouped:
+    grouped_matmul's, for more."""
     n, k = ids.shape
     num_experts = up.shape[0]
     kept = (ids >= 0) & (ids < num_experts)
     choices = jnp.where(kept, ids, num_experts).reshape(-1)
     # Few rows gather their experts (never more weights than the whole set); more are grouped by expert.
-    out = (_gathered(x, choices, up, down, matmul) if n * k <= num_experts else _grouped(x, choices, up, down))
+    out = (_gathered(x, choices, up, down, matmul) if n * k <= num_experts else _grouped(x, choices, up, down, grouped))
     out = out.reshape(n, k, -1)
     return jnp.sum(jnp.where(kept[..., None], out * weights[..., None], 0), axis=1).astype(x.dtype)
 
@@ -49,15 +49,23 @@ def _gathered(x, choices, up, down, matmul):
     return matmul(_swiglu(matmul(rows, up, e), x.dtype), down, e)
 
 
-def _grouped(x, choices, up, down):
-    """_gathered's result, from the choices grouped by expert (sorted) through grouped GEMMs."""
-    num_experts, k = up.shape[0], choices.shape[0] // x.shape[0]
-    order = jnp.argsort(choices)  # none: last, in no group (ragged_dot leaves those rows zero)
-    group_sizes = jnp.bincount(choices, length=num_experts).astype(jnp.int32)
-
-    def dot(rows, w):
-        return jax.lax.ragged_dot(rows, w.astype(rows.dtype), group_sizes, precision=_HIGHEST,
-                                  preferred_element_type=jnp.float32)
-
-    out = dot(_swiglu(dot(x[order // k], up), x.dtype), down)  # [N k, H] in expert order
-    return jnp.zeros_like(out).at[order].set(out)  # back in (row, choice) order
+def _grouped(x, choices, up, down, matmul):
+    """_gathered's result, from the choices sorted by expert, each expert's run padded to whole blocks of rows."""
+    m, num_experts = choices.shape[0], up.shape[0]
+    block_m = block_rows(m, num_experts)
+    num_blocks = m // block_m + min(m, num_experts)  # enough: each used expert adds at most one partial block
+    order = jnp.argsort(choices)  # none (E) last
+    sizes = jnp.bincount(choices, length=num_experts)
+    blocks_end = jnp.cumsum(-(-sizes // block_m))  # each expert's blocks end here
+    sorted_choices = choices[order]
+    e = jnp.minimum(sorted_choices, num_experts - 1)
+    rank = jnp.arange(m) - (jnp.cumsum(sizes) - sizes)[e]  # place in its expert's run
+    start = (blocks_end - (-(-sizes // block_m)))[e] * block_m
+    slots = jnp.where(sorted_choices < num_experts, start + rank, num_blocks * block_m)  # none: past the end
+    rows = jnp.full(num_blocks * block_m, x.shape[0]).at[slots].set(order // (m // x.shape[0]), mode="drop")
+    block_experts = jnp.searchsorted(blocks_end, jnp.arange(num_blocks), side="right").astype(jnp.int32)
+    block_experts = jnp.where(block_experts < num_experts, block_experts, -1)
+    xs = jnp.concatenate([x, jnp.zeros_like(x[:1])])[rows]  # padding reads a zero row
+    out = matmul(_swiglu(matmul(xs, up, block_experts), x.dtype), down, block_experts)
+    slot_of_choice = jnp.zeros_like(slots).at[order].set(jnp.minimum(slots, num_blocks * block_m - 1))
+    return out[slot_of_choice]  # a none's row is any row: the caller drops it

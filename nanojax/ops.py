@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.cascade_attention import cascade_decode_attention, cascade_decode_attention_reference
 from pallas_kernels.expert_matmul import expert_matmul, expert_matmul_reference
+from pallas_kernels.grouped_matmul import grouped_matmul, grouped_matmul_reference
 from pallas_kernels.paged_attention import paged_attention_reference, paged_decode_attention, paged_prefill_attention
 from pallas_kernels.qkv_rope_cache import qkv_rope_cache, qkv_rope_cache_reference
 from pallas_kernels.rmsnorm_matmul import rmsnorm_matmul, rmsnorm_matmul_reference
@@ -73,9 +74,10 @@ class Ops:
     def experts(self, experts, x, weights, ids):
         """experts (a nanojax.model.Experts)(x, weights, ids) -> [N, H] (tensor-parallel: each device's experts). FP8
         experts take the reference: XLA fuses their dequantization into its gather, not into a kernel's operand."""
-        kernel = self.pallas and not experts.up.quantized
-        return experts(x, weights, ids, functools.partial(expert_matmul, interpret=self.interpret) if kernel
-                       else expert_matmul_reference)
+        if not self.pallas or experts.up.quantized:
+            return experts(x, weights, ids, expert_matmul_reference, grouped_matmul_reference)
+        return experts(x, weights, ids, functools.partial(expert_matmul, interpret=self.interpret),
+                       functools.partial(grouped_matmul, interpret=self.interpret))
 
     def run_layer(self, layer, x, positions, cos_sin, slots, k_pages, v_pages, batch, config):
         """Runs layer (a nanojax.model.DecoderLayer) on x; a tensor-parallel Ops runs it per shard."""

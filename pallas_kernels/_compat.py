@@ -37,6 +37,11 @@ def is_power_of_2(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
 
 
+def pow2_divisor(n: int, cap: int) -> int:
+    """The largest power of two up to cap that divides n."""
+    return min(n & -n, cap)
+
+
 def dot(a, b, *, trans_b=False):
     """a [M, K] @ b [K, N] (b [N, K] with trans_b) in f32; HIGHEST, as Triton takes DEFAULT and HIGH as tf32."""
     dims = (((1,), (1 if trans_b else 0,)), ((), ()))

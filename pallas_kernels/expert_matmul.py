@@ -9,20 +9,22 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._compat import check_vector, is_power_of_2, load, store, triton_params
+from pallas_kernels._compat import check_vector, is_power_of_2, load, pow2_divisor, store, triton_params
 
 
 @dataclasses.dataclass(frozen=True)
 class ExpertMatmulConfig:
-    """A program computes block_n columns of one row, streaming K in block_k slices."""
+    """A program computes block_n columns of one row over a split_k-th of K, streaming it in block_k slices; XLA sums
+    the split_k f32 partials (few rows: more programs to fill the GPU)."""
     block_n: int = 64
-    block_k: int = 128
+    block_k: int = 64
+    split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
 
     def __post_init__(self):
-        if not (is_power_of_2(self.block_n) and is_power_of_2(self.block_k)):
-            raise ValueError(f"block sizes must be powers of two, got {self}")
+        if not all(is_power_of_2(v) for v in (self.block_n, self.block_k, self.split_k)):
+            raise ValueError(f"block sizes and split_k must be powers of two, got {self}")
 
 
 def expert_matmul_reference(x, w, ids):
@@ -32,41 +34,43 @@ def expert_matmul_reference(x, w, ids):
 
 
 def _kernel(ids_ref, x_ref, w_ref, o_ref, *, block_k: int):
-    # ids_ref: [] the row's expert; x_ref: [K] the row; w_ref: [E, K, block_n] every expert's column block;
-    # o_ref: [block_n] f32
+    # ids_ref: [] the row's expert; x_ref: [K / split_k] the row's share of K; w_ref: [E, K / split_k, block_n] every
+    # expert's column block; o_ref: [block_n] f32
     expert = load(ids_ref)
 
-    def body(i, acc):
+    def body(i, acc):  # elementwise: one reduction over K at the end, not one a slice
         ks = pl.ds(i * block_k, block_k)
-        xk = load(x_ref.at[ks]).astype(jnp.float32)
-        wk = load(w_ref.at[expert, ks, :]).astype(jnp.float32)
-        return acc + jnp.sum(xk[:, None] * wk, axis=0)
+        return acc + load(x_ref.at[ks]).astype(jnp.float32)[:, None] * load(w_ref.at[expert, ks, :]).astype(jnp.float32)
 
-    acc = lax.fori_loop(0, x_ref.shape[0] // block_k, body, jnp.zeros(o_ref.shape, jnp.float32))
-    store(o_ref, acc)
+    acc = lax.fori_loop(0, x_ref.shape[0] // block_k, body, jnp.zeros((block_k,) + o_ref.shape, jnp.float32))
+    store(o_ref, jnp.sum(acc, axis=0))
 
 
-def _pow2_divisor(n: int, cap: int) -> int:
-    """The largest power of two up to cap that divides n."""
-    return min(n & -n, cap)
+def _default_config(k: int, n: int) -> ExpertMatmulConfig:
+    """64 x 64 tiles, K split in 4 where it divides: more programs in flight, at 1 to 64 rows alike."""
+    config = ExpertMatmulConfig(block_n=pow2_divisor(n, 64), block_k=pow2_divisor(k, 64))
+    return dataclasses.replace(config, split_k=next(s for s in (4, 2, 1) if k % (s * config.block_k) == 0))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
 def expert_matmul(x, w, ids, *, config: ExpertMatmulConfig | None = None, interpret: bool = False):
-    """expert_matmul_reference's contract, one program per (row, block of columns)."""
+    """expert_matmul_reference's contract, one program per (row, block of columns, share of K)."""
     m, k = x.shape
     num_experts, k_w, n = w.shape
-    config = config or ExpertMatmulConfig(block_n=_pow2_divisor(n, 64), block_k=_pow2_divisor(k, 128))
-    if k_w != k or k % config.block_k or n % config.block_n:
-        raise ValueError(f"x [M, {k}] and w [E, {k_w}, {n}] must share K, divisible by block_k and block_n of {config}")
+    config = config or _default_config(k, n)
+    k_split = k // config.split_k
+    if k_w != k or k_split % config.block_k or n % config.block_n:
+        raise ValueError(f"x [M, {k}] and w [E, {k_w}, {n}] must share K, divisible by split_k * block_k, and N by "
+                         f"block_n: {config}")
     check_vector("ids", ids, m)
-    return pl.pallas_call(
+    out = pl.pallas_call(
         functools.partial(_kernel, block_k=config.block_k),
-        grid=(m, n // config.block_n),
-        in_specs=[pl.BlockSpec((None,), lambda r, c: (r,)), pl.BlockSpec((None, k), lambda r, c: (r, 0)),
-                  pl.BlockSpec((num_experts, k, config.block_n), lambda r, c: (0, 0, c))],
-        out_specs=pl.BlockSpec((None, config.block_n), lambda r, c: (r, c)),
-        out_shape=jax.ShapeDtypeStruct((m, n), jnp.float32),
+        grid=(m, n // config.block_n, config.split_k),
+        in_specs=[pl.BlockSpec((None,), lambda r, c, s: (r,)), pl.BlockSpec((None, k_split), lambda r, c, s: (r, s)),
+                  pl.BlockSpec((num_experts, k_split, config.block_n), lambda r, c, s: (0, s, c))],
+        out_specs=pl.BlockSpec((None, None, config.block_n), lambda r, c, s: (s, r, c)),
+        out_shape=jax.ShapeDtypeStruct((config.split_k, m, n), jnp.float32),
         compiler_params=triton_params(config.num_warps, config.num_stages),
         interpret=interpret,
     )(ids, x, w)
+    return out.sum(axis=0)
