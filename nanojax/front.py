@@ -57,8 +57,13 @@ class RequestFront:
         if taken := set(template_kwargs or ()) & {"tools", "add_generation_prompt", "tokenize", "return_dict",
                                                    "conversation", "messages"}:
             raise ValueError(f"chat_template_kwargs may not set {sorted(taken)}")
-        return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
-                                                  return_dict=False, **(template_kwargs or {}))
+        from jinja2 import TemplateError  # here, not at the top: the rendering imports jinja2 anyway, a start need not
+
+        try:
+            return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                                      tokenize=True, return_dict=False, **(template_kwargs or {}))
+        except TemplateError as e:  # its raise_exception (e.g. Llama 3.1's one call a turn): the messages' fault
+            raise ValueError(f"the chat template refused these messages: {e}") from None
 
     def check(self, index: int, ids: list[int], params: SamplingParams) -> None:
         """ValueError naming what is wrong when prompt `index` (encoded) cannot run with `params`."""

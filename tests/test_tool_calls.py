@@ -84,7 +84,8 @@ def test_a_template_without_tools_gets_them_in_the_system_message_and_the_histor
     assert messages[2]["content"] == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
     assert messages[3]["content"] == "<tool_response>\n-3 C\n</tool_response>"
     assert template_inputs(PLAIN, history[1:2], tools)[0][0]["role"] == "system"  # a system message of its own
-    assert template_inputs(HERMES, history, tools) == (history, tools)
+    # a template that renders tools gets them as they are, each result named after the function its call called
+    assert template_inputs(HERMES, history, tools) == ([*history[:3], {**history[3], "name": "get_weather"}], tools)
 
 
 @pytest.mark.parametrize("fmt", [HERMES, LLAMA3])
