@@ -1,5 +1,6 @@
-"""A llama.cpp GGUF file (llama, qwen2, qwen3) as a source: its metadata as an HF config, its tensors by HF name, read
-when asked for (a tensor without an HF name keeps its GGUF name: convert/keys.py reports it unmapped).
+"""A llama.cpp GGUF file (llama, qwen2, qwen3, qwen3moe; Mixtral is llama with experts) as a source: its metadata as
+an HF config, its tensors by HF name, read when asked for (a tensor without an HF name keeps its GGUF name:
+convert/keys.py reports it unmapped). A layer's experts stay stacked [E, ...] as the file holds them, gate and up apart.
 
 GGUF dims run fastest-first: its [in, out] is HF's [out, in]. llama.cpp permutes the llama arch's q/k rows (its RoPE
 rotates adjacent pairs, HF's the halves of each head); reading undoes that, as transformers does. Llama 3's RoPE
@@ -28,7 +29,10 @@ class GGUFError(ValueError):
     """Any problem with a GGUF file; the message names the tensor or metadata field."""
 
 
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# GGUF architecture -> (HF model_type, architecture); llama.cpp writes Mixtral as llama with experts.
+_ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+                  "qwen3": ("qwen3", "Qwen3ForCausalLM"), "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM")}
+_MIXTRAL = ("mixtral", "MixtralForCausalLM")
 
 SUPPORTED_TYPES = frozenset(GGMLQuantizationType[name] for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1",
                                                                      "Q4_K", "Q6_K"))
@@ -42,6 +46,8 @@ _LAYER_NAMES = {
     **{f"attn_{name}.{kind}": f"self_attn.{hf}_proj.{kind}" for name, hf in zip(("q", "k", "v", "output"), "qkvo")
        for kind in ("weight", "bias")},
     **{f"ffn_{name}.weight": f"mlp.{name}_proj.weight" for name in ("gate", "up", "down")},
+    "ffn_gate_inp.weight": "mlp.gate.weight",  # the router
+    **{f"ffn_{name}_exps.weight": f"mlp.experts.{name}_proj" for name in ("gate", "up", "down")},
 }
 _TOP_FROM_HF = {hf: name for name, hf in _TOP_NAMES.items()}
 _LAYER_FROM_HF = {hf: name for name, hf in _LAYER_NAMES.items()}
@@ -303,18 +309,17 @@ def _build_config(reader, arch: str, tinfo: dict, path: Path) -> dict:
     theta = _meta(reader, f"{arch}.rope.freq_base", float, 10000.0)  # llama.cpp's default
     if not (eps > 0 and theta > 0):
         raise GGUFError(f"metadata fields {arch}.attention.layer_norm_rms_epsilon / {arch}.rope.freq_base must be > 0")
-    expert_count = _meta(reader, f"{arch}.expert_count", int, 0)
-    if expert_count:
-        raise GGUFError(f"metadata field '{arch}.expert_count' = {expert_count}: mixture-of-experts is not supported")
+    moe = _moe_fields(reader, arch, tinfo)
     kind = _meta(reader, f"{arch}.rope.scaling.type", str, "none")
     if kind != "none":
         raise GGUFError(f"metadata field '{arch}.rope.scaling.type' = {kind!r}: RoPE scaling is not supported "
                         "(Llama 3's, from tensor 'rope_freqs.weight', is)")
     if _meta(reader, f"{arch}.rope.scale_linear", float, 1.0) != 1.0:  # pre-2023 key
         raise GGUFError(f"metadata field '{arch}.rope.scale_linear': linear RoPE scaling is not supported")
+    model_type, architecture = _MIXTRAL if arch == "llama" and moe else _ARCHITECTURES[arch]
     cfg: dict[str, Any] = {
-        "architectures": [_ARCHITECTURES[arch]],
-        "model_type": arch,
+        "architectures": [architecture],
+        "model_type": model_type,
         "hidden_size": hidden,
         "intermediate_size": _meta_pos_int(reader, ffn_key),
         "num_hidden_layers": _meta_pos_int(reader, f"{arch}.block_count"),
@@ -330,6 +335,7 @@ def _build_config(reader, arch: str, tinfo: dict, path: Path) -> dict:
         "bos_token_id": _meta(reader, "tokenizer.ggml.bos_token_id", int, None),
         "eos_token_id": _meta(reader, "tokenizer.ggml.eos_token_id", int, None),
         "torch_dtype": _torch_dtype(tinfo),
+        **moe,
     }
     if arch == "llama":
         if _ROPE_FREQS in tinfo:
@@ -342,6 +348,28 @@ def _build_config(reader, arch: str, tinfo: dict, path: Path) -> dict:
     if pad is not None:
         cfg["pad_token_id"] = pad
     return cfg
+
+
+def _moe_fields(reader, arch: str, tinfo: dict) -> dict:
+    """HF's mixture-of-experts fields ({} for a dense model): Qwen3-MoE's, or Mixtral's for llama with experts (whose
+    experts' size is feed_forward_length, as in HF's config)."""
+    count_key = f"{arch}.expert_count"
+    experts = _meta_pos_int(reader, count_key) if arch == "qwen3moe" else _meta(reader, count_key, int, 0)
+    if not experts:
+        return {}
+    if arch not in ("llama", "qwen3moe"):
+        raise GGUFError(f"metadata field {count_key!r} = {experts}: mixture-of-experts is not supported for {arch!r}")
+    if "blk.0.ffn_gate.0.weight" in tinfo:
+        raise GGUFError("tensors 'blk.N.ffn_gate.E.weight' hold one expert each, an older llama.cpp's Mixtral layout: "
+                        "not supported; a current llama.cpp writes them stacked ('blk.N.ffn_gate_exps.weight')")
+    top_k = _meta_pos_int(reader, f"{arch}.expert_used_count")
+    if arch == "llama":
+        return {"num_local_experts": experts, "num_experts_per_tok": top_k}
+    # llama.cpp's converter writes no expert_weights_norm for qwen3moe and its graph always renormalizes the top-k
+    # weights (as every Qwen3-MoE's norm_topk_prob asks): True unless the file says otherwise.
+    return {"num_experts": experts, "num_experts_per_tok": top_k,
+            "moe_intermediate_size": _meta_pos_int(reader, f"{arch}.expert_feed_forward_length"),
+            "norm_topk_prob": _meta(reader, f"{arch}.expert_weights_norm", bool, True)}
 
 
 def _torch_dtype(tinfo: dict) -> str:

@@ -97,17 +97,21 @@ def _mlp(r: _Reader, c: ModelConfig, p: str) -> dict:
 
 def _experts(r: _Reader, c: ModelConfig, p: str, mixtral: bool) -> dict:
     """The routed experts: {mlp_norm {scale [H]}, router {w [H, E]}, experts {up {w [E, H, 2I]}, down {w [E, I, H]}}},
-    from the experts stacked as transformers 5 holds them, or one tensor per expert as checkpoints store them
-    (Mixtral's w1 / w3 / w2 under block_sparse_moe). The norm stays apart: the router reads the normalized rows too."""
+    from one tensor per expert as checkpoints store them (Mixtral's w1 / w3 / w2 under block_sparse_moe), or stacked
+    [E, ...]: as transformers 5 holds them, or with gate and up apart as a GGUF holds them (convert/gguf_source.py).
+    The norm stays apart: the router reads the normalized rows too."""
     e, h, i = c.moe.num_experts, c.hidden_size, c.intermediate_size
-    stacked = r.has(p + "mlp.experts.down_proj")
+    gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    # Stacked unless expert 0 has tensors of its own: a stacked tensor missing is then named as such.
+    stacked = not r.has(f"{p}{'block_sparse_moe' if mixtral else 'mlp'}.experts.0.{gate}.weight")
     mlp = p + ("block_sparse_moe." if mixtral and not stacked else "mlp.")
     if stacked:
-        gate_up = r.get(mlp + "experts.gate_up_proj", (e, 2 * i, h))
+        if r.has(mlp + "experts.gate_up_proj"):
+            gate_up = r.get(mlp + "experts.gate_up_proj", (e, 2 * i, h))
+        else:  # a GGUF's
+            gate_up = np.concatenate([r.get(f"{mlp}experts.{n}", (e, i, h)) for n in ("gate_proj", "up_proj")], axis=1)
         down = r.get(mlp + "experts.down_proj", (e, h, i))
     else:
-        gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
-
         def stack(name, shape):
             return np.stack([r.get(f"{mlp}experts.{j}.{name}.weight", shape) for j in range(e)])
 

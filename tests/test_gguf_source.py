@@ -1,7 +1,8 @@
 """Tests for convert/gguf_source.py (GGUF -> HF config + float32 tensors, fed to convert/keys.py).
 
 (a) synthetic GGUFs written like llama.cpp's convert_hf_to_gguf.py from tiny random HF models
-    (Llama with permuted Q/K, Qwen2 with biases, Qwen3 with q/k norms) read back == HF state dict;
+    (Llama with permuted Q/K, Qwen2 with biases, Qwen3 with q/k norms, Qwen3-MoE and Mixtral with stacked experts)
+    read back == HF state dict;
 (b) every supported quantized type decoded == an independent scalar decoder written here from
     ggml-quants.c, plus hand-built blocks with known values for Q4_K / Q6_K (gguf has no quantizer);
 (c) errors: corrupt/truncated files, unknown architecture, missing/extra tensors, unsupported types...;
@@ -15,15 +16,18 @@ import json
 import subprocess
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
 import gguf
 from gguf import GGMLQuantizationType as QT
 
+from conftest import TINY, build_hf_model, hf_greedy, random_prompts
 from convert import open_source, params_from_source
 from convert.gguf_source import GGUFError, dequantize, read_gguf, save_gguf_tokenizer
-from nanojax import default_model
+from nanojax import LLM, SamplingParams, default_model
+from nanojax.loader import LoadedModel
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -250,6 +254,10 @@ _HF_TO_GGUF = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.experts.gate_proj": "ffn_gate_exps.weight",
+    "mlp.experts.up_proj": "ffn_up_exps.weight",
+    "mlp.experts.down_proj": "ffn_down_exps.weight",
 }
 
 
@@ -361,9 +369,14 @@ def write_gguf(path, arch: str, cfg, sd: dict, qtype_of=lambda name, w: QT.F32, 
     }
     if arch == "llama":
         kv[f"{arch}.rope.dimension_count"] = hd
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3moe"):
         kv[f"{arch}.attention.key_length"] = hd
         kv[f"{arch}.attention.value_length"] = hd
+    if getattr(cfg, "num_experts_per_tok", None):  # Mixtral: llama with these
+        kv[f"{arch}.expert_count"] = cfg.num_local_experts
+        kv[f"{arch}.expert_used_count"] = cfg.num_experts_per_tok
+    if arch == "qwen3moe":
+        kv[f"{arch}.expert_feed_forward_length"] = cfg.moe_intermediate_size
     kv.update(meta or {})
     for key, value in kv.items():
         if value is None:
@@ -383,7 +396,7 @@ def write_gguf(path, arch: str, cfg, sd: dict, qtype_of=lambda name, w: QT.F32, 
     expected = {}
     for hf, arr in sd.items():
         name = gguf_name(hf)
-        qtype = qtype_of(name, arr) if arr.ndim == 2 else QT.F32  # llama.cpp keeps 1-D tensors F32
+        qtype = qtype_of(name, arr) if arr.ndim >= 2 else QT.F32  # llama.cpp keeps 1-D tensors F32
         data = encode(qtype, arr, rng)
         expected[hf] = decode_expected(qtype, data)  # row-wise formats commute with the row permutation
         if arch == "llama" and name.endswith(("attn_q.weight", "attn_q.bias")):
@@ -522,6 +535,60 @@ def test_rope_scaling_metadata_is_refused(tmp_path, meta):
 
 
 # ==================================================================================================
+# (a) mixture-of-experts: Qwen3-MoE (qwen3moe) and Mixtral (llama with experts)
+# ==================================================================================================
+
+MOE = {"qwen3moe": "qwen3_moe", "llama": "mixtral"}  # GGUF arch -> conftest.TINY model
+
+
+def moe_model(arch: str, folder=None, **overrides):
+    """A tiny random MoE model with f16-exact weights (a GGUF's F16 tensors hold them exactly), saved to `folder`."""
+    model = build_hf_model(dict(TINY[MOE[arch]], **overrides))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.half().float())
+    if folder:
+        model.save_pretrained(folder)
+    return model
+
+
+def llamacpp_moe_state_dict(model) -> dict:
+    """The state dict as llama.cpp's converter stacks the experts: a layer's gate_up_proj [E, 2I, H] split in two."""
+    sd = {}
+    for name, t in model.state_dict().items():
+        if name.endswith("gate_up_proj"):
+            sd[name.replace("gate_up", "gate")], sd[name.replace("gate_up", "up")] = np.split(t.numpy(), 2, axis=1)
+        else:
+            sd[name] = t.numpy()
+    return sd
+
+
+@pytest.mark.parametrize("arch, qtype", [("qwen3moe", QT.F32), ("llama", QT.F16)])
+def test_moe_roundtrip_conversion_and_greedy_tokens(tmp_path, arch, qtype):
+    """Read back == the state dict (Mixtral's q/k permutation undone), converted == the safetensors' conversion, and
+    Mixtral's greedy tokens == HF's (the engine's compile costs seconds; tests/test_parity.py runs Qwen3-MoE through
+    it). Qwen3-MoE renormalizes its top-k weights: llama.cpp runs qwen3moe so."""
+    model = moe_model(arch, tmp_path / "hf", **({"norm_topk_prob": True} if arch == "qwen3moe" else {}))
+    sd = llamacpp_moe_state_dict(model)
+    write_gguf(tmp_path / "m.gguf", arch, model.config, sd, lambda n, w: qtype)
+    hf_cfg, tensors = read(tmp_path / "m.gguf")
+    assert hf_cfg["model_type"] == MOE[arch] and tensors.keys() == sd.keys()
+    for name, array in tensors.items():
+        np.testing.assert_array_equal(array, sd[name], err_msg=name)
+
+    config, params = params_from_source(open_source(tmp_path / "m.gguf"), "float32")
+    expected_config, expected = params_from_source(open_source(tmp_path / "hf"), "float32")
+    assert config == expected_config
+    jax.tree.map(np.testing.assert_array_equal, params, expected)
+    if arch != "llama":
+        return
+    prompt = random_prompts(config.vocab_size, [7], seed=3)[0]
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with LLM(LoadedModel(config, params, None), dtype="float32", page_size=8, max_model_len=32, warmup=False) as llm:
+        assert llm.generate([prompt], greedy, use_tqdm=False)[0].token_ids == hf_greedy(model, prompt, 6)
+
+
+# ==================================================================================================
 # (c) errors
 # ==================================================================================================
 
@@ -597,6 +664,29 @@ def test_missing_tensor(tmp_path, llama_tiny):
     cfg, sd = llama_tiny
     write_gguf(tmp_path / "m.gguf", "llama", cfg, sd, drop={"blk.1.ffn_up.weight"})
     assert "blk.1.ffn_up.weight" in _err(tmp_path / "m.gguf")
+
+
+@pytest.mark.parametrize("arch, name", [("qwen3moe", "blk.1.ffn_up_exps.weight"),
+                                        ("llama", "blk.0.ffn_down_exps.weight")])
+def test_moe_missing_expert_tensor(tmp_path, arch, name):
+    model = moe_model(arch)
+    write_gguf(tmp_path / "m.gguf", arch, model.config, llamacpp_moe_state_dict(model), drop={name})
+    assert repr(name) in _err(tmp_path / "m.gguf")
+
+
+def test_mixtral_with_a_tensor_per_expert_is_refused(tmp_path):
+    """Older llama.cpp versions wrote Mixtral's experts one tensor each: the error names that layout."""
+    model = moe_model("llama")
+    extra = {"blk.0.ffn_gate.0.weight": (np.zeros((48, 64), np.float32), QT.F32)}
+    write_gguf(tmp_path / "m.gguf", "llama", model.config, llamacpp_moe_state_dict(model), extra=extra)
+    assert "'blk.N.ffn_gate.E.weight' hold one expert each" in _err(tmp_path / "m.gguf")
+
+
+def test_qwen3moe_expert_weights_norm_is_read(tmp_path):
+    model = moe_model("qwen3moe")
+    write_gguf(tmp_path / "m.gguf", "qwen3moe", model.config, llamacpp_moe_state_dict(model),
+               meta={"qwen3moe.expert_weights_norm": False})
+    assert read_gguf(tmp_path / "m.gguf")[0]["norm_topk_prob"] is False
 
 
 def test_qwen3_missing_q_norm(tmp_path):
