@@ -56,6 +56,8 @@ class LLM(RequestFront):
         _start_workers(workers, first_start)
         spawned_at = workers[0].spawned - start_wall if workers else None  # (compile_all empties the list)
         in_use = _bytes_in_use()  # before the weights: what every start of this build finds
+        if isinstance(model, LoadedModel):  # weights handed over on the device are the weights, not memory in use
+            in_use = max(0, in_use - _bytes([x for x in jax.tree.leaves(model.params) if isinstance(x, jax.Array)]))
         drafted = engine.speculative_config is not None and engine.speculative_config.model is not None
         hand_out = (_HandOut(engine, workers, executable_dir, in_use) if workers and not engine.quantization
                     and not drafted else None)

@@ -1,5 +1,5 @@
 """On the GPU: the model with the Pallas kernels gives HF's greedy tokens (float32, random weights of the real
-Qwen3-0.6B and Llama-3.2-1B architectures), as does the reference path. Run with `pytest -m gpu`."""
+Qwen3-0.6B and Llama-3.2-1B architectures and a small Qwen3-MoE), as does the reference path. Run with `pytest -m gpu`."""
 import sys
 from pathlib import Path
 
@@ -15,12 +15,12 @@ from nanojax.runner import CUBLAS_GEMMS, CUBLAS_MIN_ROWS, Program, decode_tiling
 
 
 @requires_gpu
-@pytest.mark.parametrize("name", ["qwen3-0.6b", "llama-3.2-1b"])
+@pytest.mark.parametrize("name", ["qwen3-0.6b", "llama-3.2-1b", "tiny-qwen3-moe"])
 def test_kernels_and_reference_give_hf_greedy_tokens(name):
     import torch
 
     hf = random_hf_model(name, "float32")
-    prompts = np.random.default_rng(0).integers(0, 10000, (3, 45)).tolist()
+    prompts = np.random.default_rng(0).integers(0, min(10000, hf.config.vocab_size), (3, 45)).tolist()
     prompts[1] = prompts[1][:17]  # lengths 45, 17, 45: not multiples of the page size
     with torch.no_grad():
         expected = [hf.generate(torch.tensor([p], device=hf.device), max_new_tokens=12, min_new_tokens=12,

@@ -217,6 +217,29 @@ def test_the_kv_pool_is_sized_from_what_the_weights_leave(qwen3, monkeypatch):
     assert seen == [weights] and weights == _bytes(_placed_shapes(llm.config, llm.runner.params["embed"].dtype))
 
 
+def test_weights_handed_over_on_the_device_are_not_counted_twice(qwen3, monkeypatch):
+    """A LoadedModel whose params are already on the device: the memory in use before the LLM excludes them, or the
+    pool would lose their bytes twice (a 30B model's weights left it no pages on an H200)."""
+    import jax
+
+    from nanojax import llm as llm_module
+    from nanojax.llm import _bytes
+    from nanojax.loader import load_model
+
+    loaded = load_model(qwen3[0], "float32", place=jax.device_put)
+    monkeypatch.setattr(llm_module, "_bytes_in_use", lambda: _bytes(loaded.params) + 123)
+    seen = []
+    num_pages = llm_module._num_pages
+
+    def spy(engine, config, param_bytes, kv_heads, in_use, *rest):
+        seen.append(in_use)
+        return num_pages(engine, config, param_bytes, kv_heads, in_use, *rest)
+
+    monkeypatch.setattr(llm_module, "_num_pages", spy)
+    LLM(loaded, dtype="float32", warmup=False, progress=False).close()
+    assert seen == [123]
+
+
 def test_a_generate_calls_requests_reach_the_engine_together(qwen3, monkeypatch):
     """The engine loop's first step sees every request of a generate call however slowly they are prepared, so a
     call's batches (and preemptions, and bf16 rounding) do not depend on the loop thread's timing."""
