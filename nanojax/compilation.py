@@ -2,6 +2,7 @@
 compiled on a thread pool, with shares lowered in worker processes on a GPU (docs/perf_notes.md, "Compile workers").
 """
 import concurrent.futures
+import dataclasses
 import os
 import time
 
@@ -9,7 +10,7 @@ import jax
 from tqdm import tqdm
 
 from nanojax import compile_workers, executable_cache
-from nanojax.runner import ModelRunner
+from nanojax.runner import ModelRunner, Program
 
 
 def compile_all(runner, progress: bool = True, threads: int | None = None,
@@ -40,7 +41,7 @@ def compile_all(runner, progress: bool = True, threads: int | None = None,
         in_flight = {p for w in busy for p, _ in w.job.programs}
         with tqdm(total=len(todo), desc=f"compiling {len(todo)} programs", disable=not progress) as bar:
             _load(runner, [p for p in todo if p not in in_flight], keys, bar, cached=True)
-            dealt = shares(runner, [p for p in runner.missing(todo) if p not in in_flight], workers + 1)
+            dealt = shares([p for p in runner.missing(todo) if p not in in_flight], workers + 1)
             running = busy + [compile_workers.send(idle.pop() if idle else compile_workers.spawn(),
                                                    _job(runner, share, keys)) for share in dealt[1:] if share]
             compile_workers.stop_all(idle)  # spawned ahead for programs that were in the cache after all
@@ -63,7 +64,7 @@ def hand_out(runner, workers: list) -> None:
     the weights; `compile_all(runner, workers=workers)` then waits for them."""
     programs = runner.programs()
     keys = program_keys(runner, programs)
-    for worker, share in zip(workers, shares(runner, programs, len(workers))):
+    for worker, share in zip(workers, shares(programs, len(workers))):
         if share:
             compile_workers.send(worker, _job(runner, share, keys))
 
@@ -91,13 +92,18 @@ def _load(runner, programs, keys: dict, bar, cached: bool) -> None:
             bar.update(1)
 
 
-def shares(runner, programs, n: int) -> list[list]:
+def twin(p):
+    """The program whose GEMMs a cascade decode shares (the plain decode of its rows), else None."""
+    return dataclasses.replace(p, cascade=False) if isinstance(p, Program) and p.cascade else None
+
+
+def shares(programs, n: int) -> list[list]:
     """`programs` dealt round-robin into n lists, a cascade decode right after its twin: where XLA tunes their GEMMs
     (FP8 weights), it then finds the twin's in the process's autotuning cache."""
     chains = {}
     for p in programs:
-        twin = runner.twin(p)
-        chains.setdefault(twin if twin in programs else p, []).append(p)
+        shared = twin(p)
+        chains.setdefault(shared if shared in programs else p, []).append(p)
     chains = list(chains.values())
     return [[p for chain in chains[i::n] for p in chain] for i in range(n)]
 
@@ -108,9 +114,9 @@ def compile_programs(runner, programs, keys: dict, threads: int | None = None, b
     lowering = 0.0
     threads = threads or min(len(programs), os.cpu_count() or 1) or 1
 
-    def compile_after(twin, p, lowered):
-        if twin is not None:  # submitted earlier to this first-in first-out pool: running or done
-            concurrent.futures.wait([twin])
+    def compile_after(shared, p, lowered):
+        if shared is not None:  # its twin's, submitted earlier to this first-in first-out pool: running or done
+            concurrent.futures.wait([shared])
         return executable_cache.compile_and_store(runner.executable_dir, keys[p], lowered,
                                                   runner.compiler_options(p))
 
@@ -120,7 +126,7 @@ def compile_programs(runner, programs, keys: dict, threads: int | None = None, b
             t = time.perf_counter()
             lowered = runner.lower(p)
             lowering += time.perf_counter() - t
-            of[p] = pool.submit(compile_after, of.get(runner.twin(p)), p, lowered)
+            of[p] = pool.submit(compile_after, of.get(twin(p)), p, lowered)
         futures = {f: p for p, f in of.items()}
         for f in concurrent.futures.as_completed(futures):
             runner.install(futures[f], f.result())

@@ -335,11 +335,6 @@ class ModelRunner:
         self.loaded += cached
         self.compiles += not cached
 
-    @staticmethod
-    def twin(p):
-        """The program whose GEMMs a cascade decode shares (the plain decode of its rows), else None."""
-        return dataclasses.replace(p, cascade=False) if isinstance(p, Program) and p.cascade else None
-
     def _call(self, p) -> tuple:
         """(jitted step, its arguments, its static keywords) of program p; arguments as arrays or shapes."""
         kw = dict(config=self.config, ops=self.ops)

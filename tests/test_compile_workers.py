@@ -41,7 +41,7 @@ def test_workers_compile_their_shares_with_the_same_tokens(hf_model_dir, tmp_pat
     folder, _ = hf_model_dir("qwen3")
     llm, lowered_here = _compile_with_workers(folder, tmp_path, monkeypatch)
     runner = llm.runner
-    shares = compilation.shares(runner, runner.programs(), 3)
+    shares = compilation.shares(runner.programs(), 3)
     assert lowered_here == shares[0] and all(shares[1:])  # the engine lowered its own share only
     assert runner.compiles == len(runner.programs()) and runner.loaded == 0
     assert len(runner.worker_seconds) == 2  # each worker's times, from its spawn
@@ -61,11 +61,11 @@ def test_a_cascade_decode_is_dealt_and_compiled_after_its_twin(hf_model_dir, tmp
     cascades = [p for p in programs if isinstance(p, Program) and p.cascade]
     assert len(cascades) == 2
     for n in (1, 2, 3, 5):
-        shares = compilation.shares(runner, programs, n)
+        shares = compilation.shares(programs, n)
         assert sorted(map(str, sum(shares, []))) == sorted(map(str, programs))
         for p in cascades:
             share = next(s for s in shares if p in s)
-            assert share[share.index(p) - 1] == runner.twin(p)
+            assert share[share.index(p) - 1] == compilation.twin(p)
     spans, lock = {}, threading.Lock()
 
     def compile_and_store(directory, key, lowered, options):
@@ -79,7 +79,7 @@ def test_a_cascade_decode_is_dealt_and_compiled_after_its_twin(hf_model_dir, tmp
     compilation.compile_programs(runner, programs, dict.fromkeys(programs, "key"), threads=8)
     assert len(spans) == len(programs)
     for p in cascades:
-        assert spans[p][0] >= spans[runner.twin(p)][1]
+        assert spans[p][0] >= spans[compilation.twin(p)][1]
 
 
 def test_a_failed_worker_leaves_its_programs_to_the_engine(hf_model_dir, tmp_path, monkeypatch, caplog):
