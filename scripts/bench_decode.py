@@ -28,7 +28,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from random_model import loaded_model, model_config, random_array, random_hf_model, random_params, weight_bytes  # noqa: E402
 
-from convert.quantize import quantize_params  # noqa: E402
+from convert.quantize import quantize_layer, quantize_params  # noqa: E402
 from nanojax import LLM, SamplingParams  # noqa: E402
 from nanojax.cascade import CascadeRules  # noqa: E402
 from nanojax.config import EngineConfig  # noqa: E402
@@ -175,11 +175,24 @@ def variant_params(model: str, config, loaded, quantization: str, tp_size: int):
     tp = TensorParallel.create(config, tp_size) if tp_size else None
     if loaded is None:
         params = random_params(model, tp).params
-        return (quantize_params(params, config, lm_head=False) if quantization == "fp8" else params), tp
+        return (_fp8_layer_by_layer(params) if quantization == "fp8" else params), tp
     params = loaded.params
     if quantization == "fp8":
         params = quantize_params(jax.tree.map(jnp.asarray, params), config, lm_head=False)
     return (tp.place(params, progress=True) if tp else jax.tree.map(jnp.asarray, params)), tp
+
+
+def _fp8_layer_by_layer(params) -> dict:
+    """params with each layer's projections in FP8 (LM head bf16), each bf16 layer freed as it is quantized, so that a
+    model and its FP8 copy need not fit on the device together (Mixtral-8x7B: 94 + 47 GB)."""
+    layers = list(params["layers"])
+    for i, bf16 in enumerate(layers):
+        layers[i] = quantize_layer(bf16)
+        kept = {id(x) for x in jax.tree.leaves(layers[i])}
+        for x in jax.tree.leaves(bf16):
+            if id(x) not in kept:
+                x.delete()
+    return {**params, "layers": tuple(layers)}
 
 
 def parse_args():
