@@ -18,7 +18,6 @@ import numpy as np
 from flax import nnx
 
 from convert.config import ModelConfig
-from convert.quantize import dequantize
 from nanojax.kv_cache import KVCache
 from nanojax.moe import grouped_swiglu, route
 from nanojax.ops import Ops
@@ -65,11 +64,9 @@ class Projection(nnx.Module):
     def quantized(self) -> bool:
         return self.w_t is not None
 
-    def weight(self, dtype):
-        """w [..., K, N] in dtype, an FP8 one dequantized (the experts' grouped GEMMs have no FP8 kernel)."""
-        if self.quantized:
-            return dequantize({"w_t": self.w_t[...], "scale": self.scale[...]}, dtype)
-        return self.w[...].astype(dtype)
+    def experts(self) -> tuple:
+        """(w [E, K, N], None), or FP8 (w_t [E, N, K], scale [E, N]): pallas_kernels.expert_matmul's operands."""
+        return (self.w_t[...], self.scale[...]) if self.quantized else (self.w[...], None)
 
 
 class Experts(nnx.Module):
@@ -85,7 +82,7 @@ class Experts(nnx.Module):
     def __call__(self, x, weights, ids, matmul, grouped):
         """x: [N, H]; weights, ids: [N, k] each row's experts (ids outside [0, E) skipped) -> [N, H]; matmul,
         grouped: the contracts of pallas_kernels.expert_matmul and grouped_matmul."""
-        return grouped_swiglu(x, weights, ids, self.up.weight(x.dtype), self.down.weight(x.dtype), matmul, grouped)
+        return grouped_swiglu(x, weights, ids, self.up.experts(), self.down.experts(), matmul, grouped)
 
 
 class DecoderLayer(nnx.Module):

@@ -22,12 +22,12 @@ def route(h, router, moe: MoE):
 
 
 def grouped_swiglu(x, weights, ids, up, down, matmul=expert_matmul_reference, grouped=grouped_matmul_reference):
-    """x: [N, H]; weights, ids: [N, k] each row's experts and their weights; up: [E, H, 2I] (gate | up); down:
-    [E, I, H] -> [N, H]: sum over j of weights[:, j] * down_e(silu(gate_e(x)) * up_e(x)), e = ids[:, j]. An id outside
-    [0, E) (an expert another device holds) adds nothing. matmul: expert_matmul's contract, for few rows; grouped:
-    grouped_matmul's, for more."""
+    """x: [N, H]; weights, ids: [N, k] each row's experts and their weights; up: (w [E, H, 2I] (gate | up), None);
+    down: (w [E, I, H], None); FP8 experts (w_t [E, N, K], scale [E, N]) -> [N, H]: sum over j of weights[:, j] *
+    down_e(silu(gate_e(x)) * up_e(x)), e = ids[:, j]. An id outside [0, E) (an expert another device holds) adds
+    nothing. matmul: expert_matmul's contract, for few rows; grouped: grouped_matmul's, for more."""
     n, k = ids.shape
-    num_experts = up.shape[0]
+    num_experts = up[0].shape[0]
     kept = (ids >= 0) & (ids < num_experts)
     choices = jnp.where(kept, ids, num_experts).reshape(-1)
     # Few rows gather their experts (never more weights than the whole set); more are grouped by expert.
@@ -44,14 +44,14 @@ def _swiglu(gate_up, dtype):
 
 def _gathered(x, choices, up, down, matmul):
     """x: [N, H]; choices: [N k] expert ids (E: none) -> [N k, H] f32: each choice through its expert's weights."""
-    e = jnp.minimum(choices, up.shape[0] - 1)  # none: computed with the last expert, then dropped
+    e = jnp.minimum(choices, up[0].shape[0] - 1)  # none: computed with the last expert, then dropped
     rows = jnp.repeat(x, choices.shape[0] // x.shape[0], axis=0)
-    return matmul(_swiglu(matmul(rows, up, e), x.dtype), down, e)
+    return matmul(_swiglu(matmul(rows, *up, e), x.dtype), *down, e)
 
 
 def _grouped(x, choices, up, down, matmul):
     """_gathered's result, from the choices sorted by expert, each expert's run padded to whole blocks of rows."""
-    m, num_experts = choices.shape[0], up.shape[0]
+    m, num_experts = choices.shape[0], up[0].shape[0]
     block_m = block_rows(m, num_experts)
     num_blocks = m // block_m + min(m, num_experts)  # enough: each used expert adds at most one partial block
     order = jnp.argsort(choices)  # none (E) last
@@ -66,6 +66,6 @@ def _grouped(x, choices, up, down, matmul):
     block_experts = jnp.searchsorted(blocks_end, jnp.arange(num_blocks), side="right").astype(jnp.int32)
     block_experts = jnp.where(block_experts < num_experts, block_experts, -1)
     xs = jnp.concatenate([x, jnp.zeros_like(x[:1])])[rows]  # padding reads a zero row
-    out = matmul(_swiglu(matmul(xs, up, block_experts), x.dtype), down, block_experts)
+    out = matmul(_swiglu(matmul(xs, *up, block_experts), x.dtype), *down, block_experts)
     slot_of_choice = jnp.zeros_like(slots).at[order].set(jnp.minimum(slots, num_blocks * block_m - 1))
     return out[slot_of_choice]  # a none's row is any row: the caller drops it

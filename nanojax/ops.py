@@ -72,15 +72,11 @@ class Ops:
         return self
 
     def experts(self, experts, x, weights, ids):
-        """experts (a nanojax.model.Experts)(x, weights, ids) -> [N, H] (tensor-parallel: each device's experts). FP8
-        experts' few rows take the reference: XLA fuses their dequantization into its gather, not into a kernel's
-        operand; more rows take the grouped kernel on the dequantized weights, far faster than ragged_dot."""
+        """experts (a nanojax.model.Experts)(x, weights, ids) -> [N, H] (tensor-parallel: each device's experts)."""
         if not self.pallas:
             return experts(x, weights, ids, expert_matmul_reference, grouped_matmul_reference)
-        grouped = functools.partial(grouped_matmul, interpret=self.interpret)
-        if experts.up.quantized:
-            return experts(x, weights, ids, expert_matmul_reference, grouped)
-        return experts(x, weights, ids, functools.partial(expert_matmul, interpret=self.interpret), grouped)
+        return experts(x, weights, ids, functools.partial(expert_matmul, interpret=self.interpret),
+                       functools.partial(grouped_matmul, interpret=self.interpret))
 
     def run_layer(self, layer, x, positions, cos_sin, slots, k_pages, v_pages, batch, config):
         """Runs layer (a nanojax.model.DecoderLayer) on x; a tensor-parallel Ops runs it per shard."""

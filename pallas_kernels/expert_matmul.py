@@ -1,6 +1,7 @@
 """Each row through its own expert's weights, out[m] = x[m] @ w[ids[m]]: a mixture-of-experts decode's choices, reading
 only the chosen experts. XLA lowers the gathered one-row products to reductions that stream the weights at a fraction
-of the bandwidth (docs/perf_notes.md, "Mixture of experts")."""
+of the bandwidth (docs/perf_notes.md, "Mixture of experts"). FP8 experts (convert/quantize.py: w_t [E, N, K] and
+scale [E, N]) are read as they are stored, their scales applied after the products."""
 import dataclasses
 import functools
 
@@ -27,23 +28,40 @@ class ExpertMatmulConfig:
             raise ValueError(f"block sizes and split_k must be powers of two, got {self}")
 
 
-def expert_matmul_reference(x, w, ids):
-    """x: [M, K]; w: [E, K, N]; ids: [M] int32 in [0, E) -> [M, N] f32."""
-    return jnp.einsum("mk,mkn->mn", x, w[ids].astype(x.dtype), precision=lax.Precision.HIGHEST,
-                      preferred_element_type=jnp.float32)
+def expert_shape(w, scale) -> tuple[int, int, int]:
+    """(E, K, N) of experts w [E, K, N] (scale None) or FP8 w_t [E, N, K] with scale [E, N]."""
+    return (w.shape[0], w.shape[2], w.shape[1]) if scale is not None else w.shape
 
 
-def _kernel(ids_ref, x_ref, w_ref, o_ref, *, block_k: int):
+def expert_matmul_reference(x, w, scale, ids):
+    """x: [M, K]; w, scale: experts w [E, K, N] and None, or FP8 w_t [E, N, K] and scale [E, N]; ids: [M] int32 in
+    [0, E) -> [M, N] f32."""
+    kw = dict(precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    if scale is None:
+        return jnp.einsum("mk,mkn->mn", x, w[ids].astype(x.dtype), **kw)
+    return jnp.einsum("mk,mnk->mn", x, w[ids].astype(x.dtype), **kw) * scale[ids]
+
+
+def _kernel(ids_ref, x_ref, w_ref, *refs, block_k: int):
     # ids_ref: [] the row's expert; x_ref: [K / split_k] the row's share of K; w_ref: [E, K / split_k, block_n] every
-    # expert's column block; o_ref: [block_n] f32
-    expert = load(ids_ref)
+    # expert's column block, or FP8 [E, block_n, K / split_k] followed in refs by its scale_ref [E, block_n];
+    # o_ref: [block_n] f32
+    *scale_ref, o_ref = refs
+    expert, fp8 = load(ids_ref), bool(scale_ref)
 
     def body(i, acc):  # elementwise: one reduction over K at the end, not one a slice
         ks = pl.ds(i * block_k, block_k)
-        return acc + load(x_ref.at[ks]).astype(jnp.float32)[:, None] * load(w_ref.at[expert, ks, :]).astype(jnp.float32)
+        x = load(x_ref.at[ks]).astype(jnp.float32)
+        if fp8:
+            return acc + load(w_ref.at[expert, :, ks]).astype(jnp.float32) * x[None, :]
+        return acc + x[:, None] * load(w_ref.at[expert, ks, :]).astype(jnp.float32)
 
-    acc = lax.fori_loop(0, x_ref.shape[0] // block_k, body, jnp.zeros((block_k,) + o_ref.shape, jnp.float32))
-    store(o_ref, jnp.sum(acc, axis=0))
+    shape = (o_ref.shape[0], block_k) if fp8 else (block_k, o_ref.shape[0])
+    acc = lax.fori_loop(0, x_ref.shape[0] // block_k, body, jnp.zeros(shape, jnp.float32))
+    if fp8:
+        store(o_ref, jnp.sum(acc, axis=1) * load(scale_ref[0].at[expert, :]))
+    else:
+        store(o_ref, jnp.sum(acc, axis=0))
 
 
 def _default_config(k: int, n: int) -> ExpertMatmulConfig:
@@ -53,24 +71,28 @@ def _default_config(k: int, n: int) -> ExpertMatmulConfig:
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def expert_matmul(x, w, ids, *, config: ExpertMatmulConfig | None = None, interpret: bool = False):
+def expert_matmul(x, w, scale, ids, *, config: ExpertMatmulConfig | None = None, interpret: bool = False):
     """expert_matmul_reference's contract, one program per (row, block of columns, share of K)."""
     m, k = x.shape
-    num_experts, k_w, n = w.shape
+    num_experts, k_w, n = expert_shape(w, scale)
     config = config or _default_config(k, n)
-    k_split = k // config.split_k
-    if k_w != k or k_split % config.block_k or n % config.block_n:
-        raise ValueError(f"x [M, {k}] and w [E, {k_w}, {n}] must share K, divisible by split_k * block_k, and N by "
-                         f"block_n: {config}")
+    k_split, bn = k // config.split_k, config.block_n
+    if k_w != k or k_split % config.block_k or n % bn:
+        raise ValueError(f"x [M, {k}] and experts of [{k_w}, {n}] must share K, divisible by split_k * block_k, and "
+                         f"N by block_n: {config}")
     check_vector("ids", ids, m)
+    if scale is None:
+        w_spec, scales = pl.BlockSpec((num_experts, k_split, bn), lambda r, c, s: (0, s, c)), []
+    else:
+        w_spec, scales = pl.BlockSpec((num_experts, bn, k_split), lambda r, c, s: (0, c, s)), [scale]
     out = pl.pallas_call(
         functools.partial(_kernel, block_k=config.block_k),
-        grid=(m, n // config.block_n, config.split_k),
+        grid=(m, n // bn, config.split_k),
         in_specs=[pl.BlockSpec((None,), lambda r, c, s: (r,)), pl.BlockSpec((None, k_split), lambda r, c, s: (r, s)),
-                  pl.BlockSpec((num_experts, k_split, config.block_n), lambda r, c, s: (0, s, c))],
-        out_specs=pl.BlockSpec((None, None, config.block_n), lambda r, c, s: (s, r, c)),
+                  w_spec] + [pl.BlockSpec((num_experts, bn), lambda r, c, s: (0, c))] * len(scales),
+        out_specs=pl.BlockSpec((None, None, bn), lambda r, c, s: (s, r, c)),
         out_shape=jax.ShapeDtypeStruct((config.split_k, m, n), jnp.float32),
         compiler_params=triton_params(config.num_warps, config.num_stages),
         interpret=interpret,
-    )(ids, x, w)
+    )(ids, x, w, *scales)
     return out.sum(axis=0)

@@ -2,7 +2,7 @@
 weights, out[b] = x[b] @ w[block_experts[b]]. A step's choices are sorted by expert and each expert's run padded to
 whole blocks (vLLM's fused_moe layout), so a block reads one expert's weights and an unused expert none. XLA's
 ragged_dot and its gathered products stream the weights at a fraction of the bandwidth (docs/perf_notes.md,
-"Mixture of experts")."""
+"Mixture of experts"). FP8 experts are read as stored (w_t [E, N, K]), their scales applied after the products."""
 import dataclasses
 import functools
 
@@ -12,6 +12,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._compat import check_vector, dot, is_power_of_2, load, pow2_divisor, store, triton_params
+from pallas_kernels.expert_matmul import expert_shape
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,35 +34,44 @@ def block_rows(num_choices: int, num_experts: int) -> int:
     return min(max(16, pl.next_power_of_2(-(-num_choices // num_experts))), 64)
 
 
-def grouped_matmul_reference(x, w, block_experts):
-    """x: [B * block_m, K]; w: [E, K, N]; block_experts: [B] int32, each block's expert (-1: unused, after every used
-    block; the used ones ascending) -> [B * block_m, N] f32 (unused blocks' rows: any value)."""
+def grouped_matmul_reference(x, w, scale, block_experts):
+    """x: [B * block_m, K]; w, scale: experts w [E, K, N] and None, or FP8 w_t [E, N, K] and scale [E, N];
+    block_experts: [B] int32, each block's expert (-1: unused, after every used block; the used ones ascending) ->
+    [B * block_m, N] f32 (unused blocks' rows: any value)."""
     num_experts, block_m = w.shape[0], x.shape[0] // block_experts.shape[0]
     group_sizes = jnp.zeros(num_experts, jnp.int32).at[block_experts].add(block_m, mode="drop")
-    return lax.ragged_dot(x, w.astype(x.dtype), group_sizes, precision=lax.Precision.HIGHEST,
-                          preferred_element_type=jnp.float32)
+    dense = w if scale is None else jnp.swapaxes(w, 1, 2)
+    out = lax.ragged_dot(x, dense.astype(x.dtype), group_sizes, precision=lax.Precision.HIGHEST,
+                         preferred_element_type=jnp.float32)
+    return out if scale is None else out * scale[jnp.repeat(jnp.maximum(block_experts, 0), block_m)]
 
 
-def _kernel(expert_ref, x_ref, w_ref, o_ref, *, block_k: int):
+def _kernel(expert_ref, x_ref, w_ref, *refs, block_k: int):
     # expert_ref: [] the block's expert (-1: unused); x_ref: [block_m, K] its rows; w_ref: [E, K, block_n] every
-    # expert's column block; o_ref: [block_m, block_n] f32
+    # expert's column block, or FP8 [E, block_n, K] followed in refs by its scale_ref [E, block_n];
+    # o_ref: [block_m, block_n] f32
+    *scale_ref, o_ref = refs
     expert = load(expert_ref)
 
     @pl.when(expert >= 0)
     def _():
         def body(i, acc):
             ks = pl.ds(i * block_k, block_k)
-            return acc + dot(load(x_ref.at[:, ks]), load(w_ref.at[expert, ks, :]).astype(x_ref.dtype))
+            x = load(x_ref.at[:, ks])
+            if scale_ref:
+                return acc + dot(x, load(w_ref.at[expert, :, ks]).astype(x.dtype), trans_b=True)
+            return acc + dot(x, load(w_ref.at[expert, ks, :]).astype(x.dtype))
 
-        store(o_ref, lax.fori_loop(0, x_ref.shape[1] // block_k, body, jnp.zeros(o_ref.shape, jnp.float32)))
+        acc = lax.fori_loop(0, x_ref.shape[1] // block_k, body, jnp.zeros(o_ref.shape, jnp.float32))
+        store(o_ref, acc * load(scale_ref[0].at[expert, :])[None, :] if scale_ref else acc)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def grouped_matmul(x, w, block_experts, *, config: GroupedMatmulConfig | None = None, interpret: bool = False):
+def grouped_matmul(x, w, scale, block_experts, *, config: GroupedMatmulConfig | None = None, interpret: bool = False):
     """grouped_matmul_reference's contract (unused blocks are skipped). Grid: column blocks outermost, so that the
     blocks of one expert, adjacent, read its weights while they are in L2."""
     rows, k = x.shape
-    num_experts, k_w, n = w.shape
+    num_experts, k_w, n = expert_shape(w, scale)
     num_blocks = block_experts.shape[0]
     block_m = rows // max(num_blocks, 1)
     # Blocks of 16 rows (decode) read weights in longer K slices; more rows in wider column blocks.
@@ -69,18 +79,23 @@ def grouped_matmul(x, w, block_experts, *, config: GroupedMatmulConfig | None = 
     config = config or GroupedMatmulConfig(block_n=pow2_divisor(n, 128 if wide else 64),
                                            block_k=pow2_divisor(k, 64 if wide else 128))
     if k_w != k or k % config.block_k or n % config.block_n or min(config.block_k, config.block_n) < 16:
-        raise ValueError(f"x [M, {k}] and w [E, {k_w}, {n}] must share K, divisible by block_k, N by block_n, "
+        raise ValueError(f"x [M, {k}] and experts of [{k_w}, {n}] must share K, divisible by block_k, N by block_n, "
                          f"both blocks >= 16: {config}")
     if block_m < 16 or block_m * num_blocks != rows:
         raise ValueError(f"x's {rows} rows must be whole blocks of >= 16 for {num_blocks} block_experts")
     check_vector("block_experts", block_experts, num_blocks)
+    bn = config.block_n
+    if scale is None:
+        w_spec, scales = pl.BlockSpec((num_experts, k, bn), lambda c, b: (0, 0, c)), []
+    else:
+        w_spec, scales = pl.BlockSpec((num_experts, bn, k), lambda c, b: (0, c, 0)), [scale]
     return pl.pallas_call(
         functools.partial(_kernel, block_k=config.block_k),
-        grid=(n // config.block_n, num_blocks),
-        in_specs=[pl.BlockSpec((None,), lambda c, b: (b,)), pl.BlockSpec((block_m, k), lambda c, b: (b, 0)),
-                  pl.BlockSpec((num_experts, k, config.block_n), lambda c, b: (0, 0, c))],
-        out_specs=pl.BlockSpec((block_m, config.block_n), lambda c, b: (b, c)),
+        grid=(n // bn, num_blocks),
+        in_specs=[pl.BlockSpec((None,), lambda c, b: (b,)), pl.BlockSpec((block_m, k), lambda c, b: (b, 0)), w_spec]
+        + [pl.BlockSpec((num_experts, bn), lambda c, b: (0, c))] * len(scales),
+        out_specs=pl.BlockSpec((block_m, bn), lambda c, b: (b, c)),
         out_shape=jax.ShapeDtypeStruct((rows, n), jnp.float32),
         compiler_params=triton_params(config.num_warps, config.num_stages),
         interpret=interpret,
-    )(block_experts, x, w)
+    )(block_experts, x, w, *scales)

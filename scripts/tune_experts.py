@@ -88,7 +88,7 @@ def main():
         want = None
         for name, kw in variants.items():
             def fn(x, w, ids, kw=kw):
-                return grouped_swiglu(x, weights, ids, *w, **kw)
+                return grouped_swiglu(x, weights, ids, (w[0], None), (w[1], None), **kw)
 
             got = jax.jit(fn)(x, layers[0], ids[0]).astype(jnp.float32)
             want = got if want is None else want  # XLA's, the first variant

@@ -1,10 +1,20 @@
 """pallas_kernels/expert_matmul.py in Pallas' interpreter against its jnp reference: rows through their own experts'
-weights, over shapes whose K and N are not powers of two, expert counts from 1 to 9 and odd row counts."""
+weights, over shapes whose K and N are not powers of two, expert counts from 1 to 9, odd row counts and FP8 experts
+(read as stored, w_t [E, N, K] with per-column scales)."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from convert.quantize import dequantize
 from pallas_kernels.expert_matmul import ExpertMatmulConfig, expert_matmul, expert_matmul_reference
+
+TOL = dict(rtol=1e-5, atol=1e-4)  # both accumulate exact products in f32: only the order of the sums differs
+
+
+def fp8_experts(rng, experts, k, n):
+    """Random FP8 experts: (w_t [E, N, K] float8_e4m3fn, scale [E, N] f32)."""
+    w_t = jnp.asarray(rng.normal(size=(experts, n, k)), jnp.float8_e4m3fn)
+    return w_t, jnp.asarray(rng.uniform(0.5, 2.0, (experts, n)), jnp.float32)
 
 
 @pytest.mark.parametrize("rows,k,n,experts,dtype", [(1, 64, 64, 1, jnp.float32), (3, 96, 48, 5, jnp.float32),
@@ -14,16 +24,27 @@ def test_each_row_takes_its_experts_weights(rows, k, n, experts, dtype):
     x = jnp.asarray(rng.normal(size=(rows, k)), dtype)
     w = jnp.asarray(rng.normal(size=(experts, k, n)), dtype)
     ids = jnp.asarray(rng.integers(0, experts, rows), jnp.int32)
-    want = expert_matmul_reference(x, w, ids)
-    tol = dict(rtol=1e-5, atol=1e-4)  # both accumulate exact products in f32: only the order of the sums differs
-    np.testing.assert_allclose(expert_matmul(x, w, ids, interpret=True), want, **tol)
+    want = expert_matmul_reference(x, w, None, ids)
+    np.testing.assert_allclose(expert_matmul(x, w, None, ids, interpret=True), want, **TOL)
     small = ExpertMatmulConfig(block_n=16, block_k=32)  # several K slices and column blocks a row
-    np.testing.assert_allclose(expert_matmul(x, w, ids, config=small, interpret=True), want, **tol)
+    np.testing.assert_allclose(expert_matmul(x, w, None, ids, config=small, interpret=True), want, **TOL)
+
+
+@pytest.mark.parametrize("rows,k,n,experts", [(3, 96, 48, 5), (8, 256, 64, 9)])
+def test_fp8_experts_are_read_as_stored_and_scaled_after_the_products(rows, k, n, experts):
+    rng = np.random.default_rng(rows)
+    x = jnp.asarray(rng.normal(size=(rows, k)), jnp.float32)
+    w_t, scale = fp8_experts(rng, experts, k, n)
+    ids = jnp.asarray(rng.integers(0, experts, rows), jnp.int32)
+    want = expert_matmul_reference(x, w_t, scale, ids)
+    dense = dequantize({"w_t": w_t, "scale": scale})
+    np.testing.assert_allclose(want, expert_matmul_reference(x, dense, None, ids), **TOL)
+    np.testing.assert_allclose(expert_matmul(x, w_t, scale, ids, interpret=True), want, **TOL)
 
 
 def test_bad_shapes_are_refused():
     x, w = jnp.zeros((2, 64)), jnp.zeros((3, 32, 64))
     with pytest.raises(ValueError, match="share K"):
-        expert_matmul(x, w, jnp.zeros(2, jnp.int32), interpret=True)
+        expert_matmul(x, w, None, jnp.zeros(2, jnp.int32), interpret=True)
     with pytest.raises(ValueError, match="ids must be int32"):
-        expert_matmul(x, jnp.zeros((3, 64, 64)), jnp.zeros(3, jnp.int32), interpret=True)
+        expert_matmul(x, jnp.zeros((3, 64, 64)), None, jnp.zeros(3, jnp.int32), interpret=True)

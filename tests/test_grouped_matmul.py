@@ -1,11 +1,13 @@
 """pallas_kernels/grouped_matmul.py in Pallas' interpreter against its reference, and nanojax.moe's layout of a step's
 choices in blocks of one expert against each choice through its own expert: odd row counts, unused experts, choices
-of experts another device holds, blocks of 16 to 64 rows."""
+of experts another device holds, blocks of 16 to 64 rows, FP8 experts."""
 import functools
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+from test_expert_matmul import fp8_experts
 
 from nanojax.moe import _gathered, _grouped
 from pallas_kernels.expert_matmul import expert_matmul_reference
@@ -14,17 +16,19 @@ from pallas_kernels.grouped_matmul import GroupedMatmulConfig, grouped_matmul, g
 TOL = dict(rtol=1e-5, atol=1e-4)  # both accumulate exact products in f32: only the order of the sums differs
 
 
-@pytest.mark.parametrize("block_m,k,n,experts,dtype", [(16, 64, 48, 5, jnp.float32), (32, 96, 64, 3, jnp.bfloat16)])
-def test_each_block_takes_its_experts_weights(block_m, k, n, experts, dtype):
+@pytest.mark.parametrize("block_m,k,n,experts,dtype,fp8", [(16, 64, 48, 5, jnp.float32, False),
+                                                           (32, 96, 64, 3, jnp.bfloat16, False),
+                                                           (16, 64, 32, 4, jnp.float32, True)])
+def test_each_block_takes_its_experts_weights(block_m, k, n, experts, dtype, fp8):
     rng = np.random.default_rng(block_m * k + n)
     block_experts = np.sort(rng.choice(experts, size=min(experts, 4), replace=False))
     block_experts = jnp.asarray(np.concatenate([np.repeat(block_experts, 2), [-1, -1]]), jnp.int32)  # 2 unused
     x = jnp.asarray(rng.normal(size=(block_experts.shape[0] * block_m, k)), dtype)
-    w = jnp.asarray(rng.normal(size=(experts, k, n)), dtype)
+    w, scale = fp8_experts(rng, experts, k, n) if fp8 else (jnp.asarray(rng.normal(size=(experts, k, n)), dtype), None)
     used = np.repeat(np.asarray(block_experts) >= 0, block_m)
-    want = grouped_matmul_reference(x, w, block_experts)
+    want = grouped_matmul_reference(x, w, scale, block_experts)
     for config in (None, GroupedMatmulConfig(block_n=16, block_k=32)):  # several K slices and column blocks
-        got = grouped_matmul(x, w, block_experts, config=config, interpret=True)
+        got = grouped_matmul(x, w, scale, block_experts, config=config, interpret=True)
         np.testing.assert_allclose(got[used], want[used], **TOL)
 
 
@@ -32,8 +36,8 @@ def test_each_block_takes_its_experts_weights(block_m, k, n, experts, dtype):
 def test_choices_grouped_by_expert_equal_each_through_its_expert(rows, top_k, experts):
     rng = np.random.default_rng(rows)
     x = jnp.asarray(rng.normal(size=(rows, 64)), jnp.float32)
-    up = jnp.asarray(rng.normal(size=(experts, 64, 96)) * 0.1, jnp.float32)
-    down = jnp.asarray(rng.normal(size=(experts, 48, 64)) * 0.1, jnp.float32)
+    up = (jnp.asarray(rng.normal(size=(experts, 64, 96)) * 0.1, jnp.float32), None)
+    down = (jnp.asarray(rng.normal(size=(experts, 48, 64)) * 0.1, jnp.float32), None)
     choices = jnp.asarray(rng.integers(0, experts + 1, rows * top_k), jnp.int32)  # experts: held by another device
     kept = np.asarray(choices) < experts
     want = _gathered(x, choices, up, down, expert_matmul_reference)[kept]
@@ -45,6 +49,6 @@ def test_choices_grouped_by_expert_equal_each_through_its_expert(rows, top_k, ex
 def test_bad_shapes_are_refused():
     w = jnp.zeros((3, 64, 64))
     with pytest.raises(ValueError, match="share K"):
-        grouped_matmul(jnp.zeros((32, 32)), w, jnp.zeros(2, jnp.int32), interpret=True)
+        grouped_matmul(jnp.zeros((32, 32)), w, None, jnp.zeros(2, jnp.int32), interpret=True)
     with pytest.raises(ValueError, match="whole blocks"):
-        grouped_matmul(jnp.zeros((24, 64)), w, jnp.zeros(2, jnp.int32), interpret=True)
+        grouped_matmul(jnp.zeros((24, 64)), w, None, jnp.zeros(2, jnp.int32), interpret=True)
