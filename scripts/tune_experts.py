@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from convert.quantize import quantize_weight
 from nanojax.moe import grouped_swiglu
 from pallas_kernels.expert_matmul import ExpertMatmulConfig, expert_matmul, expert_matmul_reference
 from pallas_kernels.grouped_matmul import GroupedMatmulConfig, grouped_matmul, grouped_matmul_reference
@@ -30,6 +31,12 @@ TINY = dict(experts=8, top_k=2, hidden=64, width=32)
 ROW_TILINGS = [None, (64, 128, 1, 4, 3), (64, 64, 4, 4, 3), (64, 64, 4, 2, 3), (32, 64, 4, 4, 3)]  # None: its default
 # (block_n, block_k, num_warps, num_stages) of grouped_matmul, for more rows; None: its default
 GROUPED_TILINGS = [None, (64, 128, 4, 3), (128, 64, 4, 3), (128, 128, 4, 3)]
+
+
+def quantize_experts(w):
+    """w [E, K, N] -> (w_t [E, N, K] float8_e4m3fn, scale [E, N]), as convert/quantize.py stores experts."""
+    q = jax.lax.map(quantize_weight, w)
+    return q["w_t"], q["scale"]
 
 
 def time_layers(fn, xs, layers, repeats):
@@ -55,6 +62,7 @@ def main():
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 512, 4096])
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--fp8", action="store_true", help="FP8 experts (convert/quantize.py's layout), default tilings")
     args = p.parse_args()
     shape = TINY if args.tiny else QWEN3_30B_A3B
     interpret = jax.default_backend() != "gpu"
@@ -63,9 +71,14 @@ def main():
     layers, rng = [], np.random.default_rng(0)
     for _ in range(args.layers):
         key, ku, kd = jax.random.split(key, 3)
-        layers.append((jax.random.normal(ku, (e, h, 2 * i), jnp.bfloat16) * 0.02,
-                       jax.random.normal(kd, (e, i, h), jnp.bfloat16) * 0.02))
-    expert_bytes = (h * 2 * i + i * h) * 2
+        up, down = (jax.random.normal(ku, (e, h, 2 * i), jnp.bfloat16) * 0.02,
+                    jax.random.normal(kd, (e, i, h), jnp.bfloat16) * 0.02)
+        if args.fp8:
+            up, down = quantize_experts(up), quantize_experts(down)
+        else:
+            up, down = (up, None), (down, None)
+        layers.append((up, down))
+    expert_bytes = (h * 2 * i + i * h) * (1 if args.fp8 else 2)
     rows = []
     for n in args.tokens:
         ids = [jnp.asarray(np.stack([rng.choice(e, k, replace=False) for _ in range(n)]), jnp.int32)
@@ -75,12 +88,12 @@ def main():
         x = jax.random.normal(key, (n, h), jnp.bfloat16)
         variants = {"xla": dict(matmul=expert_matmul_reference, grouped=grouped_matmul_reference)}
         if n * k <= e:
-            for tiling in ROW_TILINGS:
+            for tiling in ROW_TILINGS[:1] if args.fp8 else ROW_TILINGS:
                 config = tiling and ExpertMatmulConfig(*tiling)
                 kernel = functools.partial(expert_matmul, config=config, interpret=interpret)
                 variants["row " + ("default" if tiling is None else "/".join(map(str, tiling)))] = dict(matmul=kernel)
         else:
-            for tiling in GROUPED_TILINGS:
+            for tiling in GROUPED_TILINGS[:1] if args.fp8 else GROUPED_TILINGS:
                 config = tiling and GroupedMatmulConfig(*tiling)
                 kernel = functools.partial(grouped_matmul, config=config, interpret=interpret)
                 label = "default" if tiling is None else "/".join(map(str, tiling))
@@ -88,7 +101,7 @@ def main():
         want = None
         for name, kw in variants.items():
             def fn(x, w, ids, kw=kw):
-                return grouped_swiglu(x, weights, ids, (w[0], None), (w[1], None), **kw)
+                return grouped_swiglu(x, weights, ids, *w, **kw)
 
             got = jax.jit(fn)(x, layers[0], ids[0]).astype(jnp.float32)
             want = got if want is None else want  # XLA's, the first variant

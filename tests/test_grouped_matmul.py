@@ -3,6 +3,7 @@ choices in blocks of one expert against each choice through its own expert: odd 
 of experts another device holds, blocks of 16 to 64 rows, FP8 experts."""
 import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -10,7 +11,8 @@ import pytest
 from test_expert_matmul import fp8_experts
 
 from nanojax.moe import _gathered, _grouped
-from pallas_kernels.expert_matmul import expert_matmul_reference
+from pallas_kernels._compat import can_lower_for_cuda
+from pallas_kernels.expert_matmul import expert_matmul, expert_matmul_reference
 from pallas_kernels.grouped_matmul import GroupedMatmulConfig, grouped_matmul, grouped_matmul_reference
 
 TOL = dict(rtol=1e-5, atol=1e-4)  # both accumulate exact products in f32: only the order of the sums differs
@@ -52,3 +54,19 @@ def test_bad_shapes_are_refused():
         grouped_matmul(jnp.zeros((32, 32)), w, None, jnp.zeros(2, jnp.int32), interpret=True)
     with pytest.raises(ValueError, match="whole blocks"):
         grouped_matmul(jnp.zeros((24, 64)), w, None, jnp.zeros(2, jnp.int32), interpret=True)
+
+
+@pytest.mark.skipif(not can_lower_for_cuda(), reason="this jaxlib compiles Triton kernels while lowering")
+@pytest.mark.parametrize("fp8", [False, True])
+def test_both_expert_kernels_lower_to_triton(fp8):
+    """The Triton lowering rules, checked on CPU by lowering for cuda: Qwen3-30B-A3B's up projection (128 experts of
+    2048 x 1536), bf16 or FP8 as stored, at batch 1 (the per-row kernel) and 64 (the grouped one)."""
+    if fp8:
+        w, scale = jax.ShapeDtypeStruct((128, 1536, 2048), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((128, 1536),
+                                                                                                     jnp.float32)
+    else:
+        w, scale = jax.ShapeDtypeStruct((128, 2048, 1536), jnp.bfloat16), None
+    for fn, rows, ids in ((expert_matmul, 8, 8), (grouped_matmul, 640, 40)):
+        args = (jax.ShapeDtypeStruct((rows, 2048), jnp.bfloat16), w, scale, jax.ShapeDtypeStruct((ids,), jnp.int32))
+        lowered = jax.jit(lambda *a, fn=fn: fn(*a)).trace(*args).lower(lowering_platforms=("cuda",))
+        assert "triton" in lowered.as_text()
