@@ -34,7 +34,7 @@ def test_each_block_takes_its_experts_weights(block_m, k, n, experts, dtype, fp8
         np.testing.assert_allclose(got[used], want[used], **TOL)
 
 
-@pytest.mark.parametrize("rows,top_k,experts", [(40, 2, 8), (33, 8, 16)])
+@pytest.mark.parametrize("rows,top_k,experts", [(33, 4, 16)])
 def test_choices_grouped_by_expert_equal_each_through_its_expert(rows, top_k, experts):
     rng = np.random.default_rng(rows)
     x = jnp.asarray(rng.normal(size=(rows, 64)), jnp.float32)
