@@ -56,11 +56,12 @@ def _grouped(x, choices, up, down, matmul):
     num_blocks = m // block_m + min(m, num_experts)  # enough: each used expert adds at most one partial block
     order = jnp.argsort(choices)  # none (E) last
     sizes = jnp.bincount(choices, length=num_experts)
-    blocks_end = jnp.cumsum(-(-sizes // block_m))  # each expert's blocks end here
+    blocks = -(-sizes // block_m)
+    blocks_end = jnp.cumsum(blocks)  # each expert's blocks end here
     sorted_choices = choices[order]
     e = jnp.minimum(sorted_choices, num_experts - 1)
     rank = jnp.arange(m) - (jnp.cumsum(sizes) - sizes)[e]  # place in its expert's run
-    start = (blocks_end - (-(-sizes // block_m)))[e] * block_m
+    start = (blocks_end - blocks)[e] * block_m
     slots = jnp.where(sorted_choices < num_experts, start + rank, num_blocks * block_m)  # none: past the end
     rows = jnp.full(num_blocks * block_m, x.shape[0]).at[slots].set(order // (m // x.shape[0]), mode="drop")
     block_experts = jnp.searchsorted(blocks_end, jnp.arange(num_blocks), side="right").astype(jnp.int32)
