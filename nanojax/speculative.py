@@ -91,7 +91,8 @@ def draft_proposals(params, cache, batch: Batch, hist, base, last, left, k: int,
         return jax.lax.cond(jnp.max(base + 1 - state[0]) <= 2, feed(2), feed(CATCH_UP), *state)
 
     state = (start, jnp.zeros(b, jnp.int32), cache.draft)
-    _, first, draft_cache = jax.lax.while_loop(lambda state: jnp.any(state[0] <= base), catch_up, state)
+    # The steady state (1-2 tokens) outside the loop: the host reads one predicate, not three (docs/perf_notes.md).
+    _, first, draft_cache = jax.lax.while_loop(lambda state: jnp.any(state[0] <= base), catch_up, feed(2)(*state))
 
     def propose(i, state):
         proposals, draft_cache = state
@@ -135,8 +136,12 @@ def speculative_decode(params, cache, tables, tokens, batch: Batch, sampling, ro
                 return cache, *accept(logits, proposals, q, done, tables, out)
             return run
 
-        cache, new_last, produced, tables, out = jax.lax.cond(
-            jnp.any(counts > 0), verify(spec.num_speculative_tokens + 1), verify(1), cache, tables, out)
+        width = spec.num_speculative_tokens + 1
+        if draft is None:  # n-gram rows may find nothing: a one-token forward then
+            cache, new_last, produced, tables, out = jax.lax.cond(jnp.any(counts > 0), verify(width), verify(1),
+                                                                  cache, tables, out)
+        else:  # a draft always proposes
+            cache, new_last, produced, tables, out = verify(width)(cache, tables, out)
         with_proposals = (counts > 0) & (left > 1)
         stats += jnp.stack([1, jnp.sum(with_proposals), jnp.sum(jnp.where(with_proposals, produced, 0))])
         return jnp.where(produced > 0, new_last, last), done + produced, cache, tables, out, stats
