@@ -64,8 +64,11 @@ def _kernel(ids_ref, x_ref, w_ref, *refs, block_k: int):
         store(o_ref, jnp.sum(acc, axis=0))
 
 
-def _default_config(k: int, n: int) -> ExpertMatmulConfig:
-    """64 x 64 tiles, K split in 4 where it divides: more programs in flight, at 1 to 64 rows alike."""
+def _default_config(k: int, n: int, fp8: bool) -> ExpertMatmulConfig:
+    """bf16: 64 x 64 tiles, K split in 4 where it divides (more programs in flight). FP8 (w_t [N, K]): 16 columns of
+    256 contiguous bytes each, K whole (scripts/tune_experts.py)."""
+    if fp8:
+        return ExpertMatmulConfig(block_n=pow2_divisor(n, 16), block_k=pow2_divisor(k, 256))
     config = ExpertMatmulConfig(block_n=pow2_divisor(n, 64), block_k=pow2_divisor(k, 64))
     return dataclasses.replace(config, split_k=next(s for s in (4, 2, 1) if k % (s * config.block_k) == 0))
 
@@ -75,7 +78,7 @@ def expert_matmul(x, w, scale, ids, *, config: ExpertMatmulConfig | None = None,
     """expert_matmul_reference's contract, one program per (row, block of columns, share of K)."""
     m, k = x.shape
     num_experts, k_w, n = expert_shape(w, scale)
-    config = config or _default_config(k, n)
+    config = config or _default_config(k, n, scale is not None)
     k_split, bn = k // config.split_k, config.block_n
     if k_w != k or k_split % config.block_k or n % bn:
         raise ValueError(f"x [M, {k}] and experts of [{k_w}, {n}] must share K, divisible by split_k * block_k, and "

@@ -29,6 +29,8 @@ QWEN3_30B_A3B = dict(experts=128, top_k=8, hidden=2048, width=768)
 TINY = dict(experts=8, top_k=2, hidden=64, width=32)
 # (block_n, block_k, split_k, num_warps, num_stages) of expert_matmul, for rows <= experts
 ROW_TILINGS = [None, (64, 128, 1, 4, 3), (64, 64, 4, 4, 3), (64, 64, 4, 2, 3), (32, 64, 4, 4, 3)]  # None: its default
+FP8_ROW_TILINGS = [None, (64, 128, 2, 4, 3), (32, 128, 2, 4, 3), (64, 256, 1, 4, 3), (128, 128, 2, 4, 3),
+                   (32, 256, 1, 4, 3), (16, 256, 1, 4, 3)]
 # (block_n, block_k, num_warps, num_stages) of grouped_matmul, for more rows; None: its default
 GROUPED_TILINGS = [None, (64, 128, 4, 3), (128, 64, 4, 3), (128, 128, 4, 3)]
 
@@ -88,7 +90,7 @@ def main():
         x = jax.random.normal(key, (n, h), jnp.bfloat16)
         variants = {"xla": dict(matmul=expert_matmul_reference, grouped=grouped_matmul_reference)}
         if n * k <= e:
-            for tiling in ROW_TILINGS[:1] if args.fp8 else ROW_TILINGS:
+            for tiling in FP8_ROW_TILINGS if args.fp8 else ROW_TILINGS:
                 config = tiling and ExpertMatmulConfig(*tiling)
                 kernel = functools.partial(expert_matmul, config=config, interpret=interpret)
                 variants["row " + ("default" if tiling is None else "/".join(map(str, tiling)))] = dict(matmul=kernel)
