@@ -141,29 +141,20 @@ class Tool(_Body):
     function: Function
 
 
-class NamedToolChoice(_Body):
-    type: Literal["function"]
-    function: Function  # its name
-
-
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice = "auto"
+    tool_choice: Literal["none", "auto", "required"] | Tool = "auto"  # a Tool: a call of that function (by name)
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
-    def _top_logprobs_needs_logprobs(self):
+    def _consistent(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
-        return self
-
-    @model_validator(mode="after")
-    def _tool_choice_among_tools(self):
         if self.tool_choice not in ("none", "auto") and not self.forced_functions():
             raise ValueError("tool_choice asks for a call of a function not among tools")
         return self
@@ -196,6 +187,5 @@ class DetokenizeRequest(_Body):
     tokens: list[int]
 
 
-def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict:
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None, code: str | None = None):
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
