@@ -5,6 +5,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from nanojax.front import EngineStats
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5, 5, 10, 20, 40)
+_LOAD = (("running", "nanojax_requests_running", "Sequences being computed"),  # EngineStats' field, metric, help
+         ("waiting", "nanojax_requests_waiting", "Sequences waiting for KV pages or a batch slot"),
+         ("kv_pages_total", "nanojax_kv_pages_total", "KV pages in the pool"),
+         ("kv_pages_used", "nanojax_kv_pages_used", "KV pages held by running sequences"))
 
 
 class ServeMetrics:
@@ -13,10 +17,7 @@ class ServeMetrics:
         self._queried = self._hits = 0  # prompt tokens, and those of them found in the prefix cache
         self._up = Gauge("nanojax_engine_up", "1 while the engine serves requests (/health answers 200), else 0",
                          registry=r)
-        self._running = Gauge("nanojax_requests_running", "Sequences being computed", registry=r)
-        self._waiting = Gauge("nanojax_requests_waiting", "Sequences waiting for KV pages or a batch slot", registry=r)
-        self._pages_total = Gauge("nanojax_kv_pages_total", "KV pages in the pool", registry=r)
-        self._pages_used = Gauge("nanojax_kv_pages_used", "KV pages held by running sequences", registry=r)
+        self._load = {field: Gauge(name, doc, registry=r) for field, name, doc in _LOAD}
         self.prompt_tokens = Counter("nanojax_prompt_tokens", "Prompt tokens admitted", registry=r)
         self.cached_tokens = Counter("nanojax_prefix_cache_hit_tokens",
                                      "Prompt tokens whose KV came from the prefix cache", registry=r)
@@ -27,13 +28,13 @@ class ServeMetrics:
                                 registry=r)
         self.aborted = Counter("nanojax_requests_aborted", "Requests aborted before they finished (the client went "
                                "away, or its response failed)", registry=r)
+        latency = {"buckets": _LATENCY_BUCKETS, "registry": r}
         self.ttft = Histogram("nanojax_time_to_first_token_seconds", "From a request's arrival to its first token",
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("nanojax_inter_token_latency_seconds",
-                             "Between successive streamed events of a choice (a multi-step dispatch delivers several "
-                             "tokens in one event)", buckets=_LATENCY_BUCKETS, registry=r)
+                              **latency)
+        self.itl = Histogram("nanojax_inter_token_latency_seconds", "Between successive streamed events of a choice "
+                             "(a multi-step dispatch delivers several tokens in one event)", **latency)
         self.e2e = Histogram("nanojax_request_latency_seconds", "From a request's arrival to its last choice's end",
-                             buckets=_LATENCY_BUCKETS, registry=r)
+                             **latency)
 
     def prompt_done(self, num_prompt_tokens: int, num_cached_tokens: int) -> None:
         self.prompt_tokens.inc(num_prompt_tokens)
@@ -48,11 +49,9 @@ class ServeMetrics:
             self.ttft.observe(event.time_to_first_token)
 
     def exposition(self, stats: EngineStats | None, up: bool) -> bytes:
-        """The metrics with the engine's load just read (None: it could not be read, and its gauges keep the last
-        values read)."""
+        """The metrics with the engine's load just read (None: it could not be read; its gauges keep their values)."""
         self._up.set(up)
         if stats is not None:
-            for gauge, value in ((self._running, stats.running), (self._waiting, stats.waiting),
-                                 (self._pages_total, stats.kv_pages_total), (self._pages_used, stats.kv_pages_used)):
-                gauge.set(value)
+            for field, gauge in self._load.items():
+                gauge.set(getattr(stats, field))
         return generate_latest(self.registry)
