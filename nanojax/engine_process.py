@@ -119,13 +119,6 @@ class EngineProcess(RequestFront):
                     del self._streams[request_id]
         stream.put(event, error)
 
-    def _on_refused(self, request_id: str, index: int, error: BaseException) -> None:
-        """The child's add_request raised (after this side's checks passed): the request ends with that error."""
-        with self._lock:
-            entry = self._streams.pop(request_id, None)
-        if entry is not None:
-            entry[0].put(_error_event(request_id, index, entry[1]), error)
-
     def _on_reply(self, token: int, result, error: BaseException | None) -> None:
         with self._lock:
             reply = self._replies.pop(token)
@@ -158,8 +151,9 @@ _SENT_FIELDS = tuple(f.name for f in dataclasses.fields(RequestOutput) if f.name
 
 
 class _Outbox:
-    """The child's messages to the parent. A step's events go as one message from the engine loop's own thread
-    (`EngineCore.events_out`), so a first token does not wait on another thread for the GIL; others go at once."""
+    """The child's messages to the parent, and the stream its LLM puts every request's events in (they name their
+    request). A step's events go as one message from the engine loop's own thread (`EngineCore.events_out`), so a first
+    token does not wait on another thread for the GIL; others go at once."""
 
     def __init__(self, conn, llm):
         self.conn, self.llm = conn, llm
@@ -167,38 +161,23 @@ class _Outbox:
         self.lock = threading.Lock()  # one writer at a time on the connection
         self.dead_sent = False
 
-    def put(self, item: tuple) -> None:
-        with self.lock:
-            self.items.append(item)
-
-    def flush(self) -> None:
-        with self.lock:
-            items, self.items = self.items, []
-            if self.llm.dead is not None and not self.dead_sent:
-                items.append(("dead", repr(self.llm.dead)))
-                self.dead_sent = True
-            if items:
-                try:
-                    self.conn.send(items)
-                except (OSError, ValueError):  # the parent has gone: the command loop ends on its own
-                    pass
-
-    def send(self, item: tuple) -> None:
-        self.put(item)
-        self.flush()
-
-
-@dataclasses.dataclass
-class _Sink:
-    """Stands in for a RequestStream in the child: the LLM's events for one request go to the outbox."""
-    request_id: str
-    out: _Outbox
-
     def expect(self, choices: int) -> None:
         pass
 
     def put(self, event: RequestOutput, error: BaseException | None = None) -> None:
-        self.out.put(("event", self.request_id, tuple(getattr(event, f) for f in _SENT_FIELDS), error))
+        with self.lock:
+            self.items.append(("event", event.request_id, tuple(getattr(event, f) for f in _SENT_FIELDS), error))
+
+    def flush(self, *more: tuple) -> None:
+        """Sends the events put so far, then `more` items."""
+        with self.lock:
+            items, self.items = [*self.items, *more], []
+            if self.llm.dead is not None and not self.dead_sent:
+                items.append(("dead", repr(self.llm.dead)))
+                self.dead_sent = True
+            if items:
+                with contextlib.suppress(OSError, ValueError):  # the parent has gone: the command loop ends on its own
+                    self.conn.send(items)
 
 
 def freeze_startup_heap() -> None:
@@ -227,18 +206,18 @@ def _child(conn, model, llm_kwargs) -> None:
         if kind == "add":
             ids, params, request_id, index, stream_text = args
             try:
-                llm.add_request(ids, params, request_id=request_id, index=index, stream=_Sink(request_id, out),
-                                stream_text=stream_text)
+                llm.add_request(ids, params, request_id=request_id, index=index, stream=out, stream_text=stream_text)
             except Exception as e:  # noqa: BLE001 -- the request ends with it, the engine goes on
-                out.send(("refused", request_id, index, e))
+                out.put(_error_event(request_id, index, ids), e)
+                out.flush()
         elif kind == "abort":
             llm.abort(*args)
         elif kind == "call":
             token, fn, fn_args = args
             try:
-                out.send(("reply", token, fn(llm, *fn_args), None))
+                out.flush(("reply", token, fn(llm, *fn_args), None))
             except Exception as e:  # noqa: BLE001
-                out.send(("reply", token, None, e))
+                out.flush(("reply", token, None, e))
         elif kind == "stop":
             break
     out.flush()
