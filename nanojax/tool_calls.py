@@ -89,36 +89,26 @@ class ToolCallParser:
         """-> the text and the calls that `text` completes; final: the output has ended, nothing is kept back."""
         self.pending += text
         texts, calls = [], []
-        (self._tagged if self.open_tag else self._bare)(final, texts, calls)
-        self.calls += len(calls)
-        return "".join(texts), calls
-
-    def _tagged(self, final: bool, texts: list[str], calls: list[dict]) -> None:
-        while (at := self.pending.find(tag := self.close_tag if self.in_call else self.open_tag)) >= 0:
+        while self.open_tag and (at := self.pending.find(tag := (self.open_tag, self.close_tag)[self.in_call])) >= 0:
             self._take(self.pending[:at], tag, texts, calls)
             self.pending = self.pending[at + len(tag):]
             self.in_call = not self.in_call
-        if final:  # an unclosed call is read too: models often end before its tag
+        if self.in_call is None and self.pending.strip():
+            self.in_call = self.pending.lstrip().startswith("{")
+        if final:  # an unclosed call is read too: models often end before its tag; a bare one ends with the output
             self._take(self.pending, "", texts, calls)
             self.pending = ""
-        elif not self.in_call:
+        elif self.in_call is False:
             keep = held_back(self.pending, self.open_tag)
             texts.append(self.pending[:keep])
             self.pending = self.pending[keep:]
+        self.calls += len(calls)
+        return "".join(texts), calls
 
     def _take(self, piece: str, closed_by: str, texts: list[str], calls: list[dict]) -> None:
         call = _call(piece, self.fmt) if self.in_call else None
         text = self.open_tag + piece + closed_by if self.in_call else piece
         (calls if call else texts).append(call or text)
-
-    def _bare(self, final: bool, texts: list[str], calls: list[dict]) -> None:
-        if self.in_call is None and self.pending.strip():
-            self.in_call = self.pending.lstrip().startswith("{")
-        if self.in_call is not False and not final:  # a call ends with the output
-            return
-        call = _call(self.pending, self.fmt) if self.in_call else None
-        (calls if call else texts).append(call or self.pending)
-        self.pending = ""
 
 
 def _call(text: str, fmt: ToolFormat) -> dict | None:
