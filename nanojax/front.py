@@ -83,6 +83,5 @@ class RequestFront:
         if params.top_k > self.config.vocab_size:
             raise ValueError(f"top_k must be <= vocab_size={self.config.vocab_size} (0 disables it), "
                              f"got {params.top_k}")
-        bad = [t for t in (params.logit_bias or {}) if t >= self.config.vocab_size]
-        if bad:
+        if bad := [t for t in (params.logit_bias or {}) if t >= self.config.vocab_size]:
             raise ValueError(f"logit_bias token ids must be < vocab_size={self.config.vocab_size}, got {bad[:4]}")
