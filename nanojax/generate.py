@@ -14,28 +14,31 @@ from nanojax.llm import LLM
 from nanojax.sampling_params import SamplingParams
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m nanojax.generate", description=__doc__.split("—")[0].strip())
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of the model and how it runs that this command line and the server's share."""
     p.add_argument("--model", default=None, help="checkpoint, HF folder, 'org/name' in the HF cache or .gguf "
                    "(default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--prompt", help="the prompt (required unless --chat)")
-    p.add_argument("--chat", action="store_true", help="interactive multi-turn chat")
-    p.add_argument("--raw", action="store_true", help="do not apply the chat template to --prompt")
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"])
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--quantization", default=None, choices=["fp8"],
                    help="fp8: the projections' weights in FP8 (E4M3), quantized at load (default: as the checkpoint)")
-    p.add_argument("--tensor-parallel-size", type=int, default=None,
-                   help="split the model over this many devices (default: one device; on several processes, "
-                   "every device of every process)")
     p.add_argument("--speculative-config", type=speculative_option, default=None,
                    help='speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
                    '"prompt_lookup_min": 1, "prompt_lookup_max": 4}')
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m nanojax.generate", description=__doc__.split("—")[0].strip())
+    add_model_flags(p)
+    p.add_argument("--prompt", help="the prompt (required unless --chat)")
+    p.add_argument("--chat", action="store_true", help="interactive multi-turn chat")
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template to --prompt")
+    for flag, kind, default in (("--max-tokens", int, 256), ("--temperature", float, 0.0), ("--top-k", int, 0),
+                                ("--top-p", float, 1.0), ("--seed", int, None)):
+        p.add_argument(flag, type=kind, default=default)
+    p.add_argument("--tensor-parallel-size", type=int, default=None,
+                   help="split the model over this many devices (default: one device; on several processes, "
+                   "every device of every process)")
     p.add_argument("--coordinator", default=None, help=f"HOST:PORT of process 0, to run one model on several "
                    f"processes (default: ${distributed.ENV_COORDINATOR})")
     p.add_argument("--num-processes", type=int, default=None,

@@ -27,10 +27,11 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from starlette.exceptions import HTTPException
 
 from convert.cache import MODEL_NAME
-from nanojax.config import EngineConfig, speculative_option
+from nanojax.config import EngineConfig
 from nanojax.engine_io import RequestOutput, RequestStream
 from nanojax.engine_process import EngineProcess, freeze_startup_heap
 from nanojax.front import EngineStats
+from nanojax.generate import add_model_flags
 from nanojax.llm import LLM
 from nanojax.reasoning import REASONING_PARSERS, ReasoningParser
 from nanojax.sampling_params import SamplingParams
@@ -128,8 +129,7 @@ def _json(value) -> str:
 class _MessageParser:
     """A chat choice's text as its message's fields (a delta's, streamed): reasoning_content, content, tool_calls."""
 
-    def __init__(self, prompt_tail: str | None, tools: ToolFormat | None):
-        """prompt_tail: the prompt's end, for a reasoning model (else None); tools: the format of calls to parse."""
+    def __init__(self, prompt_tail: str | None, tools: ToolFormat | None):  # prompt_tail: for a reasoning model
         self.reasoning = None if prompt_tail is None else ReasoningParser(prompt_tail)
         self.tools = None if tools is None else ToolCallParser(tools)
 
@@ -156,8 +156,7 @@ class _Response:
     """Builds one HTTP request's choices (completions or chat) from the engine's events, whole or as chunks."""
 
     def __init__(self, llm, chat: bool, body, model: str, prompts: list[list[int]], echo: list[str | None],
-                 arrival: float, message_parser=None):
-        """message_parser(): a new _MessageParser, for a chat."""
+                 arrival: float, message_parser=None):  # message_parser(): a new _MessageParser, for a chat
         self.llm, self.chat, self.body, self.prompts, self.echo, self.arrival = llm, chat, body, prompts, echo, arrival
         self.message_parser, self.parsers = message_parser, {}  # parsers: choice -> its streamed text's parser
         self.logprobs = bool(body.logprobs) if chat else body.logprobs is not None
@@ -530,16 +529,14 @@ def build_app(llm, model_name: str, *, aliases: tuple[str, ...] = (), api_key: s
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(Exception, _unexpected)
-    app.post("/v1/completions")(server.completions)
-    app.post("/v1/chat/completions")(server.chat_completions)
-    app.get("/v1/models")(server.models)
-    app.get("/v1/models/{model:path}")(server.model)
+    for path, handler in (("/v1/completions", server.completions), ("/v1/chat/completions", server.chat_completions),
+                          ("/tokenize", server.tokenize), ("/detokenize", server.detokenize)):
+        app.post(path)(handler)
+    for path, handler in (("/v1/models", server.models), ("/v1/models/{model:path}", server.model),
+                          ("/health", server.health), ("/metrics", server.prometheus)):
+        app.get(path)(handler)
     page = CHAT_PAGE.read_text().replace("__MODEL__", html.escape(model_name))  # its name without a keyed call
     app.get("/", response_class=HTMLResponse)(lambda: page)
-    app.get("/health")(server.health)
-    app.get("/metrics")(server.prometheus)
-    app.post("/tokenize")(server.tokenize)
-    app.post("/detokenize")(server.detokenize)
     return app
 
 
@@ -639,28 +636,21 @@ def served_names(model: str | None, served_model_name: str | None = None) -> tup
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m nanojax.serve", description=__doc__.split("—")[1].strip())
-    p.add_argument("--model", default=None, help="checkpoint, HF folder, 'org/name' or .gguf (default: the embedded "
-                   "SmolLM2-135M-Instruct)")
+    add_model_flags(p)
     p.add_argument("--served-model-name", default=None, help="the name clients pass as `model`")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes the server)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("NANOJAX_API_KEY"),
                    help="require `Authorization: Bearer KEY` on every route but /, /health and /metrics (default: "
                    "$NANOJAX_API_KEY)")
-    p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"])
-    for flag in ("--max-model-len", "--max-num-seqs", "--max-num-batched-tokens", "--num-pages"):
+    for flag in ("--max-num-seqs", "--max-num-batched-tokens", "--num-pages"):
         p.add_argument(flag, type=int, default=None)
     # 8, not LLM's offline 32: lower latencies and more throughput under load (docs/perf_notes.md, "Serving")
     p.add_argument("--decode-steps", type=int, default=8, help="decode steps per dispatch (tokens stream in "
                    "bursts of this many; default 8)")
     p.add_argument("--kernels", default="auto", choices=["auto", "pallas", "reference", "interpret"])
-    p.add_argument("--quantization", default=None, choices=["fp8"],
-                   help="fp8: the projections' weights in FP8 (E4M3), quantized at load (default: as the checkpoint)")
     p.add_argument("--tensor-parallel-size", type=int, default=None,
                    help="split the model over this many GPUs (default: one)")
-    p.add_argument("--speculative-config", type=speculative_option, default=None,
-                   help='speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
-                   '"prompt_lookup_min": 1, "prompt_lookup_max": 4}')
     limits = ServerLimits()
     p.add_argument("--max-body-bytes", type=int, default=limits.max_body_bytes)
     p.add_argument("--max-n", type=int, default=limits.max_n)
