@@ -169,7 +169,6 @@ class _Outbox:
             self.items.append(("event", event.request_id, tuple(getattr(event, f) for f in _SENT_FIELDS), error))
 
     def flush(self, *more: tuple) -> None:
-        """Sends the events put so far, then `more` items."""
         with self.lock:
             items, self.items = [*self.items, *more], []
             if self.llm.dead is not None and not self.dead_sent:

@@ -510,9 +510,8 @@ class _Server:
 
 def build_app(llm, model_name: str, *, aliases: tuple[str, ...] = (), api_key: str | None = None,
               limits: ServerLimits = ServerLimits(), reasoning_parser: str | None = None, on_shutdown=None) -> FastAPI:
-    """The app serving `llm` (an LLM or an EngineProcess) as `model_name` (requests may also name it by one of
-    `aliases`); reasoning_parser: one of REASONING_PARSERS, to return the thinking as reasoning_content;
-    on_shutdown() runs when the server shuts down (uvicorn then re-raises the signal)."""
+    """The app serving `llm` (an LLM or an EngineProcess) as `model_name` or one of `aliases`; reasoning_parser: one of
+    REASONING_PARSERS; on_shutdown() runs when the server shuts down (uvicorn then re-raises the signal)."""
     server = _Server(llm, model_name, aliases, limits, reasoning_parser)
 
     @contextlib.asynccontextmanager
@@ -665,7 +664,6 @@ def parse_args(argv=None):
 
 
 def engine_options(args) -> EngineConfig:
-    """The flags named as EngineConfig's fields."""
     fields = {f.name for f in dataclasses.fields(EngineConfig)}
     return EngineConfig(**{name: value for name, value in vars(args).items() if name in fields})
 

@@ -35,10 +35,9 @@ _TOOLS_PROMPT = ("# Tools\n\nYou may call one or more functions to assist with t
 
 
 def template_inputs(fmt: ToolFormat, messages: list[dict], tools: list[dict] | None) -> tuple[list[dict], list | None]:
-    """(messages, tools) for the chat template: as given if it renders tools, each result named after the function
-    whose call it answers (OpenAI's results carry only the call's id; Hermes' template wants the name); else the tools
-    listed in the system message, the calls written out in their assistant's messages and the results as a user's
-    `<tool_response>`."""
+    """(messages, tools) for the chat template: as given if it renders tools, each result named after its function
+    (OpenAI's results carry only the call's id; Hermes' template wants the name); else the tools listed in the system
+    message, the calls written out in their assistant's messages and the results as a user's `<tool_response>`."""
     if fmt.native:
         names = {c["id"]: c["function"]["name"] for m in messages for c in m.get("tool_calls", ())}
         return [{"name": names[m["tool_call_id"]], **m} if m.get("tool_call_id") in names else m
