@@ -90,12 +90,10 @@ def _get(hf: dict, key: str):
 def _rope(hf: dict) -> dict:
     params = _get(hf, "rope_parameters")
     rope_type = params.get("rope_type", "default")
-    llama3 = None
-    if rope_type == "llama3":
-        llama3 = RopeLlama3(*(float(params[k]) for k in ("factor", "low_freq_factor", "high_freq_factor")),
-                            int(params["original_max_position_embeddings"]))
-    elif rope_type != "default":
+    if rope_type not in ("default", "llama3"):
         raise ConfigError(f"rope_parameters.rope_type={rope_type!r} is not supported (default, llama3)")
+    llama3 = RopeLlama3(*(float(params[k]) for k in ("factor", "low_freq_factor", "high_freq_factor")),
+                        int(params["original_max_position_embeddings"])) if rope_type == "llama3" else None
     return {"rope_theta": float(params["rope_theta"]), "rope_llama3": llama3}
 
 
@@ -104,34 +102,20 @@ def _decoder(hf: dict) -> dict:
     norms."""
     if _get(hf, "hidden_act") != "silu":
         raise ConfigError(f"hidden_act={hf['hidden_act']!r} is not supported (silu)")
-    model_type = hf["model_type"]
+    model_type, heads = hf["model_type"], _get(hf, "num_attention_heads")
     bias = bool(hf.get("use_bias" if model_type == "ernie4_5" else "attention_bias", False))
     # ERNIE 4.5 rotates interleaved (x0, x1) pairs; convert/ permutes its q/k rows to the half-split layout the
     # shared decoder uses, which leaves every q.k product unchanged.
-    qkv_bias, o_bias, mlp_bias = {"llama": (bias, bias, bool(hf.get("mlp_bias", False))), "qwen2": (True, False, False),
-                                  "qwen3": (bias, bias, False), "ernie4_5": (bias, bias, bias),
-                                  "qwen3_moe": (bias, bias, False), "mixtral": (bias, bias, False)}[model_type]
-    heads = _get(hf, "num_attention_heads")
-    return {
-        "vocab_size": _get(hf, "vocab_size"),
-        "hidden_size": _get(hf, "hidden_size"),
-        "intermediate_size": _get(hf, "intermediate_size"),
-        "num_layers": _get(hf, "num_hidden_layers"),
-        "num_heads": heads,
-        "num_kv_heads": hf.get("num_key_value_heads") or heads,
-        "head_dim": hf.get("head_dim") or _get(hf, "hidden_size") // heads,
-        "max_position_embeddings": _get(hf, "max_position_embeddings"),
-        "norm": "rms",
-        "norm_eps": float(_get(hf, "rms_norm_eps")),
-        "mlp": "swiglu",
-        "qkv_bias": qkv_bias,
-        "o_bias": o_bias,
-        "mlp_bias": mlp_bias,
-        "qk_norm": model_type in ("qwen3", "qwen3_moe"),
-        "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
-        "moe": None,
-        **_rope(hf),
-    }
+    return dict(vocab_size=_get(hf, "vocab_size"), hidden_size=_get(hf, "hidden_size"),
+                intermediate_size=_get(hf, "intermediate_size"), num_layers=_get(hf, "num_hidden_layers"),
+                num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
+                head_dim=hf.get("head_dim") or _get(hf, "hidden_size") // heads,
+                max_position_embeddings=_get(hf, "max_position_embeddings"),
+                norm="rms", norm_eps=float(_get(hf, "rms_norm_eps")), mlp="swiglu",
+                qkv_bias=bias or model_type == "qwen2", o_bias=bias and model_type != "qwen2",  # Qwen2: q/k/v only
+                mlp_bias={"llama": bool(hf.get("mlp_bias", False)), "ernie4_5": bias}.get(model_type, False),
+                qk_norm=model_type in ("qwen3", "qwen3_moe"),
+                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)), moe=None, **_rope(hf))
 
 
 def _moe(hf: dict) -> dict:
@@ -152,33 +136,18 @@ def _moe(hf: dict) -> dict:
 def _gpt2(hf):
     if _get(hf, "activation_function") not in ("gelu_new", "gelu_pytorch_tanh"):
         raise ConfigError(f"activation_function={hf['activation_function']!r} is not supported (gelu_new)")
-    for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
-        if hf.get(flag):
-            raise ConfigError(f"GPT-2 option {flag}=True is not supported")
-    if not hf.get("scale_attn_weights", True):
-        raise ConfigError("GPT-2 option scale_attn_weights=False is not supported")
+    for flag, supported in (("scale_attn_by_inverse_layer_idx", False), ("reorder_and_upcast_attn", False),
+                            ("scale_attn_weights", True)):
+        if bool(hf.get(flag, supported)) != supported:
+            raise ConfigError(f"GPT-2 option {flag}={not supported} is not supported")
     hidden, heads = _get(hf, "n_embd"), _get(hf, "n_head")
-    return {
-        "vocab_size": _get(hf, "vocab_size"),
-        "hidden_size": hidden,
-        "intermediate_size": hf.get("n_inner") or 4 * hidden,
-        "num_layers": _get(hf, "n_layer"),
-        "num_heads": heads,
-        "num_kv_heads": heads,
-        "head_dim": hidden // heads,
-        "max_position_embeddings": _get(hf, "n_positions"),
-        "norm": "layer",
-        "norm_eps": float(_get(hf, "layer_norm_epsilon")),
-        "mlp": "gelu_tanh",
-        "qkv_bias": True,
-        "o_bias": True,
-        "mlp_bias": True,
-        "qk_norm": False,
-        "rope_theta": None,
-        "rope_llama3": None,
-        "tie_word_embeddings": True,  # GPT2LMHeadModel always ties lm_head to wte
-        "moe": None,
-    }
+    return dict(vocab_size=_get(hf, "vocab_size"), hidden_size=hidden,
+                intermediate_size=hf.get("n_inner") or 4 * hidden, num_layers=_get(hf, "n_layer"),
+                num_heads=heads, num_kv_heads=heads, head_dim=hidden // heads,
+                max_position_embeddings=_get(hf, "n_positions"),
+                norm="layer", norm_eps=float(_get(hf, "layer_norm_epsilon")), mlp="gelu_tanh",
+                qkv_bias=True, o_bias=True, mlp_bias=True, qk_norm=False, rope_theta=None, rope_llama3=None,
+                tie_word_embeddings=True, moe=None)  # GPT2LMHeadModel always ties lm_head to wte
 
 
 _BUILDERS = {"llama": _decoder, "qwen2": _decoder, "qwen3": _decoder, "ernie4_5": _decoder, "gpt2": _gpt2,
