@@ -32,10 +32,7 @@ class GGUFError(ValueError):
 # GGUF architecture -> (HF model_type, architecture); llama.cpp writes Mixtral as llama with experts.
 _ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
                   "qwen3": ("qwen3", "Qwen3ForCausalLM"), "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM")}
-_MIXTRAL = ("mixtral", "MixtralForCausalLM")
-
-SUPPORTED_TYPES = frozenset(GGMLQuantizationType[name] for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1",
-                                                                     "Q4_K", "Q6_K"))
+SUPPORTED_TYPES = frozenset(GGMLQuantizationType[name] for name in "F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q4_K Q6_K".split())
 
 # GGUF tensor name -> HF name, outside the layers and (after "blk.{i}." -> "model.layers.{i}.") inside them.
 _TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
@@ -229,13 +226,10 @@ def _kv_heads(reader, arch: str, n_head: int) -> int:
 
 def _head_dim(reader, arch: str, hidden: int, n_head: int) -> int:
     key_len = f"{arch}.attention.key_length"
-    if key_len in reader.fields:
-        head_dim = _meta_pos_int(reader, key_len)
-    elif hidden % n_head == 0:
-        head_dim = hidden // n_head  # llama.cpp's default n_embd_head_k
-    else:
+    if key_len not in reader.fields and hidden % n_head:
         raise GGUFError(f"missing metadata field {key_len!r} and embedding_length {hidden} is not divisible by "
                         f"head_count {n_head}")
+    head_dim = _meta_pos_int(reader, key_len, hidden // n_head)  # the default: llama.cpp's n_embd_head_k
     for key in (f"{arch}.attention.value_length", f"{arch}.rope.dimension_count"):  # V heads, partial rotary
         value = _meta_pos_int(reader, key, head_dim)
         if value != head_dim:
@@ -249,8 +243,7 @@ def _vocab_size(reader, arch: str, tinfo: dict) -> int:
     embd_ne = [int(d) for d in tinfo["token_embd.weight"].shape]
     if len(embd_ne) != 2:
         raise GGUFError(f"tensor 'token_embd.weight' has GGUF shape {embd_ne}, expected 2 dims")
-    meta_vocab = _meta(reader, f"{arch}.vocab_size", int, None)
-    if meta_vocab is not None and meta_vocab != embd_ne[1]:
+    if (meta_vocab := _meta(reader, f"{arch}.vocab_size", int, embd_ne[1])) != embd_ne[1]:
         raise GGUFError(f"metadata field '{arch}.vocab_size' = {meta_vocab} disagrees with tensor "
                         f"'token_embd.weight' ({embd_ne[1]} rows)")
     return embd_ne[1]
@@ -316,7 +309,7 @@ def _build_config(reader, arch: str, tinfo: dict, path: Path) -> dict:
                         "(Llama 3's, from tensor 'rope_freqs.weight', is)")
     if _meta(reader, f"{arch}.rope.scale_linear", float, 1.0) != 1.0:  # pre-2023 key
         raise GGUFError(f"metadata field '{arch}.rope.scale_linear': linear RoPE scaling is not supported")
-    model_type, architecture = _MIXTRAL if arch == "llama" and moe else _ARCHITECTURES[arch]
+    model_type, architecture = ("mixtral", "MixtralForCausalLM") if arch == "llama" and moe else _ARCHITECTURES[arch]
     cfg: dict[str, Any] = {
         "architectures": [architecture],
         "model_type": model_type,
