@@ -131,14 +131,8 @@ def _gpt2_layer(r: _Reader, c: ModelConfig, i: int) -> dict:
     def conv1d(name, n_in, n_out):
         return {"w": r.get(p + name + ".weight", (n_in, n_out)), "b": r.get(p + name + ".bias", (n_out,))}
 
-    return {
-        "attn_norm": ln("ln_1"),
-        "qkv": conv1d("attn.c_attn", h, 3 * h),
-        "o": conv1d("attn.c_proj", h, h),
-        "mlp_norm": ln("ln_2"),
-        "up": conv1d("mlp.c_fc", h, f),
-        "down": conv1d("mlp.c_proj", f, h),
-    }
+    return {"attn_norm": ln("ln_1"), "qkv": conv1d("attn.c_attn", h, 3 * h), "o": conv1d("attn.c_proj", h, h),
+            "mlp_norm": ln("ln_2"), "up": conv1d("mlp.c_fc", h, f), "down": conv1d("mlp.c_proj", f, h)}
 
 
 def param_parts(config: ModelConfig, model_type: str, tensors: Mapping[str, Callable[[], np.ndarray]], dtype,
@@ -240,17 +234,13 @@ def _cast(tree, dtype):
     return np.array(tree, dtype=dtype, order="C")  # one copy
 
 
-# Rows of the source a transposing copy reads at a time.
-_TRANSPOSE_ROWS = 256
-
-
-def _transposed_copy(x: np.ndarray, dtype) -> np.ndarray:
-    """x: a transposed view (an HF [out, in] weight as [in, out]) -> a C-contiguous copy in dtype, a band of source
-    rows at a time to keep both sides in cache (docs/perf_notes.md, "Conversion and placement")."""
+def _transposed_copy(x: np.ndarray, dtype, band: int = 256) -> np.ndarray:
+    """x: a transposed view (an HF [out, in] weight as [in, out]) -> a C-contiguous copy in dtype, `band` source rows
+    at a time to keep both sides in cache (docs/perf_notes.md, "Conversion and placement")."""
     source = x.T.astype(dtype, copy=False)  # C-contiguous, cast first: the copy below then moves plain bits
     bits = np.dtype(f"u{source.itemsize}")
     out = np.empty(x.shape, bits)
     source = source.view(bits)
-    for i in range(0, source.shape[0], _TRANSPOSE_ROWS):
-        out[:, i:i + _TRANSPOSE_ROWS] = source[i:i + _TRANSPOSE_ROWS].T
+    for i in range(0, source.shape[0], band):
+        out[:, i:i + band] = source[i:i + band].T
     return out.view(dtype)
