@@ -231,8 +231,7 @@ def _head_dim(reader, arch: str, hidden: int, n_head: int) -> int:
                         f"head_count {n_head}")
     head_dim = _meta_pos_int(reader, key_len, hidden // n_head)  # the default: llama.cpp's n_embd_head_k
     for key in (f"{arch}.attention.value_length", f"{arch}.rope.dimension_count"):  # V heads, partial rotary
-        value = _meta_pos_int(reader, key, head_dim)
-        if value != head_dim:
+        if (value := _meta_pos_int(reader, key, head_dim)) != head_dim:
             raise GGUFError(f"metadata field {key!r} = {value} != head_dim {head_dim}: unsupported")
     return head_dim
 
@@ -249,13 +248,12 @@ def _vocab_size(reader, arch: str, tinfo: dict) -> int:
     return embd_ne[1]
 
 
-def _llama3_factors(wavelen: np.ndarray, factor: float, low: float, high: float, orig: float) -> np.ndarray:
+def _llama3_factors(wavelen: np.ndarray, factor: float, high: float, orig: float) -> np.ndarray:
     """rope_freqs[i], the divisor of inv_freq[i], as llama.cpp's convert_hf_to_gguf.py and HF's
-    _compute_llama3_parameters compute it."""
-    low_wavelen, high_wavelen = orig / low, orig / high
-    smooth = (orig / wavelen - low) / (high - low)
+    _compute_llama3_parameters compute it, for low_freq_factor 1."""
+    smooth = (orig / wavelen - 1.0) / (high - 1.0)
     mid = 1.0 / ((1.0 - smooth) / factor + smooth)
-    return np.where(wavelen < high_wavelen, 1.0, np.where(wavelen > low_wavelen, factor, mid))
+    return np.where(wavelen < orig / high, 1.0, np.where(wavelen > orig, factor, mid))
 
 
 def _llama3_rope_scaling(factors: np.ndarray, head_dim: int, theta: float) -> dict | None:
@@ -270,24 +268,23 @@ def _llama3_rope_scaling(factors: np.ndarray, head_dim: int, theta: float) -> di
     inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     wavelen = 2 * math.pi / inv_freq
     factor = float(factors.max())
-    # (original_max_position_embeddings, low_freq_factor, high_freq_factor); only the ratios orig/low and orig/high
-    # matter, so the fit sets low to 1.
-    candidates = [(8192.0, 1.0, 4.0)]  # every official Llama 3.1/3.2/3.3 checkpoint
+    # (original_max_position_embeddings, high_freq_factor); only the ratios orig/low and orig/high matter, so the fit
+    # sets low_freq_factor to 1.
+    candidates = [(8192.0, 4.0)]  # every official Llama 3.1/3.2/3.3 checkpoint
     mid = (factors > 1 + 1e-6) & (factors < factor * (1 - 1e-6))
     if mid.sum() >= 2:
         # smooth = (orig/wavelen - low)/(high - low) is linear in 1/wavelen.
         smooth = (1 / factors[mid] - 1 / factor) / (1 - 1 / factor)
         a, b = np.polyfit(1 / wavelen[mid], smooth, 1)
         if b < 0:
-            high = 1 - 1 / b
-            orig = a * (high - 1)
-            candidates += [(float(round(orig)), 1.0, round(float(high), 4)), (float(round(orig)), 1.0, float(high)),
-                           (float(orig), 1.0, float(high))]
-    for orig, low, high in candidates:
-        if np.allclose(_llama3_factors(wavelen, factor, low, high, orig), factors, rtol=1e-4, atol=1e-6):
-            return {"rope_type": "llama3", "factor": _f32_value(factor), "low_freq_factor": low,
+            high = float(1 - 1 / b)
+            orig = float(a * (high - 1))
+            candidates += [(float(round(orig)), round(high, 4)), (float(round(orig)), high), (orig, high)]
+    for orig, high in candidates:
+        if np.allclose(_llama3_factors(wavelen, factor, high, orig), factors, rtol=1e-4, atol=1e-6):
+            return {"rope_type": "llama3", "factor": _f32_value(factor), "low_freq_factor": 1.0,
                     "high_freq_factor": high,
-                    "original_max_position_embeddings": int(orig) if float(orig).is_integer() else orig}
+                    "original_max_position_embeddings": int(orig) if orig.is_integer() else orig}
     raise GGUFError(f"tensor {_ROPE_FREQS!r} does not match any llama3 rope scaling; refusing to guess the RoPE "
                     "frequencies")
 
@@ -310,26 +307,16 @@ def _build_config(reader, arch: str, tinfo: dict, path: Path) -> dict:
     if _meta(reader, f"{arch}.rope.scale_linear", float, 1.0) != 1.0:  # pre-2023 key
         raise GGUFError(f"metadata field '{arch}.rope.scale_linear': linear RoPE scaling is not supported")
     model_type, architecture = ("mixtral", "MixtralForCausalLM") if arch == "llama" and moe else _ARCHITECTURES[arch]
-    cfg: dict[str, Any] = {
-        "architectures": [architecture],
-        "model_type": model_type,
-        "hidden_size": hidden,
-        "intermediate_size": _meta_pos_int(reader, ffn_key),
-        "num_hidden_layers": _meta_pos_int(reader, f"{arch}.block_count"),
-        "num_attention_heads": n_head,
-        "num_key_value_heads": _kv_heads(reader, arch, n_head),
-        "head_dim": _head_dim(reader, arch, hidden, n_head),
-        "hidden_act": "silu",
-        "rms_norm_eps": _f32_value(eps),
-        "rope_theta": _f32_value(theta),
-        "max_position_embeddings": _meta_pos_int(reader, f"{arch}.context_length"),
-        "vocab_size": _vocab_size(reader, arch, tinfo),
-        "tie_word_embeddings": "output.weight" not in tinfo,
-        "bos_token_id": _meta(reader, "tokenizer.ggml.bos_token_id", int, None),
-        "eos_token_id": _meta(reader, "tokenizer.ggml.eos_token_id", int, None),
-        "torch_dtype": _torch_dtype(tinfo),
-        **moe,
-    }
+    cfg = dict(architectures=[architecture], model_type=model_type, hidden_size=hidden,
+               intermediate_size=_meta_pos_int(reader, ffn_key),
+               num_hidden_layers=_meta_pos_int(reader, f"{arch}.block_count"), num_attention_heads=n_head,
+               num_key_value_heads=_kv_heads(reader, arch, n_head), head_dim=_head_dim(reader, arch, hidden, n_head),
+               hidden_act="silu", rms_norm_eps=_f32_value(eps), rope_theta=_f32_value(theta),
+               max_position_embeddings=_meta_pos_int(reader, f"{arch}.context_length"),
+               vocab_size=_vocab_size(reader, arch, tinfo), tie_word_embeddings="output.weight" not in tinfo,
+               bos_token_id=_meta(reader, "tokenizer.ggml.bos_token_id", int, None),
+               eos_token_id=_meta(reader, "tokenizer.ggml.eos_token_id", int, None), torch_dtype=_torch_dtype(tinfo),
+               **moe)
     if arch == "llama":
         if _ROPE_FREQS in tinfo:
             scaling = _llama3_rope_scaling(_read_tensor(path, tinfo[_ROPE_FREQS]), cfg["head_dim"], theta)
@@ -337,8 +324,7 @@ def _build_config(reader, arch: str, tinfo: dict, path: Path) -> dict:
                 cfg["rope_scaling"] = scaling
         # llama.cpp writes (and permutes) attention biases when the HF model has them: all four.
         cfg["attention_bias"] = all(f"blk.0.attn_{p}.bias" in tinfo for p in ("q", "k", "v", "output"))
-    pad = _meta(reader, "tokenizer.ggml.padding_token_id", int, None)
-    if pad is not None:
+    if (pad := _meta(reader, "tokenizer.ggml.padding_token_id", int, None)) is not None:
         cfg["pad_token_id"] = pad
     return cfg
 
