@@ -140,8 +140,7 @@ class _Walk:
 
 
 def _header_problem(path: Path) -> str | None:
-    """Where the file ends early, or which tensor has an unknown type or runs past its end; None if the header
-    reads fine (gguf's own message then says what is wrong)."""
+    """Where the header ends early, or a tensor of unknown type or past the end; None: gguf's own message says."""
     with open(path, "rb") as f:
         walk, infos, alignment = _Walk(f), [], gguf.GGUF_DEFAULT_ALIGNMENT
         try:

@@ -51,8 +51,7 @@ def quantize_weight(w):
 
 
 def dequantize(p, dtype=jnp.float32):
-    """{w_t [..., N, K], scale [..., N]} -> the weight [..., K, N] the FP8 projection stands for, in dtype, for
-    references."""
+    """{w_t [..., N, K], scale [..., N]} -> the weight [..., K, N] it stands for, in dtype (for references)."""
     w = p["w_t"].astype(jnp.float32) * p["scale"].astype(jnp.float32)[..., None]
     return jnp.swapaxes(w, -1, -2).astype(dtype)
 

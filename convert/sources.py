@@ -36,7 +36,12 @@ class Source:
 def open_source(src: str | os.PathLike) -> Source:
     path = local_path(src)
     if path.is_file() and path.suffix == ".gguf":
-        return _gguf_source(path)
+        # Imported here: the gguf package loads only for a GGUF file (some machines lack it).
+        from convert.gguf_source import read_gguf, save_gguf_tokenizer, tensor_label
+
+        cfg, tensors = read_gguf(path)
+        return Source(str(path), "gguf", normalized_hf_config(cfg), tensors,
+                      functools.partial(save_gguf_tokenizer, path), tensor_label)
     if path.is_dir():
         return _hf_folder_source(path)
     raise CheckpointError(f"{src}: not a model folder or a .gguf file")
@@ -137,15 +142,6 @@ def _hf_folder_source(folder: Path) -> Source:
                   lambda dst: _save_hf_tokenizer(folder, dst))
 
 
-def _gguf_source(path: Path) -> Source:
-    # Imported here: the gguf package loads only for a GGUF file (some machines lack it).
-    from convert.gguf_source import read_gguf, save_gguf_tokenizer, tensor_label
-
-    cfg, tensors = read_gguf(path)
-    return Source(str(path), "gguf", normalized_hf_config(cfg), tensors, functools.partial(save_gguf_tokenizer, path),
-                  tensor_label)
-
-
 def _safetensors_tensors(shards: list[Path]) -> dict[str, Callable[[], np.ndarray]]:
     owner: dict[str, Path] = {}
     for shard in shards:
@@ -210,7 +206,6 @@ def load_hf_tokenizer(folder):
 
 
 def _save_hf_tokenizer(folder: Path, dst: Path) -> bool:
-    tokenizer = load_hf_tokenizer(folder)
-    if tokenizer is not None:
+    if (tokenizer := load_hf_tokenizer(folder)) is not None:
         tokenizer.save_pretrained(dst)
     return tokenizer is not None
