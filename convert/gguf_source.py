@@ -106,59 +106,51 @@ def _open(path: Path) -> gguf.GGUFReader:
     return reader
 
 
-class _Walk:
-    """Reads a GGUF header field by field, remembering where it is, to say what is wrong with a file gguf's reader
-    refused (its own errors name no metadata entry or tensor)."""
+def _header_problem(path: Path) -> str | None:
+    """What is wrong with a file gguf's reader refused, read field by field (gguf's errors name no metadata entry or
+    tensor): where the header ends early, or a tensor of unknown type or past the end; None: gguf's message says."""
+    with open(path, "rb") as f:
+        size, where, infos, alignment = os.fstat(f.fileno()).st_size, "the GGUF header", [], gguf.GGUF_DEFAULT_ALIGNMENT
 
-    def __init__(self, f):
-        self.f, self.size, self.where = f, os.fstat(f.fileno()).st_size, "the GGUF header"
+        def take(n: int) -> bytes:
+            if f.tell() + n > size:  # checked before reading: a corrupt length may be huge
+                raise EOFError
+            return f.read(n)
 
-    def unpack(self, fmt: str) -> tuple:
-        return struct.unpack("<" + fmt, self.bytes(struct.calcsize("<" + fmt)))
+        def unpack(fmt: str) -> tuple:
+            return struct.unpack("<" + fmt, take(struct.calcsize("<" + fmt)))
 
-    def bytes(self, n: int) -> bytes:
-        if self.f.tell() + n > self.size:  # checked before reading: a corrupt length may be huge
-            raise EOFError
-        return self.f.read(n)
+        def string() -> str:
+            return take(unpack("Q")[0]).decode("utf-8", errors="replace")
 
-    def string(self) -> str:
-        return self.bytes(self.unpack("Q")[0]).decode("utf-8", errors="replace")
-
-    def value(self, kind: int):
-        """Reads one metadata value of GGUFValueType `kind`; returns it if it is a scalar."""
-        if kind == GGUFValueType.STRING:
-            return self.string()
-        if kind == GGUFValueType.ARRAY:
-            item, count = self.unpack("IQ")
+        def value(kind: int):  # one metadata value of GGUFValueType `kind`, returned if it is a scalar
+            if kind == GGUFValueType.STRING:
+                return string()
+            if kind != GGUFValueType.ARRAY:
+                return unpack({1: "B", 2: "H", 4: "I", 8: "Q"}[_SCALAR_BYTES[GGUFValueType(kind)]])[0]
+            item, count = unpack("IQ")
             if item in _SCALAR_BYTES:
-                self.bytes(_SCALAR_BYTES[GGUFValueType(item)] * count)
+                take(_SCALAR_BYTES[GGUFValueType(item)] * count)
             else:
                 for _ in range(count):
-                    self.value(item)
-            return None
-        return self.unpack({1: "B", 2: "H", 4: "I", 8: "Q"}[_SCALAR_BYTES[GGUFValueType(kind)]])[0]
+                    value(item)
 
-
-def _header_problem(path: Path) -> str | None:
-    """Where the header ends early, or a tensor of unknown type or past the end; None: gguf's own message says."""
-    with open(path, "rb") as f:
-        walk, infos, alignment = _Walk(f), [], gguf.GGUF_DEFAULT_ALIGNMENT
         try:
-            magic, _, n_tensors, n_kv = walk.unpack("IIQQ")
+            magic, _, n_tensors, n_kv = unpack("IIQQ")
             if magic != gguf.GGUF_MAGIC:  # not a GGUF file at all: gguf's message says so
                 return None
             for _ in range(n_kv):
-                key = walk.string()
-                walk.where = f"the metadata entry {key!r}"
-                value = walk.value(walk.unpack("I")[0])
-                alignment = value if key == "general.alignment" and value else alignment
+                key = string()
+                where = f"the metadata entry {key!r}"
+                meta = value(unpack("I")[0])
+                alignment = meta if key == "general.alignment" and meta else alignment
             for _ in range(n_tensors):
-                name = walk.string()
-                walk.where = f"the tensor info of {name!r}"
-                dims = walk.unpack(f"{walk.unpack('I')[0]}Q")
-                infos.append((name, dims, *walk.unpack("IQ")))
+                name = string()
+                where = f"the tensor info of {name!r}"
+                dims = unpack(f"{unpack('I')[0]}Q")
+                infos.append((name, dims, *unpack("IQ")))
         except EOFError:
-            return f"file ends at byte {walk.size} while reading {walk.where}: truncated or corrupt GGUF file"
+            return f"file ends at byte {size} while reading {where}: truncated or corrupt GGUF file"
         except (ValueError, KeyError):  # an unknown value type: gguf's message says which
             return None
         data_start = -(-f.tell() // alignment) * alignment
@@ -170,8 +162,8 @@ def _header_problem(path: Path) -> str | None:
         if not dims or dims[0] % block:
             return f"tensor {name!r} has dims {list(dims)}: not a whole number of {block}-element blocks per row"
         end = data_start + offset + math.prod(dims) // block * type_size
-        if end > walk.size:
-            return (f"tensor {name!r} data ends at byte {end}, past the end of the file ({walk.size} bytes): "
+        if end > size:
+            return (f"tensor {name!r} data ends at byte {end}, past the end of the file ({size} bytes): "
                     "truncated or corrupt GGUF file")
     return None
 
