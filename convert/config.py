@@ -98,8 +98,7 @@ def _rope(hf: dict) -> dict:
 
 
 def _decoder(hf: dict) -> dict:
-    """Llama, Qwen2, Qwen3 and ERNIE 4.5 (and the attention of _moe's): they differ in their biases and Qwen3's q/k
-    norms."""
+    """Llama, Qwen2, Qwen3 and ERNIE 4.5 (and _moe's attention): they differ in their biases and Qwen3's q/k norms."""
     if _get(hf, "hidden_act") != "silu":
         raise ConfigError(f"hidden_act={hf['hidden_act']!r} is not supported (silu)")
     model_type, heads = hf["model_type"], _get(hf, "num_attention_heads")

@@ -321,8 +321,7 @@ def _build_config(reader, arch: str, tinfo: dict, path: Path) -> dict:
 
 
 def _moe_fields(reader, arch: str, tinfo: dict) -> dict:
-    """HF's mixture-of-experts fields ({} for a dense model): Qwen3-MoE's, or Mixtral's for llama with experts (whose
-    experts' size is feed_forward_length, as in HF's config)."""
+    """HF's MoE fields ({} if dense): Qwen3-MoE's, or Mixtral's for llama with experts (sized feed_forward_length)."""
     count_key = f"{arch}.expert_count"
     experts = _meta_pos_int(reader, count_key) if arch == "qwen3moe" else _meta(reader, count_key, int, 0)
     if not experts:
