@@ -1,15 +1,7 @@
 """Continuous-batching scheduler with chunked prefill and preemption (plain Python, no JAX); policy as nano-vllm /
-vLLM v1, a prefill chunk costing whole ``prefill_row``s (docs/perf_notes.md, "Prefill"). One engine step::
-
-    chunks = scheduler.schedule(decode_steps=K)
-    pending = dispatch(chunks)
-    scheduler.advance(chunks)                  # sampled tokens stay placeholders until read back, so the next
-    for c in chunks:                           # step may be scheduled and dispatched here
-        if c.sample:
-            scheduler.fill(c.seq, tokens, c.num_steps)
-            if stop(c.seq):                    # eos / max_tokens / stop string / max_model_len
-                scheduler.finish(c.seq)
-"""
+vLLM v1, a prefill chunk costing whole ``prefill_row``s (docs/perf_notes.md, "Prefill"). One engine step: ``schedule``,
+dispatch, ``advance`` (sampled tokens stay placeholders, so the next step may be scheduled and dispatched before they
+are read back), then for each sampling chunk ``fill`` with its tokens and ``finish`` at a stop."""
 
 from __future__ import annotations
 
@@ -40,12 +32,11 @@ class SchedulerConfig:
     prefill_row: int = 1  # tokens per row of a packed prefill dispatch (nanojax.runner.PREFILL_ROW)
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "page_size", "prefill_row"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "page_size", "prefill_row",
+                     "chunk_size"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
+            if (v is not None or name != "chunk_size") and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
-        if self.chunk_size is not None and (not isinstance(self.chunk_size, int) or self.chunk_size < 1):
-            raise ValueError(f"chunk_size must be None or a positive int, got {self.chunk_size!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                              f"max_num_seqs ({self.max_num_seqs}) so every running sequence can decode")
@@ -277,6 +268,4 @@ def _at_limit(seq: Sequence) -> bool:
 
 
 def _as_token_list(x: Any) -> list[int]:
-    if isinstance(x, numbers.Integral) or getattr(x, "ndim", None) == 0:
-        return [int(x)]
-    return [int(t) for t in x]
+    return [int(x)] if isinstance(x, numbers.Integral) or getattr(x, "ndim", None) == 0 else [int(t) for t in x]
