@@ -1,6 +1,5 @@
 """KV-cache pages with reference counting and prefix caching (plain Python, no JAX): a full computed page is cached
-under the chained hash of its token prefix, and a freed page keeps its content until reused, so a later hit revives it.
-"""
+under the chained hash of its token prefix, and a freed page keeps its content until reused: a later hit revives it."""
 
 from __future__ import annotations
 
@@ -68,7 +67,6 @@ class PageManager:
         return self._pages_to_take(seq, self._match(seq)) <= len(self._free)
 
     def can_ensure_capacity(self, seq: "Sequence", num_tokens: int) -> bool:
-        self._allocation(seq)
         return self._new_pages(seq, num_tokens) <= len(self._free)
 
     def allocate(self, seq: "Sequence") -> None:
@@ -80,14 +78,12 @@ class PageManager:
         self._check_free(self._pages_to_take(seq, hits), f"allocate sequence {seq.seq_id}")
         for pid in hits:
             self._incref(pid)
-        fresh = [self._pop_free() for _ in range(self.num_pages_for(seq.num_tokens) - len(hits))]
-        seq.page_table = hits + fresh
+        seq.page_table = hits + [self._pop_free() for _ in range(self.num_pages_for(seq.num_tokens) - len(hits))]
         seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self.page_size
         self._seqs[seq.seq_id] = _Allocation(seq, len(hits))
 
     def ensure_capacity(self, seq: "Sequence", num_tokens: int) -> None:
         """Slots for positions ``0 .. num_tokens - 1``; RuntimeError, changing nothing, unless can_ensure_capacity."""
-        self._allocation(seq)
         new = self._new_pages(seq, num_tokens)
         self._check_free(new, f"grow sequence {seq.seq_id} to {num_tokens} tokens")
         seq.page_table.extend(self._pop_free() for _ in range(new))
@@ -174,6 +170,7 @@ class PageManager:
         return self.num_pages_for(seq.num_tokens) - len(hits) + revived
 
     def _new_pages(self, seq: "Sequence", num_tokens: int) -> int:
+        self._allocation(seq)  # (ValueError unless it holds pages)
         return max(0, self.num_pages_for(num_tokens) - len(seq.page_table))
 
     def _check_free(self, need: int, what: str) -> None:
