@@ -66,11 +66,9 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         """The engine's load now (read from any thread: a snapshot for metrics, not a consistent one)."""
-        pages = self.page_manager
-        busy = self.scheduler.has_unfinished() or not self._inbox.empty()
+        pages, busy = self.page_manager, self.scheduler.has_unfinished() or not self._inbox.empty()
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), pages.num_pages,
-                           pages.num_pages - pages.num_free_pages,
-                           time.monotonic() - self._turned_at if busy else 0.0)
+                           pages.num_pages - pages.num_free_pages, time.monotonic() - self._turned_at if busy else 0.0)
 
     def close(self) -> None:
         """Ends every unfinished request (finish_reason "abort") and stops the loop's thread; idempotent."""
@@ -120,8 +118,7 @@ class EngineCore:
         return future.result()
 
     def _post(self, item: Callable[[], None]) -> None:
-        """Queues item for the loop's thread, and runs the loop if it is not running (`_engine_loop`, which holds the
-        engine only weakly)."""
+        """Queues item, starting the loop's thread unless it runs (`_engine_loop`: it holds the engine only weakly)."""
         self._inbox.put(item)
         with self._lock:
             if not self._running:
@@ -132,26 +129,25 @@ class EngineCore:
 
     def _loop(self, first: Callable[[], None] | None = None) -> bool:
         """Steps until nothing is left to do (-> True) or the process exits (-> False); first: an inbox item taken."""
-        inflight = None  # the step dispatched last, not read back yet
+        inflight, idle = None, False  # inflight: the step dispatched last, not read back yet
         try:
             if first is not None:
                 first()
             while not _EXITING.is_set():
                 self._turned_at = time.monotonic()
-                self._take_inbox()
+                while not self._inbox.empty():  # (the loop alone takes from it)
+                    self._inbox.get_nowait()()
                 self.events_out()
-                if not self.scheduler.has_unfinished():
-                    # A step still in flight holds only finished rows: not read back, so that the loop lets go of
-                    # this LLM (a caller's del) without waiting for the device.
+                # A step still in flight holds only finished rows: not read back, so that the loop lets go of this
+                # LLM (a caller's del) without waiting for the device.
+                if idle := not self.scheduler.has_unfinished():
                     return True
                 inflight = self._step(inflight)
-        except BaseException:
-            with self._lock:
-                self._running = False
-            raise
-        with self._lock:  # stopped at exit
-            self._running = False
-        return False
+            return False
+        finally:
+            if not idle:  # stopped at exit, or failed
+                with self._lock:
+                    self._running = False
 
     def _end_if_idle(self) -> bool:
         """-> whether the loop's thread ends: unless work came in meanwhile (work queued later starts a new one)."""
@@ -187,10 +183,6 @@ class EngineCore:
                 seq.request.stream.put(event)
         self.events_out()
 
-    def _take_inbox(self) -> None:
-        while not self._inbox.empty():  # (the loop alone takes from it)
-            self._inbox.get_nowait()()
-
     def _add(self, firsts: list[Sequence[Request]]) -> None:
         for seq in firsts:
             self._requests[seq.request.output.request_id] = [seq, *seq.request.siblings]
@@ -205,20 +197,18 @@ class EngineCore:
         if not self.scheduler.has_unfinished():
             return None
         chunks = self.scheduler.schedule(decode_steps=self.runner.decode_steps)
-        if not chunks:
-            if inflight is None:
-                raise RuntimeError("the scheduler found nothing to run although requests are unfinished")
-            return None
+        if not chunks and inflight is None:
+            raise RuntimeError("the scheduler found nothing to run although requests are unfinished")
         chunks, fields = self._prepare(chunks)
         if not chunks:
             return None
         decodes = [c for c in chunks if c.num_tokens == 1 and c.sample]
         prefills = [c for c in chunks if not (c.num_tokens == 1 and c.sample)]
+        sampling = [fields[c.seq.seq_id] for c in decodes]  # -> {name: [value per row]}
         rows = ([max(c.seq.token_ids[c.start], 0) for c in decodes], [c.seq.page_table for c in decodes],
-                [c.end for c in decodes], _columns([fields[c.seq.seq_id] for c in decodes])) if decodes else None
+                [c.end for c in decodes], {k: [row[k] for row in sampling] for k in sampling[0]}) if decodes else None
         sources = [inflight.pending[c.seq.seq_id][1] if c.seq.num_pending else -1 for c in decodes]
-        if not prefills:  # each row's steps (1..decode_steps) in one dispatch of the decode program (of one step
-            # for constrained rows alone)
+        if not prefills:  # one dispatch of the decode program, 1..decode_steps a row (1 if all rows are constrained)
             steps = 1 if all(c.seq.request.matcher is not None for c in decodes) else self.runner.decode_steps
             out = self.runner.decode(*rows, steps, [c.num_steps for c in decodes], sources)
             pending, prompt = {c.seq.seq_id: (out, i) for i, c in enumerate(decodes)}, {}
@@ -231,9 +221,8 @@ class EngineCore:
             prompt = {c.seq.seq_id: out for c, out, t in zip(prefills, outs, targets) if t}
         self.scheduler.advance(chunks)
         # The next step may go before this one is read back when its decode rows can take their tokens from this
-        # one's (one dispatch), unless this one samples first tokens only, or follows such a step: their streams
-        # would wait (time to first token, docs/perf_notes.md).
-        # A constrained row's next mask needs this step's tokens on the host.
+        # one's (one dispatch), unless this one samples first tokens only, or follows such a step (their streams would
+        # wait: docs/perf_notes.md), or a constrained row's next mask needs this step's tokens on the host.
         one_dispatch = len({id(out) for out, _ in pending.values()}) <= 1
         first_tokens_only = bool(pending) and not decodes
         constrained = any(c.seq.request.matcher is not None for c in chunks if c.sample)
@@ -361,8 +350,3 @@ def _next_item(ref: "weakref.ref[EngineCore]", inbox: queue.SimpleQueue, closing
         except queue.Empty:
             pass
     return None
-
-
-def _columns(rows: list[dict]) -> dict[str, list]:
-    """Rows of sampling fields -> {name: [value per row]}."""
-    return {name: [row[name] for row in rows] for name in rows[0]}
