@@ -69,10 +69,10 @@ class LLM(RequestFront):
         # Device buffers the caller handed over (a LoadedModel of device arrays): close() leaves them alone.
         callers_buffers = buffer_addresses(model.params) if isinstance(model, LoadedModel) else frozenset()
         params, tp = _placed(loaded.params, self.config, engine, several)
-        draft = _draft(engine, self.config, tp) if drafted else None
-        if draft is not None:
-            params = {**params, "draft": draft.params}
-        draft_config = draft.config if draft else None
+        draft_config = None
+        if drafted:
+            draft = _draft(engine, self.config, tp)
+            params, draft_config = {**params, "draft": draft.params}, draft.config
         kv_heads = self.config.num_kv_heads if tp is None else tp.local_config.num_kv_heads
         num_pages = hand_out.num_pages if hand_out and hand_out.config == self.config else _num_pages(
             engine, self.config, _bytes(params), kv_heads, in_use, draft_config)
@@ -106,10 +106,6 @@ class LLM(RequestFront):
     @property
     def decode_steps(self) -> int:
         return self.engine_config.decode_steps
-
-    @property
-    def dtype(self) -> str:
-        return self.engine_config.dtype
 
     def stats(self) -> EngineStats:
         """The engine's load now (read from any thread: a snapshot for metrics, not a consistent one)."""
@@ -191,9 +187,7 @@ class LLM(RequestFront):
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
         """Outputs in prompt order (n > 1: each prompt's choices in order). A single prompt (str or token-id list)
         may be passed as is."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = [prompts] if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)) else list(prompts)
         done: dict[tuple[int, int], RequestOutput] = {}
         with tqdm(total=len(prompts), desc="generating", disable=not use_tqdm) as bar:
             for out in self._run_requests(prompts, sampling_params, stream_text=False):
@@ -206,10 +200,9 @@ class LLM(RequestFront):
         """The requests' events as they happen; those still running when the caller stops early are aborted."""
         prompts = list(prompts)
         params = sampling_params or SamplingParams()
-        params = params if isinstance(params, list) else [params] * len(prompts)
+        params = [sp or SamplingParams() for sp in (params if isinstance(params, list) else [params] * len(prompts))]
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        params = [sp or SamplingParams() for sp in params]
         ids = [self.encode(p) for p in prompts]
         for i, (p, sp) in enumerate(zip(ids, params)):  # all of them before any runs
             self.check(i, p, sp)
@@ -290,11 +283,9 @@ def _num_pages(engine: EngineConfig, config, param_bytes: int, kv_heads: int, in
     draft: a draft model's config, whose KV shares the pages."""
     if engine.num_pages is not None:
         return engine.num_pages
-    itemsize = jnp.dtype(engine.dtype).itemsize
-    def kv_bytes(c, heads):
-        return 2 * c.num_layers * heads * engine.page_size * c.head_dim * itemsize
-
-    page_bytes = kv_bytes(config, kv_heads) + (kv_bytes(draft, draft.num_kv_heads) if draft else 0)
+    values = config.num_layers * kv_heads * config.head_dim  # a token's K (or V) values over the layers
+    values += draft.num_layers * draft.num_kv_heads * draft.head_dim if draft else 0
+    page_bytes = 2 * values * engine.page_size * jnp.dtype(engine.dtype).itemsize
     limit = _device_limit()
     # CPU: no allocator limit to read, keep the pool modest
     budget = limit * engine.memory_fraction - in_use - param_bytes if limit is not None else 2 << 30
