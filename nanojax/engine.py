@@ -1,7 +1,6 @@
-"""The engine core: one loop thread owns scheduler, pages and runner; other threads reach it through its inbox (of
-functions it runs). Step N+1 is dispatched before step N is read back (its decode rows take their last tokens on the
-device), so the host checks, detokenizes and streams step N while the GPU runs N+1; a sequence that stops in step N
-wastes its row of N+1."""
+"""The engine core: one loop thread owns scheduler, pages and runner; other threads post functions to its inbox. Step
+N+1 is dispatched before step N is read back (its decode rows take their last tokens on the device): the host streams
+step N while the GPU runs N+1, and a sequence that stops in step N wastes its row of N+1."""
 import atexit
 import concurrent.futures
 import dataclasses
@@ -27,8 +26,7 @@ LINGER_S = 2.0  # how long an idle engine loop waits for the next request before
 
 @atexit.register
 def _stop_loops() -> None:
-    """At exit, each engine loop stops after its current step and is waited for: a daemon thread inside a JAX call
-    while the interpreter finalizes aborts the process (a step is still in flight when the last request ends)."""
+    """Loops stop after their step and are joined: a daemon thread in a JAX call at finalization aborts the process."""
     _EXITING.set()
     for thread in threading.enumerate():
         if thread.name == LOOP_THREAD:
@@ -88,15 +86,13 @@ class EngineCore:
         """Ends a request (all its choices) with finish_reason "abort"; its KV pages are freed in the next step."""
         self._post(lambda: self._abort(request_id))
 
-    def new_request(self, ids, params, request_id, index, stream, stream_text, pin=False) -> Sequence:
+    def new_request(self, ids, params, request_id, index, stream, stream_text) -> Sequence[Request]:
         """A validated request's first choice (OutputProcessor.sequences)."""
         if self.closed:
             raise RuntimeError("this LLM is closed")
         if self.dead is not None:
             raise RuntimeError(f"the engine has stopped after an error: {self.dead!r}")
-        first = self.output.sequences(ids, params, request_id, index, stream, stream_text)
-        first.request.pin = pin
-        return first
+        return self.output.sequences(ids, params, request_id, index, stream, stream_text)
 
     def submit(self, firsts: list[Sequence]) -> None:
         """Requests' first choices as one inbox item: the next step sees them all, however fast the loop runs."""
@@ -192,8 +188,7 @@ class EngineCore:
                 self._fail([seq], e)
 
     def _dispatch(self, inflight: _Step | None = None, after_first_tokens: bool = False) -> _Step | None:
-        """Decodes alone in one call of the decode program, else the prefill chunks with the decodes in one forward;
-        rows whose last token inflight samples take it on the device. -> None: nothing runs until inflight is read."""
+        """One forward: the decode program for decodes alone, else prefill with decode rows (None: inflight first)."""
         if not self.scheduler.has_unfinished():
             return None
         chunks = self.scheduler.schedule(decode_steps=self.runner.decode_steps)
@@ -230,8 +225,7 @@ class EngineCore:
                      and not constrained, first_tokens_only)
 
     def _prepare(self, chunks) -> tuple[list, dict]:
-        """Token-table slots, constraints' masks and sampling rows (a request whose row fails ends alone) -> (chunks
-        kept, {seq_id: row})"""
+        """Slots, masks and sampling rows (a request whose row fails ends alone) -> (chunks kept, {seq_id: row})."""
         for seq in self.scheduler.waiting:
             self._release_slot(seq.request)
         fields = {}
@@ -251,9 +245,8 @@ class EngineCore:
         return self._constrain(chunks), fields
 
     def _constrain(self, chunks) -> list:
-        """Writes the constrained rows' masks; such a row takes one step, or more where the tokens drawn after the
-        masked one may be kept as far as its grammar allows them (Request.speculative_constraint), unless every row
-        to decode is constrained (the one-step program then runs)."""
+        """Writes constrained rows' masks; each takes one step, unless beside plain rows it may keep the later draws its
+        grammar allows (Request.speculative_constraint)."""
         constrained = [c for c in chunks if c.sample and c.seq.request.matcher is not None]
         if not constrained:
             return chunks
@@ -331,8 +324,7 @@ class EngineCore:
 
 
 def _engine_loop(ref: "weakref.ref[EngineCore]", inbox: queue.SimpleQueue, closing: threading.Event) -> None:
-    """Runs the loop until idle, then waits up to LINGER_S for more work holding the inbox, not the engine (a thread's
-    start is paid by the next first token: docs/perf_notes.md, "Serving")."""
+    """Runs the loop; idle, it waits LINGER_S for work holding only the inbox (a new thread delays a first token)."""
     item = None
     while (core := ref()) is not None and core._loop(item):
         del core, item  # (an item may hold the engine)

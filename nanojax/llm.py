@@ -1,5 +1,4 @@
-"""The public engine: `LLM(model)` builds the runner, scheduler, page pool and engine core (nanojax.engine), then
-takes requests from any thread at once: `add_request`, `abort`, `pin_prefix`, and `generate` / `stream` on them."""
+"""The public engine: `LLM(model)` builds runner, scheduler, page pool and engine core, then serves any thread."""
 import dataclasses
 import itertools
 import time
@@ -29,11 +28,10 @@ from nanojax.sharding import TensorParallel
 
 
 class LLM(RequestFront):
-    """model: a nanojax checkpoint or HF folder, an 'org/name' on the Hub, a .gguf file, None for the embedded default
-    (SmolLM2-135M-Instruct), or a `LoadedModel` (of host arrays, to give their memory to the KV pool). config, knobs:
-    nanojax.config.EngineConfig and its fields as keywords (which win). On a GPU every program is compiled before
-    this returns, kept on disk (nanojax.compilation). In a multi-process job (nanojax.distributed) process 0 runs the
-    engine while the others `follow()` it."""
+    """model: a nanojax checkpoint or HF folder, a Hub 'org/name', a .gguf file, None for the embedded default
+    (SmolLM2-135M-Instruct), or a `LoadedModel` (host arrays give their memory to the KV pool). config, knobs: an
+    EngineConfig and its fields as keywords (which win). On a GPU every program is compiled (kept on disk) before this
+    returns. In a multi-process job (nanojax.distributed) process 0 runs the engine, the others `follow()` it."""
 
     def __init__(self, model: "str | LoadedModel | None" = None, config: EngineConfig | None = None, **knobs):
         start, start_wall = time.perf_counter(), time.time()
@@ -96,8 +94,7 @@ class LLM(RequestFront):
         # another LLM sizes its pool. Not at exit: the loops stop on their own then (nanojax.engine).
         self._release = weakref.finalize(self, _release, self.core, self.runner, callers_buffers, self._stop_workers)
         self._release.atexit = False
-        # Where start-up went (scripts/bench_startup.py); on a first start, when the workers started and got their
-        # programs (runner.worker_seconds: the rest).
+        # Where start-up went (scripts/bench_startup.py); the workers' own times are runner.worker_seconds.
         self.startup_seconds = {"load": loaded_at - start, "build": built_at - loaded_at,
                                 "compile": compiled_at - built_at, "tokenizer_wait": time.perf_counter() - compiled_at,
                                 **({"workers_spawned": spawned_at} if spawned_at is not None else {}),
@@ -135,17 +132,15 @@ class LLM(RequestFront):
         self.runner.follow()
 
     def close(self) -> None:
-        """Unfinished requests end ("abort"), the loop and compile workers stop, the KV pool, tables, programs and the
-        weights it placed leave the device (not a caller's `LoadedModel`), process 0 releases the others' `follow`.
-        Idempotent; also on leaving `with LLM(...) as llm:`."""
+        """Aborts unfinished requests, stops loop and workers, frees the device (not a caller's `LoadedModel`'s weights)
+        and the other processes' `follow`; idempotent, also on leaving `with LLM(...) as llm:`."""
         self._release()
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None, index: int = 0, stream: RequestStream | None = None,
                     stream_text: bool = True) -> RequestStream:
-        """Queues a request; the stream gets a RequestOutput each time one of its n choices gains text or finishes.
-        ValueError for a bad request. stream: one to share between requests; stream_text=False: text only at the end
-        (and for stop strings)."""
+        """Queues a request (ValueError if bad); its stream gets a RequestOutput whenever one of its n choices gains
+        text or finishes. stream: one to share between requests; stream_text=False: text only at the end."""
         params = params or SamplingParams()
         ids = self.encode(prompt)
         self.check(index, ids, params)
@@ -169,7 +164,8 @@ class LLM(RequestFront):
         once = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
         self.check(0, ids, once)
         stream = RequestStream()
-        first = self.core.new_request(ids, once, str(next(self._ids)), 0, stream, stream_text=False, pin=True)
+        first = self.core.new_request(ids, once, str(next(self._ids)), 0, stream, stream_text=False)
+        first.request.pin = True
         self.core.submit([first])
         for _ in stream:
             pass
@@ -185,8 +181,7 @@ class LLM(RequestFront):
         return self._run_requests(prompts, sampling_params, stream_text=True)
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
-        """Outputs in prompt order (n > 1: each prompt's choices in order). A single prompt (str or token-id list)
-        may be passed as is."""
+        """Outputs in prompt order, each prompt's n choices in order; a single prompt may be passed as is."""
         prompts = [prompts] if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)) else list(prompts)
         done: dict[tuple[int, int], RequestOutput] = {}
         with tqdm(total=len(prompts), desc="generating", disable=not use_tqdm) as bar:
@@ -226,8 +221,7 @@ def _release(core: EngineCore, runner: ModelRunner, keep: frozenset[int], stop_w
 
 
 def _start_workers(workers: list, first_start: bool) -> None:
-    """On a build's first start (no executables stored) the workers start (spawned if none was forked), their
-    backends starting while the weights load, to compile shares of the programs; else the forked ones stop."""
+    """On a build's first start the workers start (spawned if none were forked) as the weights load; else they stop."""
     if not first_start:
         compile_workers.stop_all(workers)
     elif workers:
@@ -237,9 +231,8 @@ def _start_workers(workers: list, first_start: bool) -> None:
 
 
 class _HandOut:
-    """load_model's on_config: the workers get their programs (which need the params' shapes only) as soon as the
-    config is read, while the weights convert. The runner built on the weights takes them only under its own keys
-    (compilation.compile_all), and this pool size only for the same config."""
+    """load_model's on_config: the workers get their programs (shapes only) while the weights convert; the runner takes
+    them only under its own keys (compilation.compile_all), and this pool size only for the same config."""
 
     def __init__(self, engine: EngineConfig, workers: list, executable_dir, in_use: int):
         self.engine, self.workers, self.executable_dir, self.in_use = engine, workers, executable_dir, in_use
@@ -278,9 +271,8 @@ def _draft(engine: EngineConfig, config, tp: TensorParallel | None) -> LoadedMod
 
 
 def _num_pages(engine: EngineConfig, config, param_bytes: int, kv_heads: int, in_use: int, draft=None) -> int:
-    """num_pages, or what fits in memory_fraction of the device less in_use (before the weights) and param_bytes on one
-    device (the same before and after placing, so every start finds its executables' keys); kv_heads: one device's.
-    draft: a draft model's config, whose KV shares the pages."""
+    """num_pages, or what fits in memory_fraction of one device less in_use and param_bytes (the same before and after
+    placing: every start finds its executables' keys); kv_heads: one device's; a draft's KV shares the pages."""
     if engine.num_pages is not None:
         return engine.num_pages
     values = config.num_layers * kv_heads * config.head_dim  # a token's K (or V) values over the layers
