@@ -1,5 +1,4 @@
-"""What a request's sampled tokens become: the tokens kept under its stop conditions, logprobs, text (stop strings
-included) and stream events. Plain Python, called from the engine's loop thread."""
+"""A request's sampled tokens -> the tokens kept under its stops, logprobs, text and events (on the loop's thread)."""
 import dataclasses
 import time
 
@@ -34,8 +33,7 @@ class Request:
     siblings: list[Sequence["Request"]] = dataclasses.field(default_factory=list)  # n > 1: admitted once cached
 
     def sampling_row(self, generated: int, neutral_slot: int) -> dict:
-        """Its row of a step's sampling fields after `generated` tokens (in flight counted); its own fields cast once
-        (checked_row: a value that does not fit fails this request alone)."""
+        """Its sampling fields after `generated` tokens; its own cast once (checked_row: a misfit fails it alone)."""
         p = self.params
         if self.device_row is None:
             self.device_row = checked_row(dict(p.device_values(), seeds=p.seed))
@@ -98,8 +96,7 @@ class OutputProcessor:
                         max_num_tokens=limit)
 
     def accept(self, seq: Sequence[Request], pending, row: int, num_steps: int) -> list[int]:
-        """The prefix of the row's first num_steps new tokens the request keeps; sets its finish_reason when a stop
-        condition is met."""
+        """The row's first num_steps tokens as far as the request keeps them; sets finish_reason at a stop."""
         req = seq.request
         out, known = req.output, seq.num_known
         kept = []
@@ -113,9 +110,8 @@ class OutputProcessor:
             out.token_ids.append(tok)
             if out.time_to_first_token is None:
                 out.time_to_first_token = time.perf_counter() - req.start
-            if tok in req.stop_ids and len(out.token_ids) > req.params.min_tokens:
-                out.finish_reason = "stop"
-            elif req.matcher is not None and req.matcher.is_stopped():
+            if (tok in req.stop_ids and len(out.token_ids) > req.params.min_tokens) or (
+                    req.matcher is not None and req.matcher.is_stopped()):
                 out.finish_reason = "stop"
             elif len(out.token_ids) >= req.params.max_tokens or known + len(kept) >= self.max_model_len:
                 out.finish_reason = "length"
@@ -130,8 +126,7 @@ class OutputProcessor:
 
     @staticmethod
     def accept_prompt_logprobs(c, pending, last_row: int) -> None:
-        """Fills the request's prompt_logprobs for the positions after chunk c's (a chunk recomputed after a
-        preemption fills the same values again)."""
+        """Fills prompt_logprobs for the positions after chunk c's (a recomputed chunk fills the same values again)."""
         req: Request = c.seq.request
         p = pending.prompt_logprobs(last_row, c.end - c.start)
         for i, pos in enumerate(range(c.start, min(c.end, c.seq.num_prompt_tokens - 1))):
@@ -181,8 +176,7 @@ def logprob_entry(logprob, top_ids, top_logprobs, n: int) -> tuple[float, dict[i
 
 
 def prompt_targets(c) -> list[int] | None:
-    """The prompt token after each of the chunk's positions, -1 past the prompt; None unless its request wants
-    prompt logprobs (and computes its prompt: not a second choice, which finds it cached)."""
+    """The prompt token after each of the chunk's positions, -1 past it; None unless it computes prompt logprobs."""
     seq = c.seq
     if seq.request.params.prompt_logprobs is None or seq.reads_prefix_cache:
         return None

@@ -70,8 +70,7 @@ class PageManager:
         return self._new_pages(seq, num_tokens) <= len(self._free)
 
     def allocate(self, seq: "Sequence") -> None:
-        """Pages for all of ``seq``'s tokens, sharing the longest cached prefix short of the last token (which is
-        always computed). RuntimeError, changing nothing, unless :meth:`can_allocate`."""
+        """Pages for ``seq``, sharing the longest cached prefix short of its last token (RuntimeError: none free)."""
         if seq.page_table or seq.seq_id in self._seqs:
             raise ValueError(f"sequence {seq.seq_id} already has pages")
         hits = self._match(seq)
@@ -116,8 +115,7 @@ class PageManager:
         seq.num_computed_tokens = 0
 
     def pin_pages(self, seq: "Sequence", num_tokens: int | None = None) -> int:
-        """A handle for :meth:`unpin` of an extra reference on the committed pages of the first ``num_tokens``
-        (None: all committed pages); ValueError if those pages are not committed yet."""
+        """Pins the committed pages of the first ``num_tokens`` (None: all of them) -> a handle for :meth:`unpin`."""
         alloc = self._allocation(seq)
         k = alloc.num_committed if num_tokens is None else num_tokens // self.page_size
         if k > alloc.num_committed:

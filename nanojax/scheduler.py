@@ -1,7 +1,6 @@
-"""Continuous-batching scheduler with chunked prefill and preemption (plain Python, no JAX); policy as nano-vllm /
-vLLM v1, a prefill chunk costing whole ``prefill_row``s (docs/perf_notes.md, "Prefill"). One engine step: ``schedule``,
-dispatch, ``advance`` (sampled tokens stay placeholders, so the next step may be scheduled and dispatched before they
-are read back), then for each sampling chunk ``fill`` with its tokens and ``finish`` at a stop."""
+"""Continuous-batching scheduler with chunked prefill and preemption (plain Python, no JAX), as nano-vllm / vLLM v1; a
+prefill chunk costs whole ``prefill_row``s (docs/perf_notes.md, "Prefill"). A step: ``schedule``, dispatch, ``advance``
+(placeholders: the next step may go before this one is read back), then per sampling chunk ``fill`` and ``finish``."""
 
 from __future__ import annotations
 
@@ -187,8 +186,7 @@ class Scheduler:
         return out
 
     def advance(self, chunks: SequenceLike[ScheduledChunk]) -> None:
-        """Applies the dispatch of ``chunks`` before its tokens are read back: sampled tokens are PLACEHOLDERs until
-        :meth:`fill`. Chunks of sequences finished meanwhile are skipped."""
+        """Applies a dispatch before it is read back (sampled tokens are PLACEHOLDERs); finished sequences skipped."""
         for c in chunks:
             seq = c.seq
             if seq.status is SequenceStatus.FINISHED:
@@ -202,8 +200,7 @@ class Scheduler:
             self.page_manager.commit(seq)
 
     def fill(self, seq: Sequence, tokens: list[int], num_steps: int) -> None:
-        """Replaces the oldest ``num_steps`` placeholders with 1..num_steps tokens; fewer (cut after a stop token)
-        drops the later placeholders too."""
+        """The oldest ``num_steps`` placeholders become 1..num_steps tokens; fewer (a stop) drops the rest too."""
         _check_count(seq, len(tokens), num_steps)
         if num_steps > seq.num_pending:
             raise RuntimeError(f"sequence {seq.seq_id} has {seq.num_pending} pending tokens, not {num_steps}")
@@ -219,8 +216,7 @@ class Scheduler:
             self.page_manager.commit(seq)
 
     def update(self, chunks: SequenceLike[ScheduledChunk], sampled: Mapping[int, Any]) -> None:
-        """:meth:`advance` then :meth:`fill`; ``sampled[seq_id]``, one token or a list, is checked for every sampling
-        chunk before anything changes."""
+        """:meth:`advance` then :meth:`fill`, each ``sampled[seq_id]`` (a token or a list) checked before either."""
         live = [c for c in chunks if c.sample and c.seq.status is not SequenceStatus.FINISHED]
         for c in live:
             if c.seq.seq_id not in sampled:
@@ -237,8 +233,7 @@ class Scheduler:
         return left
 
     def _cost(self, chunk: ScheduledChunk, budget: int) -> int:
-        """One token for a decode, else whole prefill rows, at most the budget: a chunk that fits by length always
-        runs, so a small budget never starves prefills."""
+        """A decode's token, or whole prefill rows up to the budget (so a small budget never starves prefills)."""
         if chunk.num_tokens == 1 and chunk.sample:
             return 1
         row = self.config.prefill_row

@@ -1,5 +1,4 @@
-"""A request's token sequence and its scheduling state (plain Python, no JAX): created by the engine, then mutated
-only by the scheduler and the page manager."""
+"""A request's token sequence and scheduling state (plain Python, no JAX), changed by the scheduler and page manager."""
 
 from __future__ import annotations
 
