@@ -1,5 +1,4 @@
-"""The engine's knobs: one frozen `EngineConfig`, checked once; `resolved(on_gpu)` fills the per-platform defaults
-left as None, `for_model(config)` the context length the model allows."""
+"""The engine's knobs: one frozen `EngineConfig`, checked once; platform defaults and context length filled later."""
 import argparse
 import dataclasses
 import json
@@ -15,10 +14,8 @@ DEFAULT_MODEL_LEN = 4096  # when the model allows more
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding (nanojax.speculative), vLLM's terms. "ngram" proposes the num_speculative_tokens tokens
-    that followed an earlier occurrence of the sequence's last n tokens (prompt_lookup_min <= n <= prompt_lookup_max)
-    in its prompt and output; "draft_model" those that `model` (any model nanojax loads, of the target's vocabulary)
-    decodes greedily."""
+    """Speculative decoding (nanojax.speculative) in vLLM's terms: "ngram" proposes the tokens that followed an earlier
+    occurrence of the last n tokens (prompt_lookup_min <= n <= prompt_lookup_max), "draft_model" what `model` drafts."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
@@ -32,10 +29,10 @@ class SpeculativeConfig:
         if (self.method == "draft_model") != isinstance(self.model, str):
             raise ValueError(f"speculative_config model must be the draft model's path or name for method "
                              f"'draft_model' and unset for 'ngram', got {self.model!r}")
-        for name, hi in (("num_speculative_tokens", 16), ("prompt_lookup_min", 16), ("prompt_lookup_max", 16)):
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= hi:
-                raise ValueError(f"{name} must be an int in [1, {hi}], got {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 16:
+                raise ValueError(f"{name} must be an int in [1, 16], got {value!r}")
         if self.prompt_lookup_max < self.prompt_lookup_min:
             raise ValueError(f"prompt_lookup_max={self.prompt_lookup_max} is below prompt_lookup_min="
                              f"{self.prompt_lookup_min}")

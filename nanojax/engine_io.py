@@ -1,5 +1,4 @@
-"""What the engine hands back: `RequestOutput` events, delivered on a `RequestStream` from the engine loop's thread
-to a consumer thread or an asyncio task."""
+"""What the engine hands back: `RequestOutput` events on a `RequestStream`, to a thread or an asyncio task."""
 import asyncio
 import collections
 import dataclasses
@@ -34,7 +33,7 @@ class RequestStream:
         # asyncio: the engine appends here, and the loop's mailbox wakes the consumer once for all the events put
         # meanwhile (a step's events for every stream of the loop: one wakeup, not one each)
         self._items: collections.deque = collections.deque()
-        self._mailbox = _mailbox(loop) if loop else None
+        self._mailbox = _mailboxes.get(loop) or _mailboxes.setdefault(loop, _Mailbox(loop)) if loop else None
         self._posted = False  # on the mailbox and not yet delivered
         self._waiter: asyncio.Future | None = None
         self._open = 0  # choices added and not finished (counted by the consumer's side only)
@@ -98,8 +97,7 @@ class RequestStream:
 
 
 class _Mailbox:
-    """One event loop's streams that have events waiting: the engine thread posts a stream, and the loop is woken
-    (call_soon_threadsafe, a write to its self-pipe) only when no delivery is pending already."""
+    """An event loop's streams with events waiting; the loop is woken (a self-pipe write) only if no wakeup is due."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
@@ -119,10 +117,6 @@ class _Mailbox:
 
 
 _mailboxes: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Mailbox]" = weakref.WeakKeyDictionary()
-
-
-def _mailbox(loop: asyncio.AbstractEventLoop) -> _Mailbox:
-    return _mailboxes.get(loop) or _mailboxes.setdefault(loop, _Mailbox(loop))
 
 
 def find_stop(text: str, stop: tuple[str, ...], start: int = 0) -> int:

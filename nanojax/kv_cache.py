@@ -27,10 +27,6 @@ class KVCache:
                    draft=None if draft is None else cls.create(draft, num_pages, page_size, dtype, True))
 
     @property
-    def num_pages(self) -> int:
-        return self.k[0].shape[0]
-
-    @property
     def page_size(self) -> int:
         return self.k[0].shape[2]
 

@@ -1,5 +1,4 @@
-"""Per-request sampling parameters, validated on construction. Each field is declared once: its default, its range,
-and for those the compiled step reads, its dtype there (`DEVICE_FIELDS`)."""
+"""Per-request sampling parameters, each declared once: default, range, dtype in the compiled step (`DEVICE_FIELDS`)."""
 import dataclasses
 import math
 
@@ -12,8 +11,7 @@ _INT32_MAX = 2**31 - 1
 
 
 def _field(default, lo, hi, *, integer: bool = False, lo_open: bool = False, device=None, fill=None):
-    """A field in [lo, hi] ((lo, hi] if lo_open; None where the default is); device: its dtype in the compiled step,
-    where `fill` is the value of a row without a request."""
+    """A field in [lo, hi] ((lo, hi] if lo_open; None if the default is); device, fill: its step dtype, a pad row's."""
     check = dict(lo=lo, hi=hi, integer=integer, lo_open=lo_open, optional=default is None)
     return dataclasses.field(default=default, metadata=dict(
         check=check, device=None if device is None else (np.dtype(device), fill)))
