@@ -147,8 +147,7 @@ class Scheduler:
         chunks = []
         for seq in self.running:
             remaining = seq.num_tokens - seq.num_computed_tokens
-            n = self._prefill_len(remaining, budget) if remaining > 1 else 0
-            if n:
+            if remaining > 1 and (n := self._prefill_len(remaining, budget)):
                 chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
                 budget -= self._cost(chunks[-1], budget)
         return chunks
