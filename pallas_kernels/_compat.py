@@ -1,5 +1,6 @@
 """What the kernels share: the Pallas Triton API of jax 0.10.x and 0.11.x, their dots, GPU size and input check.
 Triton compiler params select the Triton lowering: jax >= 0.11 would take Mosaic GPU, which lacks pointer gathers."""
+import contextlib
 import functools
 import sys
 
@@ -8,29 +9,20 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import triton as plgpu
 
-load = plgpu.load
-store = plgpu.store
+load, store = plgpu.load, plgpu.store
 
 
 # jaxlib's Triton dialect where MLIR's bindings look on every wrap, instead of walking sys.path in vain
 # (docs/perf_notes.md, "Where the compile goes").
-try:
+with contextlib.suppress(ImportError):
     from jaxlib.triton import dialect
-except ImportError:
-    pass
-else:
     sys.modules.setdefault("jaxlib.mlir.dialects.tt", dialect)
-
-# SMs of the GPU the tilings were tuned on.
-H100_SMS = 132
 
 
 @functools.cache
 def num_sms() -> int:
-    """The GPU's SMs, which memory-bound grids fill; H100_SMS without one, so interpret mode traces its tilings."""
-    if jax.default_backend() != "gpu":
-        return H100_SMS
-    return jax.devices()[0].core_count
+    """The GPU's SMs, which memory-bound grids fill; without one the H100's 132 the tilings were tuned on."""
+    return jax.devices()[0].core_count if jax.default_backend() == "gpu" else 132
 
 
 def is_power_of_2(n: int) -> bool:

@@ -27,14 +27,13 @@ def paged_attention_reference(q, k_pages, v_pages, page_table, seq_lens, q_lens,
     batch, q_tokens, num_q_heads, head_dim = q.shape
     _, num_kv_heads, page_size, _ = k_pages.shape
     group = num_q_heads // num_kv_heads
-    ctx = page_table.shape[1] * page_size
     k, v = gather_pages(k_pages, page_table), gather_pages(v_pages, page_table)
     qg = q.reshape(batch, q_tokens, num_kv_heads, group, head_dim).astype(jnp.float32)
     scores = jnp.einsum("btgrd,bgkd->bgrtk", qg, k, precision=jax.lax.Precision.HIGHEST) * scale
 
     t = jnp.arange(q_tokens)
     q_pos = (seq_lens - q_lens)[:, None] + t[None, :]  # [B, T]
-    k_pos = jnp.arange(ctx)
+    k_pos = jnp.arange(page_table.shape[1] * page_size)
     valid_q = t[None, :] < q_lens[:, None]  # [B, T]
     mask = ((k_pos[None, None, :] <= q_pos[:, :, None]) & valid_q[:, :, None])[:, None, None]  # [B, 1, 1, T, ctx]
     scores = jnp.where(mask, scores, -jnp.inf)
@@ -84,9 +83,8 @@ FEW_TOKENS, FEW_TOKENS_CONFIG = 32, PagedAttentionConfig(block_k=64, k_splits=No
 
 def _default_config(config, dtype):
     """config, with block_m and block_k halved for f32: its tiles fit shared memory and its operands registers."""
-    if jnp.dtype(dtype).itemsize <= 2:
-        return config
-    return dataclasses.replace(config, block_m=max(16, config.block_m // 2), block_k=max(16, config.block_k // 2))
+    return config if jnp.dtype(dtype).itemsize <= 2 else dataclasses.replace(
+        config, block_m=max(16, config.block_m // 2), block_k=max(16, config.block_k // 2))
 
 
 def _query_rows(first_token, kv_head, block_m, group, group_pad):
@@ -121,13 +119,12 @@ def _load_kv_tile(k_ref, v_ref, page_table_ref, pos, valid, *, decode=False):
 
 
 def _attend(q, q_pos, row_ok, k_ref, v_ref, page_table_ref, split, k_splits, kv_end, full_end, *, block_k, scale,
-            decode, kv_start=None):
+            decode, kv_start=0):
     """Online softmax (log2 units) of q [M, D] over this split's tiles of [kv_start, kv_end) -> o [M, D], m, l [M].
     Tiles ending by full_end skip the mask (garbage in rows not row_ok); decode runs one masked loop of 1+ steps."""
     def body(j, carry, masked):
         o, m, l = carry
-        pos = (split + j * k_splits) * block_k + jnp.arange(block_k)
-        pos = pos if kv_start is None else kv_start + pos
+        pos = kv_start + (split + j * k_splits) * block_k + jnp.arange(block_k)
         valid = pos < kv_end if masked else None
         k, v = _load_kv_tile(k_ref, v_ref, page_table_ref, pos, valid, decode=decode)
         s = dot(q, k, trans_b=True) * (scale * _LOG2E)  # [M, block_k]
@@ -144,14 +141,10 @@ def _attend(q, q_pos, row_ok, k_ref, v_ref, page_table_ref, split, k_splits, kv_
     block_m, head_dim = q.shape
     init = (jnp.zeros((block_m, head_dim), jnp.float32), jnp.full((block_m,), _MASK, jnp.float32),
             jnp.zeros((block_m,), jnp.float32))
-
-    def span(end):  # positions from kv_start to end
-        return end if kv_start is None else end - kv_start
-
-    num_tiles = _tiles_of_split(span(kv_end) + block_k - 1, split, k_splits, block_k)  # tiles starting before kv_end
+    num_tiles = _tiles_of_split(kv_end - kv_start + block_k - 1, split, k_splits, block_k)  # starting before kv_end
     if decode:
         return lax.fori_loop(0, jnp.maximum(num_tiles, 1), functools.partial(body, masked=True), init)
-    num_full = _tiles_of_split(span(full_end), split, k_splits, block_k)
+    num_full = _tiles_of_split(full_end - kv_start, split, k_splits, block_k)
     carry = lax.fori_loop(0, num_full, functools.partial(body, masked=False), init)
     return lax.fori_loop(num_full, num_tiles, functools.partial(body, masked=True), carry)
 
@@ -206,16 +199,15 @@ def _paged_attention_kernel(q_ref, k_ref, v_ref, page_table_ref, seq_len_ref, q_
     full_end = jnp.minimum(kv_end, seq_len - q_len + first_token + 1)
     o, m, l = _attend(q, seq_len - q_len + token, row_ok, k_ref, v_ref, page_table_ref, split, k_splits, kv_end,
                       full_end, block_k=block_k, scale=scale, decode=q_len_ref is None,
-                      kv_start=None if kv_start_ref is None else kv_start_ref[...])
+                      kv_start=0 if kv_start_ref is None else kv_start_ref[...])
     o, l = jnp.where(row_ok[:, None], o, 0.0), jnp.where(row_ok, l, 0.0)
     if pieces_refs is not None:
         o, m, l = _merge_pieces(o, m, l, row_ok, kv_head, group, pieces_refs)
     out_ok = head_ok & (token < num_tokens)  # padding tokens are written too: as zeros (l == 0, o == 0)
     if stat_refs:
-        m_ref, l_ref = stat_refs
         store(o_ref.at[idx], o, mask=out_ok[:, None])
-        store(m_ref.at[token, head], m, mask=out_ok)
-        store(l_ref.at[token, head], l, mask=out_ok)
+        for ref, x in zip(stat_refs, (m, l)):
+            store(ref.at[token, head], x, mask=out_ok)
     else:
         store(o_ref.at[idx], (o / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype), mask=out_ok[:, None])
 
@@ -236,10 +228,8 @@ def _combine_splits_kernel(o_ref, m_ref, l_ref, out_ref):
     m = load(m_ref.at[split], mask=ok, other=_MASK)
     l = load(l_ref.at[split], mask=ok, other=0.0)
     o = load(o_ref.at[split[:, None], jnp.arange(head_dim)[None, :]], mask=ok[:, None], other=0.0)
-    weight = jnp.exp2(m - m.max())  # empty splits and padding lanes have l == 0 and o == 0, so they drop out
-    denom = (weight * l).sum()
-    out = (weight[:, None] * o).sum(axis=0) / jnp.where(denom > 0, denom, 1.0)
-    store(out_ref.at[jnp.arange(head_dim)], out.astype(out_ref.dtype))
+    # Padding lanes, as empty splits, have l == 0 and o == 0.
+    store(out_ref.at[jnp.arange(head_dim)], combine_splits_reference(o, m, l, out_ref.dtype))
 
 
 def _combine_splits(o, m, l, dtype, interpret):
@@ -272,12 +262,10 @@ def _kv_tiling(config, programs, max_kv_tokens, itemsize):
 
 
 def _num_stages(config, block_k, k_splits, max_kv_tokens):
-    """config's pipeline depth; for the automatic tiling at most the loop's steps plus one (docs/perf_notes.md,
-    "Decode attention: pipeline depth and warps")."""
+    """Automatic tiling: the loop's steps + 1 at most (docs/perf_notes.md, "Decode attention: pipeline depth")."""
     if config.k_splits is not None:
         return config.num_stages
-    steps = pl.cdiv(pl.cdiv(max_kv_tokens, block_k), k_splits)
-    return min(config.num_stages, steps + 1)
+    return min(config.num_stages, pl.cdiv(pl.cdiv(max_kv_tokens, block_k), k_splits) + 1)
 
 
 def _paged_attention(q, k_pages, v_pages, page_table, seq_lens, q_lens, *, scale, config, interpret, kv_starts=None,
@@ -325,9 +313,7 @@ def _paged_attention(q, k_pages, v_pages, page_table, seq_lens, q_lens, *, scale
         interpret=interpret,
         name="paged_attention",
     )(q, k_pages, v_pages, page_table, seq_lens, q_lens, kv_starts, None if pieces is None else tuple(pieces))
-    if stats or k_splits == 1:
-        return out
-    return _combine_splits(*out, q.dtype, interpret)
+    return out if stats or k_splits == 1 else _combine_splits(*out, q.dtype, interpret)
 
 
 def check_kv_pages(x_name, x, k_pages, v_pages):
@@ -365,15 +351,12 @@ def _check_inputs(q, k_pages, v_pages, page_table, seq_lens, q_lens, kv_starts=N
 def paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, *, scale, config=None, interpret=False,
                            kv_starts=None, return_stats=False):
     """paged_attention_reference for one new token a sequence (seq_lens 0: padding); kv_starts: first positions.
-    return_stats: the splits' pieces (o [k_splits, B, Hq, D] unnormalized, m, l [k_splits, B, Hq]; empty: 0, _MASK, 0)
-    instead of their merge."""
+    return_stats: the splits' unmerged o [k_splits, B, Hq, D], m, l [k_splits, B, Hq] (empty: 0, _MASK, 0)."""
     _check_inputs(q, k_pages, v_pages, page_table, seq_lens, None, kv_starts)
     config = config or _default_config(DECODE_CONFIG, q.dtype)
     out = _paged_attention(q[:, None], k_pages, v_pages, page_table, seq_lens, None, scale=scale, config=config,
                            interpret=interpret, kv_starts=kv_starts, stats=return_stats)
-    if return_stats:
-        return tuple(x[:, :, 0] for x in out)
-    return out[:, 0]
+    return tuple(x[:, :, 0] for x in out) if return_stats else out[:, 0]
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "config", "interpret"))
