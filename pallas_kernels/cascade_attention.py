@@ -19,12 +19,12 @@ from pallas_kernels.paged_attention import (
     DECODE_CONFIG,
     _attend,
     _check_inputs,
+    _default_config,
     _paged_attention,
     _query_rows,
     combine_splits_reference,
     gather_pages,
 )
-from pallas_kernels.paged_attention import _default_config as _decode_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,25 +44,9 @@ class CascadeConfig:
 CASCADE_CONFIG = CascadeConfig()
 
 
-def _default_config(dtype):
-    """CASCADE_CONFIG, with block_k halved for f32 so that the pipelined tiles fit in shared memory."""
-    if jnp.dtype(dtype).itemsize <= 2:
-        return CASCADE_CONFIG
-    return dataclasses.replace(CASCADE_CONFIG, block_k=CASCADE_CONFIG.block_k // 2)
-
-
 def cascade_members_per_item(num_q_heads: int, num_kv_heads: int, config: CascadeConfig | None = None) -> int:
     """Member rows per work item that fill block_m (the planner's members_per_item); config None: CASCADE_CONFIG."""
     return (config or CASCADE_CONFIG).block_m // pl.next_power_of_2(num_q_heads // num_kv_heads)
-
-
-def _attend_reference(q, k, v, valid, scale):
-    """q [..., R, D] against k, v [..., K, D] with valid [..., K] (f32) -> pieces o [..., R, D], m, l [..., R]."""
-    s = jnp.einsum("...rd,...kd->...rk", q, k, precision=lax.Precision.HIGHEST) * (scale * _LOG2E)
-    s = jnp.where(valid[..., None, :], s, _MASK)
-    m = s.max(axis=-1)
-    p = jnp.where(valid[..., None, :], jnp.exp2(s - m[..., None]), 0.0)
-    return jnp.einsum("...rk,...kd->...rd", p, v, precision=lax.Precision.HIGHEST), m, p.sum(axis=-1)
 
 
 def cascade_decode_attention_reference(q, k_pages, v_pages, page_table, seq_lens, kv_starts, num_pieces, item_row,
@@ -74,11 +58,15 @@ def cascade_decode_attention_reference(q, k_pages, v_pages, page_table, seq_lens
     group = num_q_heads // num_kv_heads
     pos = jnp.arange(page_table.shape[1] * page_size)
 
-    def pieces(queries, table, valid):  # queries [..., Hq, D], table [..., P], valid [..., ctx]
-        k, v = gather_pages(k_pages, table), gather_pages(v_pages, table)
+    def pieces(queries, table, valid):  # queries [..., Hq, D], table [..., P], valid [..., ctx] -> o, m, l
+        k, v = gather_pages(k_pages, table), gather_pages(v_pages, table)  # [..., Hkv, ctx, D]
         by_kv_head = queries.reshape(*queries.shape[:-2], num_kv_heads, group, head_dim).astype(jnp.float32)
-        o, m, l = _attend_reference(by_kv_head, k, v, valid[..., None, :], scale)
-        return o.reshape(queries.shape), m.reshape(queries.shape[:-1]), l.reshape(queries.shape[:-1])
+        valid = valid[..., None, None, :]  # [..., 1, 1, ctx]
+        s = jnp.einsum("...rd,...kd->...rk", by_kv_head, k, precision=lax.Precision.HIGHEST) * (scale * _LOG2E)
+        m = jnp.where(valid, s, _MASK).max(axis=-1)
+        p = jnp.where(valid, jnp.exp2(s - m[..., None]), 0.0)
+        o = jnp.einsum("...rk,...kd->...rd", p, v, precision=lax.Precision.HIGHEST)
+        return o.reshape(queries.shape), m.reshape(queries.shape[:-1]), p.sum(axis=-1).reshape(queries.shape[:-1])
 
     suffix = pieces(q, page_table, (pos >= kv_starts[:, None]) & (pos < seq_lens[:, None]))  # [B, ...]
     members = jnp.where(item_members >= 0, item_members, batch)  # [W, M]; `batch`: a bucket that is dropped
@@ -100,7 +88,7 @@ def _cascade_kernel(item_row_ref, item_start_ref, item_end_ref, members_ref, slo
                     page_table_ref, o_ref, m_ref, l_ref, *, block_m, group, group_pad, block_k, scale):
     # item_row_ref, item_start_ref, item_end_ref: [] int32; members_ref, slots_ref: [M] int32 (-1: no member)
     # q_ref: [B, Hq, D]; k_ref, v_ref: [num_pages, S, D] this KV head's pool; page_table_ref: [B * P] int32
-    # o_ref: [W, B, Hq, D] (_pieces_dtype); m_ref, l_ref: [W, B, Hq] f32; written at this program's rows only
+    # o_ref: [W, B, Hq, D] bf16 or f32; m_ref, l_ref: [W, B, Hq] f32; written at this program's rows only
     num_members = members_ref.shape[0]
     batch, _, head_dim = q_ref.shape
     member, head, head_ok = _query_rows(0, pl.program_id(1), block_m, group, group_pad)
@@ -121,45 +109,6 @@ def _cascade_kernel(item_row_ref, item_start_ref, item_end_ref, members_ref, slo
     store(o_ref.at[(slot[:, None], *idx)], o.astype(o_ref.dtype), mask=row_ok[:, None])
     store(m_ref.at[slot, row, head], m, mask=row_ok)
     store(l_ref.at[slot, row, head], l, mask=row_ok)
-
-
-def _pieces_dtype(dtype):
-    """bf16 pieces for bf16 q, else f32: their bytes are the step's second largest read (docs/perf_notes.md,
-    "Cascade attention"). Not f16: a piece sums up to 1,024 tokens' values, past f16's range for values above 64."""
-    return jnp.bfloat16 if jnp.dtype(dtype) == jnp.bfloat16 else jnp.float32
-
-
-def _cascade_pieces(q, k_pages, v_pages, page_table, item_row, item_start, item_end, item_members, item_slots, *,
-                    scale, config, interpret):
-    """-> the items' pieces o [W, B, Hq, D], m, l [W, B, Hq]; slots a row does not fill are garbage."""
-    batch, num_q_heads, head_dim = q.shape
-    num_pages, num_kv_heads, page_size, _ = k_pages.shape
-    num_items, num_members = item_members.shape
-    group = num_q_heads // num_kv_heads
-    group_pad = pl.next_power_of_2(group)
-    block_m = max(16, pl.next_power_of_2(num_members * group_pad))
-    item_spec = pl.BlockSpec((None,), lambda w, h: (w,))
-    member_spec = pl.BlockSpec((None, num_members), lambda w, h: (w, 0))
-    kv_spec = pl.BlockSpec((num_pages, None, page_size, head_dim), lambda w, h: (0, h, 0, 0))
-
-    def whole(shape):  # every program sees (and writes into) the whole array
-        return pl.BlockSpec(shape, lambda w, h: (0,) * len(shape))
-
-    pieces_shape = (num_items, batch, num_q_heads)
-    kernel = functools.partial(_cascade_kernel, block_m=block_m, group=group, group_pad=group_pad,
-                               block_k=config.block_k, scale=scale)
-    return pl.pallas_call(
-        kernel,
-        grid=(num_items, num_kv_heads),
-        in_specs=[item_spec, item_spec, item_spec, member_spec, member_spec, whole(q.shape), kv_spec, kv_spec,
-                  whole((page_table.size,))],
-        out_specs=[whole((*pieces_shape, head_dim)), whole(pieces_shape), whole(pieces_shape)],
-        out_shape=[jax.ShapeDtypeStruct((*pieces_shape, head_dim), _pieces_dtype(q.dtype))] + 2 * [
-            jax.ShapeDtypeStruct(pieces_shape, jnp.float32)],
-        compiler_params=triton_params(config.num_warps, config.num_stages),
-        interpret=interpret,
-        name="cascade_attention",
-    )(item_row, item_start, item_end, item_members, item_slots, q, k_pages, v_pages, page_table.reshape(-1))
 
 
 def _check_cascade_inputs(q, k_pages, kv_starts, num_pieces, item_row, item_start, item_end,
@@ -187,12 +136,42 @@ def cascade_decode_attention(q, k_pages, v_pages, page_table, seq_lens, kv_start
     """paged_decode_attention with shared prefixes read once per work item; plan_cascade's arrays in ARRAY_FIELDS
     order: kv_starts, num_pieces [B], item_row, item_start, item_end [W], item_members, item_slots [W, M], int32."""
     _check_inputs(q, k_pages, v_pages, page_table, seq_lens, None, kv_starts)
-    config = config or _default_config(q.dtype)
+    # f32 halves block_k, so that the pipelined tiles fit in shared memory.
+    config = config or (CASCADE_CONFIG if q.dtype.itemsize <= 2 else
+                        dataclasses.replace(CASCADE_CONFIG, block_k=CASCADE_CONFIG.block_k // 2))
     _check_cascade_inputs(q, k_pages, kv_starts, num_pieces, item_row, item_start, item_end,
                           item_members, item_slots, config)
-    shared = _cascade_pieces(q, k_pages, v_pages, page_table, item_row, item_start, item_end, item_members,
-                             item_slots, scale=scale, config=config, interpret=interpret)
-    suffix_config = dataclasses.replace(_decode_config(DECODE_CONFIG, q.dtype), k_splits=1)
+    batch, num_q_heads, head_dim = q.shape
+    num_pages, num_kv_heads, page_size, _ = k_pages.shape
+    num_items, num_members = item_members.shape
+    group = num_q_heads // num_kv_heads
+    group_pad = pl.next_power_of_2(group)
+    item_spec = pl.BlockSpec((None,), lambda w, h: (w,))
+    member_spec = pl.BlockSpec((None, num_members), lambda w, h: (w, 0))
+    kv_spec = pl.BlockSpec((num_pages, None, page_size, head_dim), lambda w, h: (0, h, 0, 0))
+
+    def whole(shape):  # every program sees (and writes into) the whole array
+        return pl.BlockSpec(shape, lambda w, h: (0,) * len(shape))
+
+    # The items' pieces o [W, B, Hq, D], m, l [W, B, Hq]; slots a row does not fill are garbage. bf16 pieces for bf16
+    # q: their bytes are the step's second largest read (docs/perf_notes.md, "Cascade attention"). Not f16: a piece
+    # sums up to 1,024 tokens' values, past f16's range for values above 64.
+    pieces_shape = (num_items, batch, num_q_heads)
+    pieces_dtype = jnp.bfloat16 if q.dtype == jnp.bfloat16 else jnp.float32
+    kernel = functools.partial(_cascade_kernel, block_m=max(16, pl.next_power_of_2(num_members * group_pad)),
+                               group=group, group_pad=group_pad, block_k=config.block_k, scale=scale)
+    shared = pl.pallas_call(
+        kernel,
+        grid=(num_items, num_kv_heads),
+        in_specs=[*3 * [item_spec], *2 * [member_spec], whole(q.shape), kv_spec, kv_spec, whole((page_table.size,))],
+        out_specs=[whole((*pieces_shape, head_dim)), whole(pieces_shape), whole(pieces_shape)],
+        out_shape=[jax.ShapeDtypeStruct((*pieces_shape, head_dim), pieces_dtype)] + 2 * [
+            jax.ShapeDtypeStruct(pieces_shape, jnp.float32)],
+        compiler_params=triton_params(config.num_warps, config.num_stages),
+        interpret=interpret,
+        name="cascade_attention",
+    )(item_row, item_start, item_end, item_members, item_slots, q, k_pages, v_pages, page_table.reshape(-1))
+    suffix_config = dataclasses.replace(_default_config(DECODE_CONFIG, q.dtype), k_splits=1)
     out = _paged_attention(q[:, None], k_pages, v_pages, page_table, seq_lens, None, scale=scale, config=suffix_config,
                            interpret=interpret, kv_starts=kv_starts, pieces=(*shared, num_pieces))
     return out[:, 0]
