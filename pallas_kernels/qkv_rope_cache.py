@@ -17,7 +17,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._compat import check_vector, is_power_of_2, load, store, triton_params
-from pallas_kernels.paged_attention import check_kv_pages
+from pallas_kernels.paged_attention import _query_rows, check_kv_pages
 from pallas_kernels.rms_norm import rms_norm
 
 
@@ -38,10 +38,8 @@ def qkv_rope_cache_reference(qkv, positions, slots, k_pages, v_pages, cos_sin=No
                              eps=None):
     """Plain jnp, shapes as qkv_rope_cache -> (q [N, Hq, D], zero on padding tokens; k_pages, v_pages)."""
     num_pages, num_kv_heads, page_size, head_dim = k_pages.shape
-    num_tokens, width = qkv.shape
-    num_q_heads = width // head_dim - 2 * num_kv_heads
-    q, k, v = (x.reshape(num_tokens, -1, head_dim) for x in jnp.split(
-        qkv, [num_q_heads * head_dim, (num_q_heads + num_kv_heads) * head_dim], axis=-1))
+    heads = qkv.reshape(qkv.shape[0], -1, head_dim)
+    q, k, v = jnp.split(heads, [heads.shape[1] - 2 * num_kv_heads, heads.shape[1] - num_kv_heads], axis=1)
     if q_norm is not None:
         q = rms_norm(q, q_norm, eps)
     if k_norm is not None:
@@ -68,7 +66,6 @@ class QkvRopeCacheConfig:
     """block_rows: query rows (tokens x padded query heads of a group) a program, fewer when N is smaller."""
     block_rows: int = 32
     num_warps: int = 4
-    num_stages: int = 1  # no loop to pipeline
 
     def __post_init__(self):
         for name in ("block_rows", "num_warps"):
@@ -132,12 +129,9 @@ def _qkv_rope_cache_kernel(qkv_ref, pos_ref, slot_ref, k_in_ref, v_in_ref, cos_s
     v = load(qkv_ref.at[token[:, None], (v_col + dv)[None, :]], mask=write[:, None], other=0.0)
     store(v_ref.at[page[:, None], offset[:, None], dv[None, :]], v.astype(v_ref.dtype), mask=write[:, None])
 
-    # Queries: group_pad rows per token, row r = (token r // group_pad, query head kv_head * group + r % group_pad).
-    rows = jnp.arange(block_t * group_pad)
-    q_token = token_block * block_t + lax.div(rows, group_pad)
-    in_group = lax.rem(rows, group_pad)
-    head = kv_head * group + in_group
-    row_ok = (in_group < group) & (q_token < num_tokens)  # rows of q_ref this program stores
+    # Queries: group_pad rows per token.
+    q_token, head, head_ok = _query_rows(token_block * block_t, kv_head, block_t * group_pad, group, group_pad)
+    row_ok = head_ok & (q_token < num_tokens)  # rows of q_ref this program stores
     q_pos = load(pos_ref.at[q_token], mask=row_ok, other=-1)
     live = row_ok & (q_pos >= 0)  # rows that are computed; the other stored rows are padding tokens: zeros
     q1, q2 = (load(qkv_ref.at[q_token[:, None], (head * head_dim)[:, None] + cols[None, :]], mask=live[:, None],
@@ -200,14 +194,12 @@ def qkv_rope_cache(qkv, positions, slots, k_pages, v_pages, cos_sin=None, q_norm
     return pl.pallas_call(
         kernel,
         grid=(pl.cdiv(num_tokens, block_t), num_kv_heads),
-        in_specs=[whole(qkv), whole(positions), whole(slots), kv_spec, kv_spec, whole(cos_sin), whole(q_norm),
-                  whole(k_norm)],
+        in_specs=[*map(whole, (qkv, positions, slots)), kv_spec, kv_spec, *map(whole, (cos_sin, q_norm, k_norm))],
         out_specs=[whole(q_shape), kv_spec, kv_spec],
-        out_shape=[q_shape, jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
-                   jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)],
+        out_shape=[q_shape, *2 * [jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype)]],
         # Flat operand indices: None operands do not count, and the pools come before the optional ones.
         input_output_aliases={3: 1, 4: 2},
-        compiler_params=triton_params(config.num_warps, config.num_stages),
+        compiler_params=triton_params(config.num_warps, num_stages=1),  # no loop to pipeline
         interpret=interpret,
         name="qkv_rope_cache",
     )(qkv, positions, slots, k_pages, v_pages, cos_sin, q_norm, k_norm)
