@@ -80,9 +80,8 @@ def sampling_filters_reference(logits, temperature, top_k, top_p, min_p, logprob
     keep &= (jnp.cumsum(kept_probs, axis=-1) - kept_probs < top_p[:, None]) | (top_p >= 1)[:, None]
     keep &= probs >= min_p[:, None] * probs[:, :1]
     last = jnp.take_along_axis(order, jnp.maximum(jnp.sum(keep, axis=-1), 1)[:, None] - 1, axis=-1)[:, 0]
-    cut_key = order_keys(jnp.take_along_axis(logits, last[:, None], axis=-1)[:, 0])
     filtered = is_filtered(temperature, top_k, top_p, min_p)
-    cut_key = jnp.where(filtered, cut_key, INT32_MIN)
+    cut_key = jnp.where(filtered, order_keys(jnp.take_along_axis(logits, last[:, None], axis=-1)[:, 0]), INT32_MIN)
     cut_id = jnp.where(filtered, last, vocab).astype(jnp.int32)
     n = min(num_top, vocab)
     wanted = (logprobs > 0)[:, None]
@@ -125,9 +124,8 @@ def _filters_kernel(logits_ref, temperature_ref, top_k_ref, top_p_ref, min_p_ref
 def _filter_cut(row: "_Row", temperature, top_k, top_p, min_p):
     """(cut key, cut id) of a filtered row: the k-th of the tightest of top-k, top-p within top-k, and min-p."""
     vocab = row.vocab
-    every, seq = row.exchange(jnp.full((4,), jnp.max(row.over_chunk(lambda m, x, keys, ids, valid: jnp.maximum(m, x),
-                                                                    jnp.full((row.block,), -jnp.inf)))),
-                              (0, jnp.int32(0)), pad=-jnp.inf)
+    own_max = row.over_chunk(lambda m, x, keys, ids, valid: jnp.maximum(m, x), jnp.full((row.block,), -jnp.inf))
+    every, seq = row.exchange(jnp.full((4,), jnp.max(own_max)), (0, jnp.int32(0)), pad=-jnp.inf)
     row_max = jnp.max(every)
     inv_t = 1.0 / jnp.maximum(temperature, 1e-6)
 
@@ -204,7 +202,7 @@ class _Row:
             x = load(self.logits_ref.at[ids], mask=valid, other=-jnp.inf)
             return fn(carry, x, order_keys(x), ids, valid)
 
-        return _loop(_trips(blocks, run), body, init)
+        return _loop(blocks, run, body, init)
 
     def exchange(self, values, seq, pad=0.0):
         """values [4] f32, this program's partials -> (every program's [splits', 4], padded with pad; seq after)."""
@@ -238,7 +236,7 @@ class _Row:
             reached = jnp.sum((jnp.sum(every, axis=0) >= target).astype(jnp.int32))
             return t + ((reached - 1) << shift), seq
 
-        return _loop(_trips(16, run), next_digits, (jnp.int32(INT32_MIN), seq))
+        return _loop(16, run, next_digits, (jnp.int32(INT32_MIN), seq))
 
     def at_key(self, t, weigh, seq):
         """(count of keys above t, their weight, count of keys equal to t, seq after)."""
@@ -274,34 +272,28 @@ class _Row:
             n, seq = self.count_in_row(lambda x, keys, ids, valid: valid & (keys == t) & (ids <= mid), seq)
             return jnp.where(n >= needed, lo, mid + 1), jnp.where(n >= needed, mid, hi), seq
 
-        steps = _trips(max(1, (self.vocab - 1).bit_length()), needed < tied)
-        lo, _, seq = _loop(steps, halve, (jnp.int32(0), jnp.int32(self.vocab - 1), seq))
+        steps = max(1, (self.vocab - 1).bit_length())
+        lo, _, seq = _loop(steps, needed < tied, halve, (jnp.int32(0), jnp.int32(self.vocab - 1), seq))
         return jnp.where(needed < tied, lo, self.vocab - 1), seq
 
     def kth_cut(self, k, known, seq):
         """(key, id, seq after) of the k-th token, unsearched if a known (key, count above, count at) holds it."""
-        if not known:
-            key, seq = self.search(_count, k.astype(jnp.float32), seq)
-        else:
-            key, found = known[-1][0], False
-            for t, above, at in reversed(known):  # the first that holds the k-th wins
-                hit = (above < k) & (k <= above + at)
-                key, found = jnp.where(hit, t, key), found | hit
-            searched, seq = self.search(_count, k.astype(jnp.float32), seq, run=~found)
-            key = jnp.where(found, key, searched)
+        key, found = jnp.int32(INT32_MIN), False
+        for t, above, at in reversed(known):  # the first that holds the k-th wins
+            hit = (above < k) & (k <= above + at)
+            key, found = jnp.where(hit, t, key), found | hit
+        searched, seq = self.search(_count, k.astype(jnp.float32), seq, run=~found if known else True)
+        key = jnp.where(found, key, searched)
         above, _, at, seq = self.at_key(key, _count, seq)
         cut_id, seq = self.cut_in_ties(key, k - above, at, seq)
         return key, cut_id, seq
 
 
-def _trips(n: int, run):
-    """n if run else 0, as int32 unless run is True (Triton's select between constants took the predicate's type)."""
-    return n if run is True else n * run.astype(jnp.int32)
-
-
-def _loop(trips, body, init):
-    """lax.fori_loop(0, trips, body, init), with a traced start for traced trips: Triton's loop needs one type."""
-    return lax.fori_loop(0 if isinstance(trips, int) else trips - trips, trips, body, init)
+def _loop(n: int, run, body, init):
+    """fori_loop of n trips if run, else none; a traced run makes int32 trips (Triton's select between constants took
+    the predicate's type) and a traced start (Triton's loop needs one type)."""
+    trips = n if run is True else n * run.astype(jnp.int32)
+    return lax.fori_loop(0 if run is True else trips - trips, trips, body, init)
 
 
 @functools.partial(jax.jit, static_argnames=("num_top", "config", "interpret"))
@@ -337,8 +329,7 @@ def sampling_filters(logits, temperature, top_k, top_p, min_p, logprobs, *, num_
         jnp.arange(num_top)[None, :] < jnp.arange(num_top)[:, None])[None])
     rank = jnp.sum(before, axis=-1)
     rows = jnp.arange(batch)[:, None]
-    return (cut_key, cut_id, jnp.zeros_like(ids).at[rows, rank].set(ids),
-            jnp.zeros_like(top).at[rows, rank].set(top))
+    return cut_key, cut_id, *(jnp.zeros_like(x).at[rows, rank].set(x) for x in (ids, top))
 
 
 def _check_inputs(logits, temperature, top_k, top_p, min_p, logprobs, num_top, config):
