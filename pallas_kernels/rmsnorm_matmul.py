@@ -1,9 +1,5 @@
-"""One fused kernel per projection of a decoder layer: [RMSNorm] -> matmul [+ bias] [-> SiLU-and-mul] [+ residual].
-
-    qkv:      rmsnorm_matmul(x, w_qkv, b_qkv, norm_eps=eps)                            # RMSNorm(x) @ w_qkv
-    o_proj:   rmsnorm_matmul(attn, w_o, b_o, residual=x)                               # x + attn @ w_o
-    gate/up:  rmsnorm_matmul(x, w_gate_up, b_gate_up, norm_eps=eps, activation="silu_mul")
-    down:     rmsnorm_matmul(h, w_down, b_down, residual=x)                            # x + h @ w_down
+"""One fused kernel per projection of a decoder layer: [RMSNorm] -> matmul [+ bias] [-> SiLU-and-mul] [+ residual]:
+qkv and gate/up (activation="silu_mul") take the norm, o_proj and down the residual.
 
 The RMSNorm's scale is folded into w's rows at conversion (convert/keys.py, fold_norm_scale), so the kernel streams
 raw x and scales its f32 accumulator by rstd at the end. FP8 weights [N, K] (convert/quantize.py) are the dot's left
@@ -101,30 +97,23 @@ def _stage_bytes(block_m, block_n, block_k, *, itemsize, w_tiles):
 
 
 def _default_config(m, k, n_out, dtype, *, silu_mul=False, fp8=False):
-    """The preset for m rows, block_k halved to fit STAGE_BYTES, split K up to num_sms() programs to 64 rows."""
+    """The preset for m rows, block_k halved to fit STAGE_BYTES, split K up to num_sms() programs to 64 rows. FP8 up
+    to 16 rows: its decode preset, split K up to FP8_SPLIT_PROGRAMS per SM with two K blocks a split."""
+    if fp8 and m > 16:
+        return PREFILL_CONFIG
     if fp8:
-        return _fp8_config(m, k, n_out, silu_mul)
+        preset = FP8_GATE_UP_DECODE_CONFIG if silu_mul else FP8_DECODE_CONFIG
+        k_splits = _k_splits(pl.cdiv(n_out, preset.block_n), pl.cdiv(k, preset.block_k),
+                             FP8_SPLIT_PROGRAMS * num_sms(), min_blocks=2)
+        return dataclasses.replace(preset, k_splits=k_splits)
     preset = DECODE_CONFIG if m <= 16 else BATCHED_DECODE_CONFIG if m <= 64 else PREFILL_CONFIG
     block_m, block_k = _block_m(preset, m), preset.block_k
-    itemsize, w_tiles = jnp.dtype(dtype).itemsize, 2 if silu_mul else 1
-    while block_k > 16 and _stage_bytes(block_m, preset.block_n, block_k, itemsize=itemsize, w_tiles=w_tiles) > (
-            STAGE_BYTES):
+    size, w_tiles = jnp.dtype(dtype).itemsize, 2 if silu_mul else 1
+    while block_k > 16 and _stage_bytes(block_m, preset.block_n, block_k, itemsize=size, w_tiles=w_tiles) > STAGE_BYTES:
         block_k //= 2
-    k_splits = 1
-    if m <= 64:
-        tiles = pl.cdiv(m, block_m) * pl.cdiv(n_out, preset.block_n)
-        k_splits = _k_splits(tiles, pl.cdiv(k, block_k), num_sms(), min_blocks=1)
+    tiles = pl.cdiv(m, block_m) * pl.cdiv(n_out, preset.block_n)
+    k_splits = _k_splits(tiles, pl.cdiv(k, block_k), num_sms(), min_blocks=1) if m <= 64 else 1
     return dataclasses.replace(preset, block_k=block_k, k_splits=k_splits)
-
-
-def _fp8_config(m, k, n_out, silu_mul):
-    """The FP8 decode preset up to 16 rows (FP8_SPLIT_PROGRAMS per SM, two K blocks a split), else PREFILL_CONFIG."""
-    if m > 16:
-        return PREFILL_CONFIG
-    preset = FP8_GATE_UP_DECODE_CONFIG if silu_mul else FP8_DECODE_CONFIG
-    tiles, k_blocks = pl.cdiv(n_out, preset.block_n), pl.cdiv(k, preset.block_k)
-    k_splits = _k_splits(tiles, k_blocks, FP8_SPLIT_PROGRAMS * num_sms(), min_blocks=2)
-    return dataclasses.replace(preset, k_splits=k_splits)
 
 
 def _k_splits(tiles, k_blocks, max_programs, *, min_blocks):
@@ -146,12 +135,6 @@ def _row_stat_rows(config, m, k, itemsize):
     return rows if stat == "rows" else 0
 
 
-def _k_slice(kb, block_k, k):
-    """-> columns [block_k] of the kb-th K slice and their in-bounds mask."""
-    cols = kb * block_k + jnp.arange(block_k)
-    return cols, cols < k
-
-
 def _rmsnorm_matmul_kernel(x_ref, w_ref, w_scale_ref, bias_ref, res_ref, o_ref, *sum_sq_refs, norm_eps, stat_rows,
                            silu_mul, block_m, block_n, block_k, n_out, k_blocks_per_split, partial):
     # x_ref: [M, K]; w_ref: [K, N], or FP8 [N, K] with w_scale_ref [N] f32 (else None); bias_ref: [N] or None
@@ -166,12 +149,13 @@ def _rmsnorm_matmul_kernel(x_ref, w_ref, w_scale_ref, bias_ref, res_ref, o_ref, 
     num_kb = jnp.minimum(pl.cdiv(k, block_k) - first_kb, k_blocks_per_split)
     col_groups = (cols_n, cols_n + n_out) if silu_mul else (cols_n,)
 
-    def x_tile(x_rows, cols_k, k_ok):  # -> [len(x_rows), block_k], zeros outside x
-        return load(x_ref.at[x_rows[:, None], cols_k[None, :]], mask=(x_rows < m)[:, None] & k_ok[None, :], other=0.0)
+    def x_tile(x_rows, cols_k):  # -> [len(x_rows), block_k], zeros outside x
+        return load(x_ref.at[x_rows[:, None], cols_k[None, :]], mask=(x_rows < m)[:, None] & (cols_k < k)[None, :],
+                    other=0.0)
 
     if norm and not gram:  # "rows": issued here, reduced after the loop
         stat_x_rows = pl.program_id(0) * block_m + jnp.arange(stat_rows)
-        stat_tiles = [x_tile(stat_x_rows, *_k_slice(kb, block_k, k)) for kb in range(pl.cdiv(k, block_k))]
+        stat_tiles = [x_tile(stat_x_rows, kb * block_k + jnp.arange(block_k)) for kb in range(pl.cdiv(k, block_k))]
 
     fp8 = w_scale_ref is not None
     # FP8 tiles meet 16-bit x in f16, one conversion from E4M3 (docs/perf_notes.md, "FP8 weights").
@@ -180,8 +164,9 @@ def _rmsnorm_matmul_kernel(x_ref, w_ref, w_scale_ref, bias_ref, res_ref, o_ref, 
 
     def body(i, carry):
         accs, gram_acc = carry
-        cols_k, k_ok = _k_slice(first_kb + i, block_k, k)
-        x = x_tile(rows, cols_k, k_ok)
+        cols_k = (first_kb + i) * block_k + jnp.arange(block_k)
+        k_ok = cols_k < k
+        x = x_tile(rows, cols_k)
         x = (x.astype(jnp.float32) * x_scale).astype(dot_dtype) if x_scale != 1.0 else x.astype(dot_dtype)
         if fp8:  # [block_n, block_k] tiles of w [N, K] @ x^T: accumulators [block_n, block_m]
             ws = [load(w_ref.at[cols[:, None], cols_k[None, :]], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
@@ -206,13 +191,13 @@ def _rmsnorm_matmul_kernel(x_ref, w_ref, w_scale_ref, bias_ref, res_ref, o_ref, 
         sum_sq = sum(jnp.square(t.astype(jnp.float32)).sum(axis=1) for t in stat_tiles)  # [stat_rows]
     if norm and not (gram and partial):
         accs = tuple(acc * lax.rsqrt(sum_sq / k + norm_eps)[:, None] for acc in accs)
+    tile_mask = row_ok[:, None] & n_ok[None, :]
     if partial:
         for acc, cols in zip(accs, col_groups):
-            store(o_ref.at[pl.program_id(2), rows[:, None], cols[None, :]], acc, mask=row_ok[:, None] & n_ok[None, :])
+            store(o_ref.at[pl.program_id(2), rows[:, None], cols[None, :]], acc, mask=tile_mask)
         if sum_sq_refs:  # one program per row block and split stores its x^2 sums
             store(sum_sq_refs[0].at[pl.program_id(2), rows], sum_sq, mask=row_ok & (pl.program_id(1) == 0))
         return
-    tile_mask = row_ok[:, None] & n_ok[None, :]
     biases = None if bias_ref is None else tuple(load(bias_ref.at[cols], mask=n_ok, other=0.0) for cols in col_groups)
     residual = None if res_ref is None else load(res_ref.at[rows[:, None], cols_n[None, :]], mask=tile_mask, other=0.0)
     store(o_ref.at[rows[:, None], cols_n[None, :]], _epilogue(accs, biases, residual, o_ref.dtype), mask=tile_mask)
@@ -255,8 +240,7 @@ def _check_inputs(x, w, w_scale, bias, residual, norm_eps, activation):
         raise ValueError(f"x's dtype must be bf16, f16 or f32, got {x.dtype}")
     if w_scale is None and w.dtype != x.dtype:
         raise ValueError(f"w must be x's dtype {x.dtype} (or float8_e4m3fn [N, K] with w_scale), got {w.dtype}")
-    if w_scale is not None and (w.dtype != jnp.float8_e4m3fn or w_scale.shape != (n,)
-                                or w_scale.dtype != jnp.float32):
+    if w_scale is not None and (w.dtype != jnp.float8_e4m3fn or w_scale.shape != (n,) or w_scale.dtype != jnp.float32):
         raise ValueError(f"w_scale needs w float8_e4m3fn [N, K] and w_scale float32 [N] = [{n}], got w {w.dtype} "
                          f"and w_scale {w_scale.dtype} {w_scale.shape}")
     if residual is not None and residual.dtype != x.dtype:
