@@ -281,7 +281,6 @@ def _paged_attention(q, k_pages, v_pages, page_table, seq_lens, q_lens, *, scale
     q_blocks = pl.cdiv(num_tokens, block_m // group_pad)
     table_tokens = pages_per_seq * page_size
     block_k, k_splits = _kv_tiling(config, batch * q_blocks * num_kv_heads, table_tokens, k_pages.dtype.itemsize)
-    num_stages = _num_stages(config, block_k, k_splits, table_tokens)
     if pieces is not None and (q_lens is not None or k_splits != 1 or stats):
         raise ValueError("pieces are merged by decode with one KV split and no stats")
 
@@ -309,7 +308,7 @@ def _paged_attention(q, k_pages, v_pages, page_table, seq_lens, q_lens, *, scale
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=triton_params(config.num_warps, num_stages),
+        compiler_params=triton_params(config.num_warps, _num_stages(config, block_k, k_splits, table_tokens)),
         interpret=interpret,
         name="paged_attention",
     )(q, k_pages, v_pages, page_table, seq_lens, q_lens, kv_starts, None if pieces is None else tuple(pieces))
