@@ -111,9 +111,8 @@ def _cascade_kernel(item_row_ref, item_start_ref, item_end_ref, members_ref, slo
     store(l_ref.at[slot, row, head], l, mask=row_ok)
 
 
-def _check_cascade_inputs(q, k_pages, kv_starts, num_pieces, item_row, item_start, item_end,
-                          item_members, item_slots, config):
-    """Raises ValueError for cascade arrays the kernel cannot take (q, pages, table: _check_inputs)."""
+def _check_cascade_inputs(q, kv_starts, num_pieces, item_row, item_start, item_end, item_members, item_slots):
+    """Raises ValueError for cascade arrays the kernel cannot take (q, pages, table: _check_inputs; rows: block_m)."""
     check_vector("kv_starts", kv_starts, q.shape[0])
     check_vector("num_pieces", num_pieces, q.shape[0])
     if item_members.ndim != 2 or item_slots.shape != item_members.shape:
@@ -124,10 +123,6 @@ def _check_cascade_inputs(q, k_pages, kv_starts, num_pieces, item_row, item_star
                     ("item_members", item_members), ("item_slots", item_slots)):
         if x.dtype != jnp.int32 or x.shape[:1] != (num_items,) or x.ndim > 2:
             raise ValueError(f"{name} must be int32 with {num_items} items, got {x.dtype}{x.shape}")
-    rows = item_members.shape[1] * pl.next_power_of_2(q.shape[1] // k_pages.shape[1])
-    if rows > config.block_m:
-        raise ValueError(f"{item_members.shape[1]} members per item x padded query heads per KV head = {rows} rows, "
-                         f"more than block_m {config.block_m} (see cascade_members_per_item)")
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "config", "interpret"))
@@ -139,13 +134,15 @@ def cascade_decode_attention(q, k_pages, v_pages, page_table, seq_lens, kv_start
     # f32 halves block_k, so that the pipelined tiles fit in shared memory.
     config = config or (CASCADE_CONFIG if q.dtype.itemsize <= 2 else
                         dataclasses.replace(CASCADE_CONFIG, block_k=CASCADE_CONFIG.block_k // 2))
-    _check_cascade_inputs(q, k_pages, kv_starts, num_pieces, item_row, item_start, item_end,
-                          item_members, item_slots, config)
+    _check_cascade_inputs(q, kv_starts, num_pieces, item_row, item_start, item_end, item_members, item_slots)
     batch, num_q_heads, head_dim = q.shape
     num_pages, num_kv_heads, page_size, _ = k_pages.shape
     num_items, num_members = item_members.shape
     group = num_q_heads // num_kv_heads
     group_pad = pl.next_power_of_2(group)
+    if num_members * group_pad > config.block_m:
+        raise ValueError(f"{num_members} members per item x padded query heads per KV head = {num_members * group_pad} "
+                         f"rows, more than block_m {config.block_m} (see cascade_members_per_item)")
     item_spec = pl.BlockSpec((None,), lambda w, h: (w,))
     member_spec = pl.BlockSpec((None, num_members), lambda w, h: (w, 0))
     kv_spec = pl.BlockSpec((num_pages, None, page_size, head_dim), lambda w, h: (0, h, 0, 0))
