@@ -21,7 +21,7 @@ with contextlib.suppress(ImportError):
 
 @functools.cache
 def num_sms() -> int:
-    """The GPU's SMs, which memory-bound grids fill; without one the H100's 132 the tilings were tuned on."""
+    """The GPU's SMs, which memory-bound grids fill; without one an H100's 132, so interpret mode traces its tilings."""
     return jax.devices()[0].core_count if jax.default_backend() == "gpu" else 132
 
 

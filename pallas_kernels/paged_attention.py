@@ -262,7 +262,7 @@ def _kv_tiling(config, programs, max_kv_tokens, itemsize):
 
 
 def _num_stages(config, block_k, k_splits, max_kv_tokens):
-    """Automatic tiling: the loop's steps + 1 at most (docs/perf_notes.md, "Decode attention: pipeline depth")."""
+    """Auto tiling: the loop's steps + 1 at most (docs/perf_notes.md, "Decode attention: pipeline depth and warps")."""
     if config.k_splits is not None:
         return config.num_stages
     return min(config.num_stages, pl.cdiv(pl.cdiv(max_kv_tokens, block_k), k_splits) + 1)
