@@ -44,9 +44,8 @@ CUBLAS_MIN_ROWS = 128
 
 def decode_tiling(rows: int) -> dict:
     """One unprofiled tiling for every Triton GEMM of a `rows`-row decode (8-32 rows: where XLA's picks put them)."""
-    tiling = (f"block_m: 64 block_n: {min(max(rows, 8), 32)} block_k: 128 split_k: 1 num_stages: 3 num_warps: 4 "
-              "num_ctas: 1")
-    return {"xla_gpu_override_gemm_autotuner": tiling}
+    return {"xla_gpu_override_gemm_autotuner": f"block_m: 64 block_n: {min(max(rows, 8), 32)} block_k: 128 split_k: 1 "
+                                               "num_stages: 3 num_warps: 4 num_ctas: 1"}
 
 
 def chained(prev, tokens, sources):
@@ -100,12 +99,22 @@ def prompt_step(params, tables, hidden, targets, *, config, ops) -> "PromptLogpr
     return jax.lax.map(lambda args: jax.lax.cond(jnp.any(args[1] >= 0), row, none, args), (hidden, targets))
 
 
-@functools.partial(jax.jit, static_argnames=(*_STATIC, "num_steps"), donate_argnums=(1, 2))
+@functools.partial(jax.jit, static_argnames=(*_STATIC, "num_steps", "spec", "draft"), donate_argnums=(1, 2))
 def decode_step(params, cache, tables, prev, tokens, batch: Batch, sampling: SamplingBatch, row_steps, sources, *,
-                config, ops, num_steps):
+                config, ops, num_steps, spec=None, draft=None):
     """num_steps decode steps in one dispatch. tokens: [B], or from prev [S] where sources [B] >= 0 (`chained`); batch:
     the first step's; row_steps: [B], the steps row b takes, after which it writes no KV and counts no token. ->
-    (Sampled [num_steps, B], last tokens [S]: row b's step row_steps[b], cache, tables)."""
+    (Sampled [num_steps, B], last tokens [S]: row b's step row_steps[b], cache, tables). spec: the same tokens in
+    fewer forwards (nanojax.speculative), its stats [3] returned after Sampled."""
+    tokens = chained(prev, tokens, sources)
+    shape = (num_steps, tokens.shape[0])
+    out = Sampled(jnp.zeros(shape, jnp.int32), jnp.zeros(shape), jnp.zeros((*shape, MAX_LOGPROBS), jnp.int32),
+                  jnp.zeros((*shape, MAX_LOGPROBS)))
+    if spec is not None:
+        out, cache, tables, stats = speculative_decode(params, cache, tables, tokens, batch, sampling, row_steps, out,
+                                                       config=config, ops=ops, spec=spec, draft=draft)
+        return out, stats, _last_of(out, row_steps, prev.shape[0]), cache, tables
+
     def body(i, carry):
         tokens, cache, tables, seq_lens, out = carry
         active = jnp.where(i < row_steps, batch.q_lens, 0)
@@ -116,26 +125,8 @@ def decode_step(params, cache, tables, prev, tokens, batch: Batch, sampling: Sam
         counted = jnp.where(active > 0, sampling.slots, tables.neutral)
         return new.tokens, cache, tables.count(counted, new.tokens), seq_lens + active, out
 
-    tokens = chained(prev, tokens, sources)
-    carry = (tokens, cache, tables, batch.seq_lens, _no_samples(num_steps, tokens.shape[0]))
-    _, cache, tables, _, out = jax.lax.fori_loop(0, num_steps, body, carry)
+    _, cache, tables, _, out = jax.lax.fori_loop(0, num_steps, body, (tokens, cache, tables, batch.seq_lens, out))
     return out, _last_of(out, row_steps, prev.shape[0]), cache, tables
-
-
-@functools.partial(jax.jit, static_argnames=(*_STATIC, "num_steps", "spec", "draft"), donate_argnums=(1, 2))
-def speculative_decode_step(params, cache, tables, prev, tokens, batch: Batch, sampling: SamplingBatch, row_steps,
-                            sources, *, config, ops, num_steps, spec, draft):
-    """decode_step's contract and tokens in fewer forwards (nanojax.speculative); also returns its stats [3]."""
-    tokens = chained(prev, tokens, sources)
-    out, cache, tables, stats = speculative_decode(params, cache, tables, tokens, batch, sampling, row_steps,
-                                                   _no_samples(num_steps, tokens.shape[0]), config=config, ops=ops,
-                                                   spec=spec, draft=draft)
-    return out, stats, _last_of(out, row_steps, prev.shape[0]), cache, tables
-
-
-def _no_samples(num_steps: int, rows: int) -> Sampled:
-    return Sampled(jnp.zeros((num_steps, rows), jnp.int32), jnp.zeros((num_steps, rows)),
-                   jnp.zeros((num_steps, rows, MAX_LOGPROBS), jnp.int32), jnp.zeros((num_steps, rows, MAX_LOGPROBS)))
 
 
 def _last_of(out: Sampled, row_steps, size: int):
@@ -173,9 +164,7 @@ def _unpack(packed, layout):
         size = int(np.prod(shape)) * dtype.itemsize
         raw = packed[offset:offset + size]
         offset += size
-        if dtype.itemsize > 1:
-            raw = raw.reshape(-1, dtype.itemsize)
-        leaves.append(jax.lax.bitcast_convert_type(raw, dtype).reshape(shape))
+        leaves.append(jax.lax.bitcast_convert_type(raw.reshape(-1, dtype.itemsize), dtype).reshape(shape))
     return jax.tree.unflatten(treedef, leaves)
 
 
@@ -189,6 +178,10 @@ def _set_slot(tables: TokenTables, slot, counts, flags, bias) -> TokenTables:
 def set_masks(tables: TokenTables, slots, masks) -> TokenTables:
     """slots [M] (out of range: dropped), masks [M, W]: the constraints' next-token bitmasks (TokenTables.allowed)."""
     return tables.replace(allowed=tables.allowed.at[slots].set(masks, mode="drop"))
+
+
+def _shape(shape: tuple, dtype=jnp.int32) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, dtype)
 
 
 def _shapes_of(make, sharding):
@@ -210,8 +203,9 @@ def pow2_buckets(hi: int) -> tuple[int, ...]:
 
 # Per-row sampling fields: (dtype, the value a row without a request takes: greedy, no adjustments), the request's
 # own (SamplingParams) and the engine's state of the row (slots: the neutral slot, filled in by _sampling_fill).
-_SAMPLING_FIELDS = {**DEVICE_FIELDS, "seeds": (np.dtype(np.uint32), 0), "counters": (np.dtype(np.int32), 0),
-                    "ban_steps": (np.dtype(np.int32), 0), "mask_steps": (np.dtype(np.int32), 0), "slots": (np.dtype(np.int32), None)}
+_SAMPLING_FIELDS = {**DEVICE_FIELDS, "seeds": (np.dtype(np.uint32), 0),
+                    **{name: (np.dtype(np.int32), 0) for name in ("counters", "ban_steps", "mask_steps")},
+                    "slots": (np.dtype(np.int32), None)}
 
 
 def checked_row(fields: dict) -> dict:
@@ -330,7 +324,6 @@ class ModelRunner:
         return [p for p in programs if p not in self._compiled]
 
     def install(self, p, executable, cached: bool = False) -> None:
-        """Keeps program p's executable, counted as compiled or (cached) as loaded from the executable cache."""
         self._compiled[p] = executable
         self.loaded += cached
         self.compiles += not cached
@@ -339,27 +332,21 @@ class ModelRunner:
         """(jitted step, its arguments, its static keywords) of program p; arguments as arrays or shapes."""
         kw = dict(config=self.config, ops=self.ops)
         if p == "set_slot":
-            row = lambda dtype: jax.ShapeDtypeStruct((self.config.vocab_size,), dtype)  # noqa: E731
-            return _set_slot, (self.tables, np.int32(0), row(jnp.int32), row(jnp.int8), row(jnp.float32)), {}
+            v = (self.config.vocab_size,)
+            return _set_slot, (self.tables, np.int32(0), _shape(v), _shape(v, jnp.int8), _shape(v, jnp.float32)), {}
         if isinstance(p, tuple):  # ("set_masks", rows)
-            return set_masks, (self.tables, jax.ShapeDtypeStruct((p[1],), jnp.int32),
-                               jax.ShapeDtypeStruct((p[1], self.tables.allowed.shape[1]), jnp.int32)), {}
+            return set_masks, (self.tables, _shape((p[1],)), _shape((p[1], self.tables.allowed.shape[1]))), {}
         if p == "prompt":
-            r, dtype = self.prefill_rows[-1], self.params["embed"].dtype
-            hidden = jax.ShapeDtypeStruct((r, PREFILL_ROW, self.config.hidden_size), dtype)
-            targets = jax.ShapeDtypeStruct((r, PREFILL_ROW), jnp.int32)
-            return prompt_step, (self.params, self.tables, hidden, targets), kw
-        b, t = p.rows, p.tokens_per_row
-        tokens = jax.ShapeDtypeStruct((b,) if p.num_steps else (b, t), jnp.int32)
-        table = self._page_table(b, [])
+            r = self.prefill_rows[-1]
+            hidden = _shape((r, PREFILL_ROW, self.config.hidden_size), self.params["embed"].dtype)
+            return prompt_step, (self.params, self.tables, hidden, _shape((r, PREFILL_ROW))), kw
+        tokens = _shape((p.rows,) if p.num_steps else (p.rows, PREFILL_ROW))
+        table = np.zeros((p.rows, self.pages_per_seq), np.int32)
         plan = self._plan(p.rows, table[:0], []) if p.cascade else None
         args = (self.params, self.cache, self.tables, self.last, tokens, *self._inputs(p, table, [], [], {}, plan))
         if p.num_steps:
-            rows = jax.ShapeDtypeStruct((b,), jnp.int32)
-            if p.speculative:
-                return speculative_decode_step, (*args, rows, rows), {**kw, "num_steps": p.num_steps, "spec": self.spec,
-                                                                      "draft": self.draft}
-            return decode_step, (*args, rows, rows), {**kw, "num_steps": p.num_steps}
+            spec = dict(spec=self.spec, draft=self.draft) if p.speculative else {}
+            return decode_step, (*args, _shape((p.rows,)), _shape((p.rows,))), {**kw, "num_steps": p.num_steps, **spec}
         decode = self._decode_segment(p, [], [], [], []) if p.decode_rows else None
         return prefill_step, (*args, decode), {**kw, "hidden_rows": self.prefill_rows[-1]}
 
@@ -412,13 +399,6 @@ class ModelRunner:
                                                             jax.device_put(packed, self._inputs_sharding))
         return outs
 
-    def _page_table(self, rows: int, page_tables) -> np.ndarray:
-        """[rows, pages_per_seq] int32: each row's pages, zeros after them and on padding rows."""
-        table = np.zeros((rows, self.pages_per_seq), np.int32)
-        for i, pages in enumerate(page_tables):
-            table[i, :len(pages)] = pages
-        return table
-
     def _inputs(self, p: Program, table: np.ndarray, seq_lens, q_lens, sampling: dict,
                 plan: CascadePlan | None = None) -> tuple[Batch, SamplingBatch]:
         """Host arrays of a step, padded to the program's rows (padding rows: q_len 0, greedy, neutral slot)."""
@@ -429,8 +409,8 @@ class ModelRunner:
     def _decode_segment(self, p: Program, last_tokens, page_tables, seq_lens, sources) -> tuple:
         """A mixed step's decode rows, padded to p.decode_rows: (tokens [D], sources [D], Batch of one token each)."""
         rows, lens = p.decode_rows, _padded(seq_lens, p.decode_rows)
-        return _padded(last_tokens, rows), _padded(sources, rows, -1), Batch(
-            page_table=self._page_table(rows, page_tables), seq_lens=lens, q_lens=(lens > 0).astype(np.int32))
+        table = _stacked(page_tables, rows, self.pages_per_seq)
+        return _padded(last_tokens, rows), _padded(sources, rows, -1), Batch(table, lens, (lens > 0).astype(np.int32))
 
     def _plan(self, rows: int, page_tables, seq_lens) -> CascadePlan:
         return plan_cascade(page_tables, seq_lens, batch=rows, page_size=self.page_size,
@@ -450,7 +430,7 @@ class ModelRunner:
         sampled token it takes on the device. Rows sharing prefix pages read them once where the cascade rules say."""
         n = len(last_tokens)
         p = Program(bucket(n, self.decode_rows), num_steps)
-        table = self._page_table(p.rows, page_tables)
+        table = _stacked(page_tables, p.rows, self.pages_per_seq)
         plan = None
         if num_steps == self.decode_steps and p.rows in self.spec_rows:
             p = dataclasses.replace(p, speculative=True)
@@ -501,7 +481,7 @@ class ModelRunner:
                 targets.append((len(tokens) * PREFILL_ROW, wanted[0]))
             for r in range(0, len(ids), PREFILL_ROW):
                 row = ids[r:r + PREFILL_ROW]
-                tokens.append(row + [0] * (PREFILL_ROW - len(row)))
+                tokens.append(row)
                 tables.append(table)
                 lens.append(start + r + len(row))
                 q_lens.append(len(row))
@@ -510,8 +490,6 @@ class ModelRunner:
                     sampling[name].append(fields[name] if last and fields else fill)
             last_rows.append(len(tokens) - 1)
         p = Program(bucket(max(len(tokens), 1), self.prefill_rows), 0, decode_rows=decodes and self.mixed_rows or 0)
-        padded = np.zeros((p.rows, PREFILL_ROW), np.int32)
-        padded[:len(tokens)] = tokens
         segment = None
         if decodes:
             last_tokens, page_tables, seq_lens, fields = decodes
@@ -519,8 +497,8 @@ class ModelRunner:
             for name, fill in fills.items():  # the decode rows' sampling fields after the prompt rows' padding
                 sampling[name] += [fill] * (p.rows - len(tokens)) + list(fields.get(name, [fill] * len(last_tokens)))
             last_rows += [p.rows + i for i in range(len(last_tokens))]
-        sampled, hidden = self._run(p, padded, self._page_table(p.rows, tables), lens, q_lens, sampling,
-                                    extra=(segment,))
+        sampled, hidden = self._run(p, _stacked(tokens, p.rows, PREFILL_ROW), _stacked(
+            tables, p.rows, self.pages_per_seq), lens, q_lens, sampling, extra=(segment,))
         pending = Pending(sampled, self._prompt_logprobs(hidden, targets) if targets else None)
         return [(pending, row) for row in last_rows]
 
@@ -549,10 +527,8 @@ class ModelRunner:
     def set_masks(self, slots: list[int], masks: np.ndarray) -> None:
         """Writes constraints' next-token bitmasks (masks [M, <= W] int32, zeros after) into their slots."""
         rows = bucket(len(slots), self.decode_rows)
-        padded = np.zeros((rows, self.tables.allowed.shape[1]), np.int32)
-        padded[:len(slots), :masks.shape[1]] = masks
         self.tables = self._program(("set_masks", rows))(self.tables, _padded(slots, rows, self.tables.neutral + 1),
-                                                         padded)
+                                                         _stacked(masks, rows, self.tables.allowed.shape[1]))
 
 
 def buffer_addresses(tree) -> frozenset[int]:
@@ -591,6 +567,14 @@ def _padded(values, rows: int, fill=0, dtype=np.int32) -> np.ndarray:
     """[rows]: values, then fill."""
     out = np.full(rows, fill, dtype)
     out[:len(values)] = values
+    return out
+
+
+def _stacked(lists, rows: int, width: int) -> np.ndarray:
+    """[rows, width] int32: each of `lists`, zeros after it and on the rows after them."""
+    out = np.zeros((rows, width), np.int32)
+    for i, values in enumerate(lists):
+        out[i, :len(values)] = values
     return out
 
 

@@ -1,13 +1,11 @@
 """Tensor parallelism: one model over the N devices of a 1-D mesh (axis "tp"), Megatron's layout on jax.sharding.
 
-Column-parallel projections (qkv, gate|up) are split by heads / columns, row-parallel ones (o, down) by rows, so each
-device runs the whole layer (kernels or references, under `shard_map`) on its own heads, with two all-reduces (after
-o and after down). Fused layouts are re-ordered at load so that device i holds [q_i | k_i | v_i] and [gate_i | up_i];
-with fewer KV heads than devices each is replicated, so that every device holds the KV heads its q heads read (the
-KV pages have max(Hkv, N) heads). A MoE layer's experts are split whole instead (expert parallelism): each device
-holds E / N of them, sees every row, runs the rows routed to its experts, and an all-reduce sums the outputs. The
-embedding and LM head are split by vocabulary (padded to a multiple of N with zero rows) under `shard_map` too: one
-all-reduce of the looked-up rows, one all-gather of the logits. Left to XLA's SPMD partitioner, both all-gathered the
+Column-parallel projections (qkv, gate|up) are split by heads / columns, row-parallel ones (o, down) by rows: each
+device runs the whole layer under `shard_map` on its own heads, with an all-reduce after o and after down. Fused
+layouts are re-ordered at load so that device i holds [q_i | k_i | v_i] and [gate_i | up_i]; KV heads fewer than the
+devices are replicated (the KV pages have max(Hkv, N) heads). A MoE layer's experts are split whole: each device runs
+the rows routed to its E / N experts, and an all-reduce sums the outputs. The embedding and LM head are split by
+vocabulary (padded to a multiple of N) under `shard_map` too: left to XLA's SPMD partitioner, both all-gathered the
 weights every step (docs/perf_notes.md, "Tensor parallelism").
 """
 import dataclasses
@@ -36,16 +34,12 @@ def param_names(path) -> tuple[str, ...]:
 def split_axis(names: tuple[str, ...], ndim: int) -> int | None:
     """The axis along which the param at `names` (its dict keys from the params root or a layer's root) is split
     over the devices; None: replicated."""
-    if names[0] == "embed":
-        return 0  # [V, H]
+    if names[0] == "embed" or "experts" in names:
+        return 0  # embed [V, H] by vocabulary, experts [E, ...] by expert
     fp8 = names[-1] == "w_t"  # FP8 weights are [N, K] (convert/quantize.py)
-    if names[0] == "lm_head":
-        return 0 if fp8 else ndim - 1  # w [H, V], an FP8 head's w_t [V, H] and scale [V]: by vocabulary
-    if "experts" in names:
-        return 0  # [E, ...]: by experts
     group = names[-2] if len(names) > 1 else None
-    if group in ("qkv", "up"):
-        return 0 if fp8 else ndim - 1  # w [H, N'], w_t [N', H], b and scale [N']: by output columns
+    if names[0] == "lm_head" or group in ("qkv", "up"):  # by vocabulary or output columns: w [H, N'] (the head's
+        return 0 if fp8 else ndim - 1  # [H, V]), w_t [N', H], b and scale [N']
     if group in ("o", "down") and names[-1] in ("w", "w_t"):
         return int(fp8)  # w [q or I, H], w_t [H, q or I]: by input rows; b and scale apply after the all-reduce
     return None
@@ -82,7 +76,7 @@ class TensorParallel:
         if config.num_heads % size:
             raise ValueError(f"num_heads={config.num_heads} is not divisible by tensor_parallel_size={size}")
         kv = config.num_kv_heads
-        if (kv >= size and kv % size) or (kv < size and size % kv):
+        if max(kv, size) % min(kv, size):
             raise ValueError(f"num_kv_heads={kv} and tensor_parallel_size={size}: one must divide the other "
                              "(KV heads are split, or replicated when fewer than the devices)")
         name = "num_experts" if config.moe else "intermediate_size"  # what each device holds a share of
@@ -130,10 +124,8 @@ class TensorParallel:
         of each position of the split axis or None)."""
         axis = split_axis(names, len(shape))
         index = None if axis is None else self._column_index(names, shape[axis])
-        placed = list(shape)
-        if index is not None:
-            placed[axis] = len(index)
-        return tuple(placed), NamedSharding(self.mesh, _spec(axis)), index
+        placed = tuple(shape) if index is None else (*shape[:axis], len(index), *shape[axis + 1:])
+        return placed, NamedSharding(self.mesh, _spec(axis)), index
 
     def _place_leaf(self, names: tuple[str, ...], src) -> jax.Array:
         if isinstance(src, jax.Array) and getattr(src.sharding, "mesh", None) == self.mesh:
@@ -142,15 +134,13 @@ class TensorParallel:
         shape, sharding, index = self.layout(names, src.shape)
         axis = split_axis(names, src.ndim)
 
-        def block(slices):
+        def block(slices):  # only `axis` is split: the other slices are whole
             if index is None:
                 return src[slices]
             sel = index[slices[axis]]
             out = np.take(src, np.maximum(sel, 0), axis=axis)
-            pad = sel < 0
-            if pad.any():  # vocabulary padding: zero rows / columns
-                out[(slice(None),) * axis + (pad,)] = 0
-            return out[slices[:axis] + (slice(None),) + slices[axis + 1:]]
+            out[(slice(None),) * axis + (sel < 0,)] = 0  # vocabulary padding: zero rows / columns
+            return out
 
         return jax.make_array_from_callback(shape, sharding, block)
 
@@ -208,6 +198,9 @@ class TensorParallelOps(Ops):
         """The same kernels on whole arrays (a draft model, replicated)."""
         return Ops(pallas=self.pallas, interpret=self.interpret)
 
+    def _per_shard(self, fn, in_specs, out_specs):
+        return jax.shard_map(fn, mesh=self.plan.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
     def row_project(self, x, p, *, residual):
         """x: [N, K / size] -> [N, H]: the partial products of this device's rows of w, summed over the devices;
         then the bias and the residual (the same on every device)."""
@@ -228,8 +221,8 @@ class TensorParallelOps(Ops):
         def local(state, *args):
             return nnx.merge(graphdef, state)(self, *args, self.plan.local_config)
 
-        return jax.shard_map(local, mesh=self.plan.mesh, out_specs=(P(), _KV_PAGES, _KV_PAGES), check_vma=False,
-                             in_specs=(param_specs(state), P(), P(), P(), P(), _KV_PAGES, _KV_PAGES, P()))(
+        in_specs = (param_specs(state), P(), P(), P(), P(), _KV_PAGES, _KV_PAGES, P())
+        return self._per_shard(local, in_specs, (P(), _KV_PAGES, _KV_PAGES))(
             state, x, positions, cos_sin, slots, k_pages, v_pages, batch)
 
     def embed(self, table, ids):
@@ -242,15 +235,13 @@ class TensorParallelOps(Ops):
             x = jnp.where(inside[:, None], table[jnp.clip(local_ids, 0, rows - 1)], 0)
             return jax.lax.psum(x, AXIS)
 
-        return jax.shard_map(local, mesh=self.plan.mesh, in_specs=(P(AXIS), P()), out_specs=P(), check_vma=False)(
-            table, ids)
+        return self._per_shard(local, (P(AXIS), P()), P())(table, ids)
 
     def sampling_filters(self, logits, s, *, num_top):
         """Ops.sampling_filters on each device, over the replicated logits (a Pallas kernel is a per-device program:
         XLA cannot partition it)."""
         local = functools.partial(Ops.sampling_filters, self, num_top=num_top)
-        return jax.shard_map(local, mesh=self.plan.mesh, in_specs=(P(), P()), out_specs=P(), check_vma=False)(
-            logits, s)
+        return self._per_shard(local, (P(), P()), P())(logits, s)
 
     def vocab_head(self, head, hidden):
         """Each device's logits over its vocabulary shard, all-gathered (a few KB per row), the padding cut off."""
@@ -260,6 +251,4 @@ class TensorParallelOps(Ops):
             logits = nnx.merge(graphdef, state)(hidden)
             return jax.lax.all_gather(logits, AXIS, axis=hidden.ndim - 1, tiled=True)
 
-        logits = jax.shard_map(local, mesh=self.plan.mesh, in_specs=(param_specs(state), P()), out_specs=P(),
-                               check_vma=False)(state, hidden)
-        return logits[..., :self.plan.config.vocab_size]
+        return self._per_shard(local, (param_specs(state), P()), P())(state, hidden)[..., :self.plan.config.vocab_size]
