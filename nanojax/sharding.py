@@ -151,27 +151,15 @@ class TensorParallel:
         if names[0] in ("embed", "lm_head"):  # the vocabulary padded to a multiple of n
             padded = np.arange(-(-c.vocab_size // n) * n)
             return np.where(padded < length, padded, -1)
-        if "qkv" in names:
-            return self._qkv_index()
-        if "experts" in names:
-            return None
-        if "up" in names and c.mlp == "swiglu":  # gate | up: device i gets [gate_i | up_i]
+        if "qkv" in names:  # [q | k | v] (heads of head_dim columns) -> [q_0 k_0 v_0 | q_1 k_1 v_1 | ...]
+            kv_heads = np.arange(self.kv_heads) * c.num_kv_heads // self.kv_heads  # replicated when fewer than n
+            blocks = [start + heads.reshape(n, -1, 1) * c.head_dim + np.arange(c.head_dim) for heads, start in
+                      ((np.arange(c.num_heads), 0), (kv_heads, c.q_size), (kv_heads, c.q_size + c.kv_size))]
+            return np.concatenate([b.reshape(n, -1) for b in blocks], axis=1).ravel()
+        if "up" in names and "experts" not in names and c.mlp == "swiglu":  # gate | up: device i gets [gate_i | up_i]
             cols = np.arange(c.intermediate_size).reshape(n, -1)
             return np.concatenate([cols, cols + c.intermediate_size], axis=1).ravel()
         return None
-
-    def _qkv_index(self) -> np.ndarray:
-        """qkv columns [q | k | v] (heads of head_dim columns) re-ordered to [q_0 k_0 v_0 | q_1 k_1 v_1 | ...],
-        KV heads replicated when there are fewer than devices."""
-        c, n, d = self.config, self.size, self.config.head_dim
-        q_heads = np.arange(c.num_heads).reshape(n, -1)
-        kv_heads = (np.arange(self.kv_heads) * c.num_kv_heads // self.kv_heads).reshape(n, -1)
-
-        def columns(heads, start):
-            return (start + heads[:, :, None] * d + np.arange(d)).reshape(n, -1)
-
-        blocks = [columns(q_heads, 0), columns(kv_heads, c.q_size), columns(kv_heads, c.q_size + c.kv_size)]
-        return np.concatenate(blocks, axis=1).ravel()
 
     def create_cache(self, num_pages: int, page_size: int, dtype, tokens: bool = False,
                      draft: ModelConfig | None = None) -> KVCache:
