@@ -96,16 +96,11 @@ def _groups_at(table, rows, col, min_members):
     return [rows[order[i:i + n]] for i, n in zip(first, counts) if n >= min_members]
 
 
-def _common_end(table, rows, col):
-    """The end of the run of pages from col on that all rows (which share column col) hold."""
-    differs = (table[rows, col:] != table[rows[0], col:]).any(axis=0)
-    return col + (int(np.argmax(differs)) if differs.any() else differs.size)
-
-
 def _collect(table, rows, col, start, level, rules, min_pages, out):
     """Appends the segments of the trie node of `rows`, which share column col and pages [start, col) left over
     from an ancestor too short to be a segment."""
-    end = _common_end(table, rows, col)
+    differs = (table[rows, col:] != table[rows[0], col:]).any(axis=0)  # from col on, where the rows' pages part
+    end = col + (int(np.argmax(differs)) if differs.any() else differs.size)
     nested = _groups_at(table, rows, end, rules.min_members)
     if end - start < min_pages:  # too short: its pages go with each nested group's
         for group in nested:
