@@ -18,7 +18,7 @@ def compile_all(runner, progress: bool = True, threads: int | None = None,
     """Compiles or loads every program of `runner` now, timed in runner.compile_seconds and worker_seconds. workers:
     how many to spawn (None: compile_workers.WORKERS on a GPU, else none), or those spawned already (`hand_out`)."""
     start = time.perf_counter()
-    spawned = workers if isinstance(workers, list) else []
+    spawned, running = (workers if isinstance(workers, list) else []), []
     try:
         todo = runner.missing(runner.programs())
         keys = program_keys(runner, todo)
@@ -45,17 +45,14 @@ def compile_all(runner, progress: bool = True, threads: int | None = None,
             running = busy + [compile_workers.send(idle.pop() if idle else compile_workers.spawn(),
                                                    _job(runner, share, keys)) for share in dealt[1:] if share]
             compile_workers.stop_all(idle)  # spawned ahead for programs that were in the cache after all
-            try:
-                lowering = compile_programs(runner, dealt[0], keys, threads, bar)
-            except BaseException:  # an error here, or Ctrl-C: the workers stop too
-                compile_workers.stop_all(running)
-                raise
+            lowering = compile_programs(runner, dealt[0], keys, threads, bar)
             runner.worker_seconds = [t for t in map(compile_workers.wait, running) if t is not None]
             _load(runner, runner.missing(todo), keys, bar, cached=False)  # the workers'
             # What a worker did not store (it failed, or could not start) is compiled here.
             lowering += compile_programs(runner, runner.missing(todo), keys, threads, bar)
         runner.compile_seconds = {"lowering": lowering, "total": time.perf_counter() - start}
-    finally:
+    finally:  # after an error, or Ctrl-C, the workers stop too
+        compile_workers.stop_all(running)
         compile_workers.stop_all(spawned)
 
 
