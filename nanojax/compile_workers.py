@@ -156,15 +156,13 @@ def wait(running: Running) -> dict | None:
     """Seconds from the worker's spawn to "ready", "job" and "done", and its "lowering"; None if it failed (logged
     with its stderr's tail) or its last stdout line (a library may print before it) holds no times."""
     code = running.process.wait()
-    running.out.seek(0)
-    lines = running.out.read().decode(errors="replace").splitlines()
-    running.out.close()
-    with running.log:
+    with running.out, running.log:
+        running.out.seek(0)
+        lines = running.out.read().decode(errors="replace").splitlines()
         if code != 0:
             running.log.seek(0)
-            tail = running.log.read()[-2000:].decode(errors="replace")
-            _log.warning("a compile worker exited with %s; what it did not store of its %d programs compiles "
-                         "here:\n%s", code, len(running.job.programs), tail)
+            _log.warning("a compile worker exited with %s; what it did not store of its %d programs compiles here:\n%s",
+                         code, len(running.job.programs), running.log.read()[-2000:].decode(errors="replace"))
             return None
     try:
         times = json.loads(lines[-1])
