@@ -137,9 +137,17 @@ def _last_of(out: Sampled, row_steps, size: int):
 
 @functools.partial(jax.jit, static_argnames=("step", "layout", "static"), donate_argnums=(1, 2))
 def packed_step(params, cache, tables, prev, packed, *, step, layout, static):
-    """step(params, cache, tables, prev, *host_args, **static), the host arguments sent as one byte buffer (`pack`'s):
-    one host-to-device copy per dispatch (docs/perf_notes.md, "Dispatch and host overhead")."""
-    return step(params, cache, tables, prev, *_unpack(packed, layout), **dict(static))
+    """step(params, cache, tables, prev, *host_args, **static), the host arguments sent as one byte buffer (`pack`'s,
+    read by its layout): one host-to-device copy per dispatch (docs/perf_notes.md, "Dispatch and host overhead")."""
+    treedef, specs = layout
+    leaves, offset = [], 0
+    for shape, dtype in specs:
+        dtype = np.dtype(dtype)
+        size = int(np.prod(shape)) * dtype.itemsize
+        raw = packed[offset:offset + size]
+        offset += size
+        leaves.append(jax.lax.bitcast_convert_type(raw.reshape(-1, dtype.itemsize), dtype).reshape(shape))
+    return step(params, cache, tables, prev, *jax.tree.unflatten(treedef, leaves), **dict(static))
 
 
 def pack(host_args) -> tuple[np.ndarray, tuple]:
@@ -153,19 +161,6 @@ def layout_of(host_args) -> tuple:
     """(treedef, each leaf's shape and dtype) of host_args, which may hold ShapeDtypeStructs (a compiled program's)."""
     leaves, treedef = jax.tree.flatten(host_args)
     return treedef, tuple((tuple(x.shape), np.dtype(x.dtype).str) for x in leaves)
-
-
-def _unpack(packed, layout):
-    """Inside the jit: [nbytes] uint8 -> the pytree of arrays `pack` packed with this layout."""
-    treedef, specs = layout
-    leaves, offset = [], 0
-    for shape, dtype in specs:
-        dtype = np.dtype(dtype)
-        size = int(np.prod(shape)) * dtype.itemsize
-        raw = packed[offset:offset + size]
-        offset += size
-        leaves.append(jax.lax.bitcast_convert_type(raw.reshape(-1, dtype.itemsize), dtype).reshape(shape))
-    return jax.tree.unflatten(treedef, leaves)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -243,10 +238,6 @@ class Program:
     decode_rows: int = 0
     speculative: bool = False
 
-    @property
-    def tokens_per_row(self) -> int:
-        return 1 if self.num_steps else PREFILL_ROW
-
 
 class ModelRunner:
     """Holds params, the KV cache and the token tables on device, and runs padded steps. vocab_limit: ids from it on
@@ -288,9 +279,8 @@ class ModelRunner:
                                                  self._inputs_sharding))
         self.cascade_rules = rules = engine.cascade_rules
         self.cascade_members = cascade_members_per_item(config.num_heads, config.num_kv_heads)
-        local_kv_heads = config.num_kv_heads if tp is None else tp.local_config.num_kv_heads
         # Items whose programs fill the SMs twice (two waves beat one with the 64-row tiles: CASCADE_CONFIG).
-        self.cascade_wave = 2 * -(-num_sms() // local_kv_heads)
+        self.cascade_wave = 2 * -(-num_sms() // (config.num_kv_heads if tp is None else tp.local_config.num_kv_heads))
         self.cascade_rows = () if rules is None else tuple(b for b in self.decode_rows if b >= rules.min_batch)
         self.cascade_dispatches = self.cascade_saved_tokens = 0  # saved: KV tokens per layer and KV head, all steps
         # The decode buckets that speculate, and the sum of their dispatches' stats (`speculation_stats`).
@@ -376,7 +366,7 @@ class ModelRunner:
         if jax.default_backend() != "gpu" or not isinstance(p, Program):
             return {}
         quantized = is_quantized(self.params["layers"][0]["o"])
-        if p.rows * p.tokens_per_row + p.decode_rows >= CUBLAS_MIN_ROWS and not quantized:
+        if p.rows * (1 if p.num_steps else PREFILL_ROW) + p.decode_rows >= CUBLAS_MIN_ROWS and not quantized:
             return dict(CUBLAS_GEMMS)
         if not p.num_steps:
             return dict(COST_MODEL_TILING)
@@ -472,23 +462,18 @@ class ModelRunner:
         return results + self._prefill_packed(batch, decodes, sources)
 
     def _prefill_packed(self, chunks, decodes=None, sources=None) -> list[tuple["Pending", int]]:
-        tokens, tables, lens, q_lens, last_rows, targets = [], [], [], [], [], []
-        fills = _sampling_fill(self.neutral_slot)
-        sampling = {name: [] for name in fills}
+        tokens, tables, lens, row_fields, last_rows, targets = [], [], [], [], [], []
         for ids, table, seq_len, fields, *wanted in chunks:
-            start = seq_len - len(ids)
             if wanted and wanted[0]:  # the chunk's targets, from its first row's first token on
                 targets.append((len(tokens) * PREFILL_ROW, wanted[0]))
             for r in range(0, len(ids), PREFILL_ROW):
-                row = ids[r:r + PREFILL_ROW]
-                tokens.append(row)
+                tokens.append(ids[r:r + PREFILL_ROW])
                 tables.append(table)
-                lens.append(start + r + len(row))
-                q_lens.append(len(row))
-                last = r + PREFILL_ROW >= len(ids)
-                for name, fill in fills.items():
-                    sampling[name].append(fields[name] if last and fields else fill)
+                lens.append(seq_len - len(ids) + r + len(tokens[-1]))
+                row_fields.append((fields or {}) if r + PREFILL_ROW >= len(ids) else {})  # the chunk's last row samples
             last_rows.append(len(tokens) - 1)
+        fills = _sampling_fill(self.neutral_slot)
+        sampling = {name: [f.get(name, fill) for f in row_fields] for name, fill in fills.items()}
         p = Program(bucket(max(len(tokens), 1), self.prefill_rows), 0, decode_rows=decodes and self.mixed_rows or 0)
         segment = None
         if decodes:
@@ -498,16 +483,15 @@ class ModelRunner:
                 sampling[name] += [fill] * (p.rows - len(tokens)) + list(fields.get(name, [fill] * len(last_tokens)))
             last_rows += [p.rows + i for i in range(len(last_tokens))]
         sampled, hidden = self._run(p, _stacked(tokens, p.rows, PREFILL_ROW), _stacked(
-            tables, p.rows, self.pages_per_seq), lens, q_lens, sampling, extra=(segment,))
-        pending = Pending(sampled, self._prompt_logprobs(hidden, targets) if targets else None)
+            tables, p.rows, self.pages_per_seq), lens, [len(t) for t in tokens], sampling, extra=(segment,))
+        prompt = None
+        if targets:  # (first position in the flattened rows, each target from there) per chunk that wants them
+            flat = np.full(self.prefill_rows[-1] * PREFILL_ROW, -1, np.int32)  # prompt_step's rows
+            for first, values in targets:
+                flat[first:first + len(values)] = values
+            prompt = self._program("prompt")(self.params, self.tables, hidden, flat.reshape(-1, PREFILL_ROW))
+        pending = Pending(sampled, prompt)
         return [(pending, row) for row in last_rows]
-
-    def _prompt_logprobs(self, hidden, targets: list[tuple[int, list[int]]]) -> PromptLogprobs:
-        """targets: (first position in the flattened rows, each target from there) per chunk that wants them."""
-        flat = np.full(self.prefill_rows[-1] * PREFILL_ROW, -1, np.int32)  # prompt_step's rows
-        for first, values in targets:
-            flat[first:first + len(values)] = values
-        return self._program("prompt")(self.params, self.tables, hidden, flat.reshape(-1, PREFILL_ROW))
 
     def release(self, keep: frozenset[int] = frozenset()) -> None:
         """Deletes the device state, the params but those whose buffer addresses are in `keep`, and the programs."""
