@@ -99,8 +99,7 @@ def _broadcast_call(name: str):
 
 
 class DistributedRunner(ModelRunner):
-    """A ModelRunner over a mesh that spans processes (ModelRunner's arguments, `tensor_parallel` required).
-    Process 0 calls it as the engine does; every other process calls `follow()`."""
+    """A ModelRunner over a mesh spanning processes (`tensor_parallel` required): process 0 drives it, others follow."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

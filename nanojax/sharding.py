@@ -32,8 +32,7 @@ def param_names(path) -> tuple[str, ...]:
 
 
 def split_axis(names: tuple[str, ...], ndim: int) -> int | None:
-    """The axis along which the param at `names` (its dict keys from the params root or a layer's root) is split
-    over the devices; None: replicated."""
+    """The axis the param at `names` (dict keys from the params' or a layer's root) is split along; None: replicated."""
     if names[0] == "embed" or "experts" in names:
         return 0  # embed [V, H] by vocabulary, experts [E, ...] by expert
     fp8 = names[-1] == "w_t"  # FP8 weights are [N, K] (convert/quantize.py)
@@ -63,8 +62,7 @@ class TensorParallel:
 
     @classmethod
     def create(cls, config: ModelConfig, size: int, devices=None) -> "TensorParallel":
-        """Over the first `size` of `devices` (default: jax.devices(), every process's in a jax.distributed job);
-        ValueError for a model that does not split evenly over `size` devices."""
+        """Over the first `size` of `devices` (default: every process's); ValueError where the model does not split."""
         devices = jax.devices() if devices is None else devices
         if not isinstance(size, int) or size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive int, got {size!r}")
@@ -120,8 +118,7 @@ class TensorParallel:
         return {**placed[0], "layers": tuple(placed[1:]), **{k: v for k, v in params.items() if k == "draft"}}
 
     def layout(self, names: tuple[str, ...], shape: tuple[int, ...]):
-        """Where a tensor of `shape` at param path `names` goes: (its placed shape, its sharding, the source index
-        of each position of the split axis or None)."""
+        """Where a tensor of `shape` at param path `names` goes: (placed shape, sharding, _column_index)."""
         axis = split_axis(names, len(shape))
         index = None if axis is None else self._column_index(names, shape[axis])
         placed = tuple(shape) if index is None else (*shape[:axis], len(index), *shape[axis + 1:])
@@ -163,8 +160,7 @@ class TensorParallel:
 
     def create_cache(self, num_pages: int, page_size: int, dtype, tokens: bool = False,
                      draft: ModelConfig | None = None) -> KVCache:
-        """The KV page pools, each device holding its KV heads' pages (the slots' tokens, and a draft model's
-        cache, on every device)."""
+        """The KV page pools, each device holding its KV heads' pages; the slots' tokens and a draft's on every one."""
         shape = (num_pages, self.kv_heads, page_size, self.config.head_dim)
         zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=NamedSharding(self.mesh, _KV_PAGES))
         layers = range(self.config.num_layers)
@@ -190,16 +186,14 @@ class TensorParallelOps(Ops):
         return jax.shard_map(fn, mesh=self.plan.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
     def row_project(self, x, p, *, residual):
-        """x: [N, K / size] -> [N, H]: the partial products of this device's rows of w, summed over the devices;
-        then the bias and the residual (the same on every device)."""
+        """x: [N, K / size] -> [N, H]: each device's partial products summed, then the bias and the residual."""
         out = jax.lax.psum(self.project(x, p, bias=False), AXIS)
         if p.b is not None:
             out = out + p.b[...].astype(out.dtype)
         return out + residual
 
     def experts(self, experts, x, weights, ids):
-        """Device i holds experts i E / size onwards: it runs the rows routed to them, and the all-reduce sums every
-        device's outputs."""
+        """Device i runs the rows routed to its experts (i E / size onwards); an all-reduce sums the outputs."""
         first = jax.lax.axis_index(AXIS) * experts.num_experts
         return jax.lax.psum(super().experts(experts, x, weights, ids - first), AXIS)
 
@@ -226,8 +220,7 @@ class TensorParallelOps(Ops):
         return self._per_shard(local, (P(AXIS), P()), P())(table, ids)
 
     def sampling_filters(self, logits, s, *, num_top):
-        """Ops.sampling_filters on each device, over the replicated logits (a Pallas kernel is a per-device program:
-        XLA cannot partition it)."""
+        """Ops.sampling_filters per device on the replicated logits: XLA cannot partition a Pallas kernel."""
         local = functools.partial(Ops.sampling_filters, self, num_top=num_top)
         return self._per_shard(local, (P(), P()), P())(logits, s)
 
