@@ -295,8 +295,7 @@ class ModelRunner:
 
     # ----- programs -----
     def programs(self) -> list:
-        """Every program the engine runs: the decode (decode_steps steps, and one step for constrained rows alone),
-        cascade decode and prefill buckets, prompt logprobs, set_slot, and set_masks per bucket of rows."""
+        """Every program the engine runs (one-step decodes: for constrained rows alone)."""
         steps = sorted({1, self.decode_steps})
         return [Program(b, n) for n in steps for b in self.decode_rows] + [
             Program(b, self.decode_steps, True) for b in self.cascade_rows] + [
@@ -392,8 +391,7 @@ class ModelRunner:
     def _inputs(self, p: Program, table: np.ndarray, seq_lens, q_lens, sampling: dict,
                 plan: CascadePlan | None = None) -> tuple[Batch, SamplingBatch]:
         """Host arrays of a step, padded to the program's rows (padding rows: q_len 0, greedy, neutral slot)."""
-        batch = Batch(page_table=table, seq_lens=_padded(seq_lens, p.rows), q_lens=_padded(q_lens, p.rows),
-                      cascade=plan and plan.arrays())
+        batch = Batch(table, _padded(seq_lens, p.rows), _padded(q_lens, p.rows), plan and plan.arrays())
         return batch, sampling_batch(sampling, p.rows + p.decode_rows, self.neutral_slot)
 
     def _decode_segment(self, p: Program, last_tokens, page_tables, seq_lens, sources) -> tuple:
