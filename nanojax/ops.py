@@ -45,22 +45,18 @@ class Ops:
     def project(self, x, p, *, norm_eps=None, residual=None, activation=None, bias=True):
         """x: [N, K]; p: a nanojax.model.Projection -> [N, N_out]; see rmsnorm_matmul_reference. bias=False leaves
         p's bias out."""
-        kw = {"norm_eps": norm_eps, "residual": residual, "activation": activation}
         b = p.b[...] if bias and p.b is not None else None
-        rows = x.shape[0]
-        if p.quantized:
-            w, kw["w_scale"] = p.w_t[...], p.scale[...]
-            if self.pallas and rows == 1 and w.size <= PALLAS_FP8_MAX_WEIGHT:
-                return rmsnorm_matmul(x, w, b, interpret=self.interpret, **kw)
-            if rows < FP8_XLA_MIN_ROWS:
-                pad = lambda a: jnp.pad(a, ((0, FP8_XLA_MIN_ROWS - rows), (0, 0)))  # noqa: E731
-                kw["residual"] = None if residual is None else pad(residual)
-                return rmsnorm_matmul_reference(pad(x), w, b, **kw)[:rows]
-            return rmsnorm_matmul_reference(x, w, b, **kw)
+        w, rows = (p.w_t if p.quantized else p.w)[...], x.shape[0]
+        kw = {"norm_eps": norm_eps, "residual": residual, "activation": activation,
+              "w_scale": p.scale[...] if p.quantized else None}
         max_rows = PALLAS_PROJECTION_MAX_ROWS if norm_eps is None else PALLAS_NORMED_PROJECTION_MAX_ROWS
-        if not self.pallas or rows > max_rows:
-            return rmsnorm_matmul_reference(x, p.w[...], b, **kw)
-        return rmsnorm_matmul(x, p.w[...], b, interpret=self.interpret, **kw)
+        if self.pallas and (rows == 1 and w.size <= PALLAS_FP8_MAX_WEIGHT if p.quantized else rows <= max_rows):
+            return rmsnorm_matmul(x, w, b, interpret=self.interpret, **kw)
+        if p.quantized and rows < FP8_XLA_MIN_ROWS:
+            pad = lambda a: jnp.pad(a, ((0, FP8_XLA_MIN_ROWS - rows), (0, 0)))  # noqa: E731
+            kw["residual"] = None if residual is None else pad(residual)
+            return rmsnorm_matmul_reference(pad(x), w, b, **kw)[:rows]
+        return rmsnorm_matmul_reference(x, w, b, **kw)
 
     def row_project(self, x, p, *, residual):
         """o_proj / down_proj: x @ w [+ b] + residual (tensor-parallel: partial products summed over the devices)."""
@@ -71,12 +67,13 @@ class Ops:
         """These kernels on whole arrays (a tensor-parallel Ops's base)."""
         return self
 
+    def _kernel(self, kernel, reference):
+        return functools.partial(kernel, interpret=self.interpret) if self.pallas else reference
+
     def experts(self, experts, x, weights, ids):
         """experts (a nanojax.model.Experts)(x, weights, ids) -> [N, H] (tensor-parallel: each device's experts)."""
-        if not self.pallas:
-            return experts(x, weights, ids, expert_matmul_reference, grouped_matmul_reference)
-        return experts(x, weights, ids, functools.partial(expert_matmul, interpret=self.interpret),
-                       functools.partial(grouped_matmul, interpret=self.interpret))
+        return experts(x, weights, ids, self._kernel(expert_matmul, expert_matmul_reference),
+                       self._kernel(grouped_matmul, grouped_matmul_reference))
 
     def run_layer(self, layer, x, positions, cos_sin, slots, k_pages, v_pages, batch, config):
         """Runs layer (a nanojax.model.DecoderLayer) on x; a tensor-parallel Ops runs it per shard."""
@@ -92,8 +89,7 @@ class Ops:
 
     def qkv_rope_cache(self, qkv, positions, slots, k_pages, v_pages, cos_sin, q_norm, k_norm, *, eps):
         """qkv: [N, (Hq + 2 Hkv) D] -> (q [N, Hq, D], k_pages, v_pages); see qkv_rope_cache_reference."""
-        kernel = (functools.partial(qkv_rope_cache, interpret=self.interpret) if self.pallas
-                  else qkv_rope_cache_reference)
+        kernel = self._kernel(qkv_rope_cache, qkv_rope_cache_reference)
         return kernel(qkv, positions, slots, k_pages, v_pages, cos_sin, q_norm, k_norm, eps=eps)
 
     def attention(self, q, k_pages, v_pages, page_table, seq_lens, q_lens, *, scale, cascade=None):
@@ -102,21 +98,17 @@ class Ops:
         if cascade is not None:
             if q.shape[1] != 1:
                 raise ValueError(f"a cascade plan is for decode (one token per row), got {q.shape[1]} tokens")
-            kernel = (functools.partial(cascade_decode_attention, interpret=self.interpret) if self.pallas
-                      else cascade_decode_attention_reference)
+            kernel = self._kernel(cascade_decode_attention, cascade_decode_attention_reference)
             return kernel(q[:, 0], k_pages, v_pages, page_table, seq_lens, *cascade, scale=scale)[:, None]
-        if not self.pallas:
-            return paged_attention_reference(q, k_pages, v_pages, page_table, seq_lens, q_lens, scale=scale)
-        if q.shape[1] == 1:  # decode: one new token per row (q_lens is 1, or 0 with seq_lens 0 on padding rows)
+        if self.pallas and q.shape[1] == 1:  # decode: one new token per row (q_lens 1, or 0 and seq_lens 0: padding)
             return paged_decode_attention(q[:, 0], k_pages, v_pages, page_table, seq_lens, scale=scale,
                                           interpret=self.interpret)[:, None]
-        return paged_prefill_attention(q, k_pages, v_pages, page_table, seq_lens, q_lens, scale=scale,
-                                       interpret=self.interpret)
+        kernel = self._kernel(paged_prefill_attention, paged_attention_reference)
+        return kernel(q, k_pages, v_pages, page_table, seq_lens, q_lens, scale=scale)
 
     def sampling_filters(self, logits, s, *, num_top):
-        """logits: [B, V] f32; s: nanojax.sampling.SamplingBatch -> (cut_key [B], cut_id [B], top_ids [B, num_top],
-        top_logits [B, num_top]). Rows needing neither filters nor logprobs skip the work on the device: a host
-        branch would make a multi-step dispatch synchronous."""
+        """logits [B, V] f32, s: a SamplingBatch -> (cut_key, cut_id [B], top_ids, top_logits [B, num_top]). Rows
+        needing neither filters nor logprobs skip the work on the device (a host branch would make a dispatch wait)."""
         args = (logits, s.temperature, s.top_k, s.top_p, s.min_p, s.logprobs)
         if self.pallas:
             return sampling_filters(*args, num_top=num_top, interpret=self.interpret)
@@ -128,9 +120,7 @@ class Ops:
 def kernel_support(config) -> str | None:
     """Why the Pallas kernels cannot run this model, or None: they need a power-of-two head_dim >= 16."""
     d = config.head_dim
-    if d < 16 or d & (d - 1):
-        return f"head_dim={d} (the Pallas kernels need a power of two >= 16)"
-    return None
+    return f"head_dim={d} (the Pallas kernels need a power of two >= 16)" if d < 16 or d & (d - 1) else None
 
 
 @functools.lru_cache(maxsize=None)
