@@ -6,9 +6,8 @@
     a norm is {scale [H], bias [H]?}; attn_norm and mlp_norm for LayerNorm (GPT-2) and before a MoE router only:
     convert/ folds an RMSNorm's scale into the projection after it, which computes the norm's statistic.
 
-The compiled steps take the params as an argument and build the modules while tracing (`forward`, `lm_logits`), so
-a dispatch flattens a plain dict. In a layer the [B, T] tokens are N = B * T rows; only attention sees [B, T] again.
-The fused steps go through `Ops`, the switch between the jnp references and the Pallas kernels.
+The compiled steps take the params as a plain dict and build the modules while tracing (`forward`, `lm_logits`). In a
+layer the [B, T] tokens are N = B * T rows (only attention sees [B, T]); the fused steps go through `Ops`.
 """
 import functools
 
@@ -30,7 +29,6 @@ def _param(value) -> nnx.Param | None:
 
 
 def value(param: nnx.Param | None):
-    """A parameter's array, or None for an absent one (a bias, a q/k norm)."""
     return None if param is None else param[...]
 
 
@@ -45,8 +43,7 @@ class Norm(nnx.Module):
         if self.bias is None:
             return rms_norm(x, self.scale[...], self.eps)
         xf = x.astype(jnp.float32)
-        mean = jnp.mean(xf, axis=-1, keepdims=True)
-        var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+        mean, var = jnp.mean(xf, axis=-1, keepdims=True), jnp.var(xf, axis=-1, keepdims=True)
         normed = (xf - mean) * jax.lax.rsqrt(var + self.eps)
         return (normed * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(x.dtype)
 
@@ -98,9 +95,8 @@ class DecoderLayer(nnx.Module):
         self.up, self.down = (None, None) if moe else (Projection(lp["up"]), Projection(lp["down"]))
 
     def __call__(self, ops: Ops, x, positions, cos_sin, slots, k_pages, v_pages, batch, config: ModelConfig):
-        """x: [N, H]; positions, slots: [N]; cos_sin: [N, D] the tokens' RoPE table or None; batch: a Batch of the
-        N = B * T rows, or (Batch of B * T rows, Batch of D one-token rows) for N = B * T + D (a mixed step) ->
-        (x after the layer, k_pages, v_pages). config: the model's, or one device's share (nanojax.sharding)."""
+        """x [N, H], positions, slots [N], cos_sin [N, D] or None; batch: a Batch of N = B * T rows, or a mixed step's
+        (Batch of B * T rows, Batch of D one-token rows) -> (x, k_pages, v_pages); config: maybe one device's share."""
         h, norm_eps = self._pre_norm(self.attn_norm, x, config)
         qkv = ops.project(h, self.qkv, norm_eps=norm_eps)
         q, k_pages, v_pages = ops.qkv_rope_cache(qkv, positions, slots, k_pages, v_pages, cos_sin,
@@ -124,22 +120,14 @@ class DecoderLayer(nnx.Module):
 def attention(ops: Ops, q, k_pages, v_pages, batch, config: ModelConfig):
     """q: [N, Hq, D] -> [N, Hq * D]: each of batch's segments (DecoderLayer's) through its own attention."""
     segments = batch if isinstance(batch, tuple) else (batch,)
-    one_token_rows = sum(s.q_lens.shape[0] for s in segments[1:])
-    t = (q.shape[0] - one_token_rows) // segments[0].q_lens.shape[0]
-    outs, start = [], 0
-    for i, seg in enumerate(segments):
-        b, seg_t = seg.q_lens.shape[0], t if i == 0 else 1
-        rows = q[start:start + b * seg_t].reshape(b, seg_t, config.num_heads, config.head_dim)
-        out = ops.attention(rows, k_pages, v_pages, seg.page_table, seg.seq_lens, seg.q_lens,
-                            scale=config.head_dim**-0.5, cascade=seg.cascade)
-        outs.append(out.reshape(b * seg_t, config.q_size))
-        start += b * seg_t
-    return outs[0] if len(outs) == 1 else jnp.concatenate(outs)
+    parts = jnp.split(q, [q.shape[0] - segments[1].q_lens.shape[0]]) if len(segments) > 1 else [q]
+    outs = [ops.attention(part.reshape(seg.q_lens.shape[0], -1, *q.shape[1:]), k_pages, v_pages, seg.page_table,
+                          seg.seq_lens, seg.q_lens, scale=config.head_dim**-0.5, cascade=seg.cascade)
+            for part, seg in zip(parts, segments)]
+    return jnp.concatenate([out.reshape(-1, config.q_size) for out in outs])
 
 
 class Decoder(nnx.Module):
-    """Embedding, positions, the layers and the final norm: tokens -> hidden states."""
-
     def __init__(self, config: ModelConfig, params: dict):
         self.config = config
         self.embed, self.pos_embed = nnx.Param(params["embed"]), _param(params.get("pos_embed"))
@@ -147,35 +135,29 @@ class Decoder(nnx.Module):
         self.final_norm = Norm(params["final_norm"], config)
 
     def __call__(self, ops: Ops, tokens, kv_cache: KVCache, batch):
-        """tokens: [B, T] int32 with batch a Batch -> (hidden [B, T, H] after the final norm, updated kv_cache).
-        A mixed step: tokens (prompt rows [B, T], decode tokens [D]) with batch (Batch, Batch) of each -> ((hidden
-        [B, T, H], hidden [D, H]), kv_cache): one forward, so one read of the weights, for both."""
+        """tokens [B, T] with a Batch -> (hidden [B, T, H] after the final norm, kv_cache); a mixed step's (prompt
+        rows [B, T], decode tokens [D]) with (Batch, Batch) -> ((hidden [B, T, H], hidden [D, H]), kv_cache)."""
         segments = tuple(zip(tokens, batch)) if isinstance(batch, tuple) else ((tokens, batch),)
-        positions = [seg_batch.positions(1 if ids.ndim == 1 else ids.shape[1]) for ids, seg_batch in segments]
-        slots = jnp.concatenate([seg_batch.slots(pos, kv_cache.page_size).reshape(-1)
-                                 for pos, (_, seg_batch) in zip(positions, segments)])
-        positions = jnp.concatenate([pos.reshape(-1) for pos in positions])
-        ids = jnp.concatenate([ids.reshape(-1) for ids, _ in segments])
+        positions = [seg.positions(1 if ids.ndim == 1 else ids.shape[1]) for ids, seg in segments]
+        slots = [seg.slots(pos, kv_cache.page_size) for pos, (_, seg) in zip(positions, segments)]
+        positions, slots, ids = (jnp.concatenate([a.reshape(-1) for a in arrays])
+                                 for arrays in (positions, slots, [ids for ids, _ in segments]))
         x = ops.embed(self.embed[...], ids)
         if self.pos_embed is not None:
             x, cos_sin = x + self.pos_embed[...][jnp.maximum(positions, 0)], None
         else:
             cos_sin = rope_cos_sin(positions, jnp.asarray(rope_inv_freq(self.config)), x.dtype)
-        new_k, new_v = [], []
-        for layer, k_pages, v_pages in zip(self.layers, kv_cache.k, kv_cache.v):
-            x, k_pages, v_pages = ops.run_layer(layer, x, positions, cos_sin, slots, k_pages, v_pages, batch,
-                                                self.config)
-            new_k.append(k_pages)
-            new_v.append(v_pages)
+        k, v = list(kv_cache.k), list(kv_cache.v)
+        for i, layer in enumerate(self.layers):
+            x, k[i], v[i] = ops.run_layer(layer, x, positions, cos_sin, slots, k[i], v[i], batch, self.config)
         hidden = self.final_norm(x)
         slot_tokens = kv_cache.tokens  # each slot's token, where the cache keeps them (speculative decoding)
         if slot_tokens is not None:
             slot_tokens = slot_tokens.at[jnp.where(slots < 0, slot_tokens.shape[0], slots)].set(ids, mode="drop")
-        cache = kv_cache.replace(k=tuple(new_k), v=tuple(new_v), tokens=slot_tokens)
+        cache = kv_cache.replace(k=tuple(k), v=tuple(v), tokens=slot_tokens)
         if not isinstance(batch, tuple):
             return hidden.reshape(*tokens.shape, -1), cache
-        prompt_rows = tokens[0].size
-        return (hidden[:prompt_rows].reshape(*tokens[0].shape, -1), hidden[prompt_rows:]), cache
+        return (hidden[:tokens[0].size].reshape(*tokens[0].shape, -1), hidden[tokens[0].size:]), cache
 
 
 class LMHead(nnx.Module):
@@ -188,19 +170,16 @@ class LMHead(nnx.Module):
         self.lm_head = Projection(head) if isinstance(head, dict) else _param(head)
 
     def __call__(self, hidden):
-        precision = jax.lax.Precision.HIGHEST
+        kw = {"precision": jax.lax.Precision.HIGHEST, "preferred_element_type": jnp.float32}
+        if self.lm_head is None:
+            return jnp.einsum("...h,vh->...v", hidden, self.embed[...], **kw)
         if isinstance(self.lm_head, Projection):  # dequantized in front of XLA's dot, the scale applied in f32
             w_t = self.lm_head.w_t[...].astype(hidden.dtype)
-            logits = jnp.einsum("...h,vh->...v", hidden, w_t, precision=precision, preferred_element_type=jnp.float32)
-            return logits * self.lm_head.scale[...]
-        if self.lm_head is None:
-            return jnp.einsum("...h,vh->...v", hidden, self.embed[...], precision=precision,
-                              preferred_element_type=jnp.float32)
-        return jnp.dot(hidden, self.lm_head[...], precision=precision, preferred_element_type=jnp.float32)
+            return jnp.einsum("...h,vh->...v", hidden, w_t, **kw) * self.lm_head.scale[...]
+        return jnp.dot(hidden, self.lm_head[...], **kw)
 
 
 def forward(params, tokens, kv_cache: KVCache, batch, *, config: ModelConfig, ops: Ops):
-    """Decoder(config, params)(...): see Decoder.__call__."""
     return Decoder(config, params)(ops, tokens, kv_cache, batch)
 
 
