@@ -5,9 +5,7 @@ greedy, random, filtered, biased and penalized rows shares one program (docs/per
 - logit_bias, penalties and the min_tokens ban read per-request `TokenTables` rows on the device; rows using none of
   them read the shared all-zero row, which stays in L2.
 - Top-k / top-p / min-p and top-N logprobs read a prefix of a row's descending order (`Ops.sampling_filters`, no
-  branch on the host); the draw masks the tokens outside it.
-- A structured output's token mask (nanojax.structured) is a bitmask row of the tables, applied to the row's first
-  `mask_steps` steps before the filters; logprobs stay the model's.
+  branch on the host), after a structured output's token mask; the draw masks the tokens outside it.
 """
 import flax.struct
 import jax
@@ -94,7 +92,9 @@ def sample(logits, s: SamplingBatch, tables: TokenTables, step, *, ops) -> Sampl
     distribution after bias and penalties, before temperature and filters. ops: nanojax.ops.Ops."""
     model = _adjust(logits, s, tables, step)
     log_norm = jax.nn.logsumexp(model, axis=-1)
-    logits = jnp.where(_disallowed(tables, s, step, model.shape[1]), -jnp.inf, model)
+    token = jnp.arange(model.shape[1])  # the constraints' masks: token t is bit t % 32 of word t // 32
+    allowed = (tables.allowed[s.slots][:, token // 32] >> (token % 32)) & 1
+    logits = jnp.where((allowed == 0) & (step < s.mask_steps)[:, None], -jnp.inf, model)
     cut_key, cut_id, top_ids, top_logits = ops.sampling_filters(logits, s, num_top=MAX_LOGPROBS)
     noisy = jnp.where(kept(logits, cut_key, cut_id), logits / jnp.maximum(s.temperature, 1e-6)[:, None]
                       + _gumbel(s.seeds, s.counters + step, logits.shape[1]), -jnp.inf)
@@ -116,21 +116,12 @@ def _adjust(logits, s: SamplingBatch, tables: TokenTables, step):
     return jnp.where(banned, -jnp.inf, logits)
 
 
-def _disallowed(tables: TokenTables, s: SamplingBatch, step, vocab: int):
-    """[B, V] bool: the tokens the rows' constraints forbid at this step."""
-    token = jnp.arange(vocab)
-    words = tables.allowed[s.slots][:, token // 32]
-    return ((words >> (token % 32)) & 1 == 0) & (step < s.mask_steps)[:, None]
-
-
 def _gumbel(seeds, counters, vocab):
     """[B, V] standard Gumbel noise, a pure function of (seed, counter, token id): murmur3's finalizer chained over
     the three, its top 24 bits as a uniform in (0, 1)."""
     def mix(h):
-        h ^= h >> 16
-        h *= jnp.uint32(0x85EBCA6B)
-        h ^= h >> 13
-        h *= jnp.uint32(0xC2B2AE35)
+        for shift, factor in ((16, 0x85EBCA6B), (13, 0xC2B2AE35)):
+            h = (h ^ (h >> shift)) * jnp.uint32(factor)
         return h ^ (h >> 16)
 
     token = jnp.arange(vocab, dtype=jnp.uint32)[None, :]
