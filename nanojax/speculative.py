@@ -12,6 +12,8 @@ probability 1, its draws coupled to the plain decode's, so rows get the tokens t
 The draft keeps its KV in the target's pages and slots (KVCache.draft), with the token it was fed at each slot: where
 that differs from the target's token (pages new to it, a rejected proposal) the draft is fed again from there.
 """
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 
@@ -25,38 +27,31 @@ from nanojax.sampling import Sampled, sample
 def history(cache, batch: Batch, base, last):
     """-> [B, W] int32: each row's tokens by position (W: its page table's positions), the token at `base` [B] being
     `last` [B] (not in the cache yet), -1 after it."""
-    b, pages = batch.page_table.shape
-    page_size = cache.page_size
-    tokens = cache.tokens.reshape(-1, page_size)[batch.page_table].reshape(b, pages * page_size)
-    pos = jnp.arange(pages * page_size)[None, :]
-    tokens = jnp.where(pos == base[:, None], last[:, None], tokens)
-    return jnp.where(pos <= base[:, None], tokens, -1)
+    tokens = cache.tokens.reshape(-1, cache.page_size)[batch.page_table].reshape(batch.page_table.shape[0], -1)
+    pos, base = jnp.arange(tokens.shape[1])[None, :], base[:, None]
+    return jnp.where(pos < base, tokens, jnp.where(pos == base, last[:, None], -1))
 
 
 def ngram_proposals(hist, base, spec: SpeculativeConfig):
-    """hist: [B, W] (`history`), base: [B] the position of each row's last token -> (proposals [B, k], counts [B]):
-    the tokens that followed an earlier occurrence of the longest suffix of n tokens (prompt_lookup_min <= n
-    <= prompt_lookup_max) that occurs before, up to k of them, from the occurrence most followed (up to k), then the
-    latest; count 0 where none does."""
-    b, width = hist.shape
+    """hist [B, W] (`history`), base [B] the last token's position -> (proposals [B, k], counts [B]): up to k tokens
+    that followed an earlier occurrence of the row's longest suffix of prompt_lookup_min..max tokens, from the
+    occurrence most followed (up to k), then the latest; count 0 where none."""
+    width, k = hist.shape[1], spec.num_speculative_tokens
     ends = jnp.arange(width)[None, :]  # a candidate occurrence's last position
     run = ends < base[:, None]  # it must be followed by a known token
-    matched = jnp.zeros((b, width), jnp.int32)
+    matched = jnp.zeros(hist.shape, jnp.int32)
     for i in range(spec.prompt_lookup_max):  # extend each candidate's match by one token backwards
         shifted = jnp.pad(hist, ((0, 0), (i, 0)), constant_values=-1)[:, :width]  # [b, e] = hist[b, e - i]
         target = jnp.take_along_axis(hist, jnp.maximum(base - i, 0)[:, None], axis=1)
         run &= (shifted == target) & (base - i >= 0)[:, None] & (ends - i >= 0)
         matched += run
     # longest, then the most followers up to k (in a repeating run the latest occurrence has one), then latest
-    followers = jnp.minimum(base[:, None] - ends, spec.num_speculative_tokens)
-    score = jnp.where(matched >= spec.prompt_lookup_min, (matched * (spec.num_speculative_tokens + 1) + followers)
-                      * width + ends, -1)
+    followers = jnp.minimum(base[:, None] - ends, k)
+    score = jnp.where(matched >= spec.prompt_lookup_min, (matched * (k + 1) + followers) * width + ends, -1)
     end = jnp.argmax(score, axis=1)
-    found = jnp.max(score, axis=1) >= 0
-    counts = jnp.where(found, jnp.minimum(spec.num_speculative_tokens, base - end), 0)
-    offsets = end[:, None] + 1 + jnp.arange(spec.num_speculative_tokens)[None, :]
-    proposals = jnp.take_along_axis(hist, jnp.minimum(offsets, width - 1), axis=1)
-    return jnp.maximum(proposals, 0), counts
+    counts = jnp.where(jnp.max(score, axis=1) >= 0, jnp.minimum(k, base - end), 0)
+    offsets = jnp.minimum(end[:, None] + 1 + jnp.arange(k)[None, :], width - 1)
+    return jnp.maximum(jnp.take_along_axis(hist, offsets, axis=1), 0), counts
 
 
 # Tokens a draft forward feeds a row that is behind (a prompt, or what plain dispatches decoded); steady state is 1-2.
@@ -77,22 +72,20 @@ def draft_proposals(params, cache, batch: Batch, hist, base, last, left, k: int,
         hidden = jnp.take_along_axis(hidden, at[:, None, None], axis=1)[:, 0]
         return jnp.argmax(lm_logits(params["draft"], hidden, ops.unsharded), axis=-1).astype(jnp.int32), draft_cache
 
-    def feed(tokens_per_row):
-        def run(start, first, draft_cache):
-            q = jnp.clip(base + 1 - start, 0, tokens_per_row)
-            at = jnp.minimum(start[:, None] + jnp.arange(tokens_per_row)[None, :], width - 1)
-            step = batch.replace(seq_lens=jnp.where(q > 0, start + q, 0), q_lens=q)
-            token, draft_cache = next_tokens(jnp.maximum(jnp.take_along_axis(hist, at, axis=1), 0), step,
-                                             draft_cache, jnp.maximum(q - 1, 0))
-            return start + q, jnp.where((q > 0) & (start + q == base + 1), token, first), draft_cache
-        return run
+    def feed(tokens_per_row, start, first, draft_cache):
+        q = jnp.clip(base + 1 - start, 0, tokens_per_row)
+        at = jnp.minimum(start[:, None] + jnp.arange(tokens_per_row)[None, :], width - 1)
+        step = batch.replace(seq_lens=jnp.where(q > 0, start + q, 0), q_lens=q)
+        token, draft_cache = next_tokens(jnp.maximum(jnp.take_along_axis(hist, at, axis=1), 0), step,
+                                         draft_cache, jnp.maximum(q - 1, 0))
+        return start + q, jnp.where((q > 0) & (start + q == base + 1), token, first), draft_cache
 
     def catch_up(state):
-        return jax.lax.cond(jnp.max(base + 1 - state[0]) <= 2, feed(2), feed(CATCH_UP), *state)
+        return jax.lax.cond(jnp.max(base + 1 - state[0]) <= 2, partial(feed, 2), partial(feed, CATCH_UP), *state)
 
     state = (start, jnp.zeros(b, jnp.int32), cache.draft)
     # The steady state (1-2 tokens) outside the loop: the host reads one predicate, not three (docs/perf_notes.md).
-    _, first, draft_cache = jax.lax.while_loop(lambda state: jnp.any(state[0] <= base), catch_up, feed(2)(*state))
+    _, first, draft_cache = jax.lax.while_loop(lambda state: jnp.any(state[0] <= base), catch_up, feed(2, *state))
 
     def propose(i, state):
         proposals, draft_cache = state
@@ -112,36 +105,33 @@ def speculative_decode(params, cache, tables, tokens, batch: Batch, sampling, ro
     """The plain decode's contract (nanojax.runner.decode_step: tokens [B] after chaining, batch the first step's,
     out [num_steps, B, ...] zeros) in as few forwards as the proposals allow -> (out, cache, tables, stats [3] int32:
     forwards, row-forwards with proposals, tokens those gave)."""
-    b, num_steps = tokens.shape[0], out.tokens.shape[0]
-    rows = jnp.arange(b)
+    b, num_steps, k = tokens.shape[0], out.tokens.shape[0], spec.num_speculative_tokens
+    steps = jnp.where(batch.q_lens > 0, row_steps, 0)
 
     def body(carry):
         last, done, cache, tables, out, stats = carry
         base = jnp.maximum(batch.seq_lens - 1, 0) + done  # the last token's position
-        left = jnp.where(batch.q_lens > 0, row_steps - done, 0)
+        left = steps - done
         hist = history(cache, batch, base, last)
         if draft is None:
             proposals, counts = ngram_proposals(hist, base, spec)
         else:
-            proposals, counts, cache = draft_proposals(params, cache, batch, hist, base, last, left,
-                                                       spec.num_speculative_tokens, draft=draft, ops=ops)
+            proposals, counts, cache = draft_proposals(params, cache, batch, hist, base, last, left, k, draft=draft,
+                                                       ops=ops)
 
-        def verify(width):
-            def run(cache, tables, out):
-                q = jnp.minimum(jnp.minimum(counts, width - 1) + 1, left)
-                ids = jnp.concatenate([last[:, None], proposals[:, :width - 1]], axis=1)
-                step = batch.replace(seq_lens=jnp.where(q > 0, base + q, 0), q_lens=q)
-                hidden, cache = forward(params, ids, cache, step, config=config, ops=ops)
-                logits = lm_logits(params, hidden.reshape(b * width, -1), ops).reshape(b, width, -1)
-                return cache, *accept(logits, proposals, q, done, tables, out)
-            return run
+        def verify(width, cache, tables, out):
+            q = jnp.minimum(jnp.minimum(counts, width - 1) + 1, left)
+            ids = jnp.concatenate([last[:, None], proposals[:, :width - 1]], axis=1)
+            step = batch.replace(seq_lens=jnp.where(q > 0, base + q, 0), q_lens=q)
+            hidden, cache = forward(params, ids, cache, step, config=config, ops=ops)
+            logits = lm_logits(params, hidden.reshape(b * width, -1), ops).reshape(b, width, -1)
+            return cache, *accept(logits, proposals, q, done, tables, out)
 
-        width = spec.num_speculative_tokens + 1
         if draft is None:  # n-gram rows may find nothing: a one-token forward then
-            cache, new_last, produced, tables, out = jax.lax.cond(jnp.any(counts > 0), verify(width), verify(1),
-                                                                  cache, tables, out)
+            cache, new_last, produced, tables, out = jax.lax.cond(
+                jnp.any(counts > 0), partial(verify, k + 1), partial(verify, 1), cache, tables, out)
         else:  # a draft always proposes
-            cache, new_last, produced, tables, out = verify(width)(cache, tables, out)
+            cache, new_last, produced, tables, out = verify(k + 1, cache, tables, out)
         with_proposals = (counts > 0) & (left > 1)
         stats += jnp.stack([1, jnp.sum(with_proposals), jnp.sum(jnp.where(with_proposals, produced, 0))])
         return jnp.where(produced > 0, new_last, last), done + produced, cache, tables, out, stats
@@ -153,7 +143,7 @@ def speculative_decode(params, cache, tables, tokens, batch: Batch, sampling, ro
             valid = alive & (i < q)
             new = sample(logits[:, i], sampling, tables, done + i, ops=ops)
             at = jnp.where(valid, done + i, num_steps)  # past the end: dropped
-            out = jax.tree.map(lambda o, n: o.at[at, rows].set(n, mode="drop"), out, new)
+            out = jax.tree.map(lambda o, n: o.at[at, jnp.arange(b)].set(n, mode="drop"), out, new)
             tables = tables.count(jnp.where(valid, sampling.slots, tables.neutral), new.tokens)
             last = jnp.where(valid, new.tokens, last)
             produced += valid
@@ -161,9 +151,7 @@ def speculative_decode(params, cache, tables, tokens, batch: Batch, sampling, ro
                 alive = valid & (new.tokens == proposals[:, i])
         return last, produced, tables, out
 
-    def more(carry):  # each forward gives every row with slots left at least one token
-        return jnp.any(carry[1] < jnp.where(batch.q_lens > 0, row_steps, 0))
-
     carry = (tokens, jnp.zeros(b, jnp.int32), cache, tables, out, jnp.zeros(3, jnp.int32))
-    _, _, cache, tables, out, stats = jax.lax.while_loop(more, body, carry)
+    # each forward gives every row with slots left at least one token
+    _, _, cache, tables, out, stats = jax.lax.while_loop(lambda carry: jnp.any(carry[1] < steps), body, carry)
     return out, cache, tables, stats
