@@ -88,24 +88,26 @@ class Grammars:
     MAX_CACHED = 256
 
     def __init__(self, tokenizer):
-        self._tokenizer, self._ll_tokenizer = tokenizer, None  # the latter built at the first constraint
+        self._tokenizer, self._ll_tokenizer, self._executor = tokenizer, None, None  # built at the first constraint
         self._compiled: collections.OrderedDict[str, "llguidance.LLMatcher"] = collections.OrderedDict()
         self._lock = threading.Lock()
-        self._executor = None
 
     def matcher(self, constraint: StructuredOutputs) -> "llguidance.LLMatcher":
         if self._tokenizer is None:
             raise ValueError("structured_outputs needs the model's tokenizer; this LLM has none")
         text = constraint.grammar_text
         with self._lock:
-            if self._ll_tokenizer is None:
-                self._ll_tokenizer = _ll_tokenizer(self._tokenizer)
+            if self._ll_tokenizer is None:  # the fast tokenizer's JSON as llguidance.hf.from_tokenizer reads it
+                backend = copy.copy(self._tokenizer.backend_tokenizer)
+                backend.no_padding()
+                backend.no_truncation()
+                self._ll_tokenizer = llguidance.LLTokenizer(backend.to_str(), eos_token=self._tokenizer.eos_token_id)
                 self._executor = llguidance.LLExecutor()
             compiled = self._compiled.pop(text, None) or llguidance.LLMatcher(self._ll_tokenizer, text)
             if compiled.is_error():
                 raise ValueError(f"structured_outputs cannot be compiled: {compiled.get_error()}")
             self._compiled[text] = compiled
-            while len(self._compiled) > self.MAX_CACHED:
+            if len(self._compiled) > self.MAX_CACHED:
                 self._compiled.popitem(last=False)
         return compiled.deep_copy()
 
@@ -114,12 +116,3 @@ class Grammars:
         masks = llguidance.numpy.allocate_token_bitmask(len(matchers), self._ll_tokenizer.vocab_size)
         llguidance.numpy.fill_next_token_bitmask_par(self._executor, list(zip(matchers, range(len(matchers)))), masks)
         return masks
-
-
-def _ll_tokenizer(tokenizer) -> "llguidance.LLTokenizer":
-    """llguidance's view of a fast HF tokenizer (what llguidance.hf.from_tokenizer builds): its JSON, added tokens
-    included, without padding or truncation."""
-    backend = copy.copy(tokenizer.backend_tokenizer)
-    backend.no_padding()
-    backend.no_truncation()
-    return llguidance.LLTokenizer(backend.to_str(), eos_token=tokenizer.eos_token_id)
