@@ -36,11 +36,10 @@ class LoadedModel:
 
 def load_model(model: "str | LoadedModel | None", dtype: str, place=None,
                on_config: "Callable[[LoadedModel], None] | None" = None) -> LoadedModel:
-    """`model` with its params in `dtype`; the tokenizer loads on a thread while the weights are read, and may still
-    be loading (LoadedModel.resolved). place: applied to each part of a converted source's params (params_from_source).
-    on_config: called once for an HF folder or model id, before the weights are read, with params None and the config
-    as written where it holds every field (it may differ from the one returned: the caller checks), else the
-    normalized config with the tokenizer's Futures."""
+    """`model` with params in `dtype`; its tokenizer loads on a thread while the weights are read (see resolved).
+    place: applied to each part of a converted source's params. on_config: called once for an HF folder or id, before
+    the weights are read, with params None and the config as written if it holds every field (the caller checks it
+    against the one returned), else the normalized config with the tokenizer's Futures."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
     if isinstance(model, LoadedModel):
