@@ -192,8 +192,10 @@ class EngineCore:
         if not self.scheduler.has_unfinished():
             return None
         chunks = self.scheduler.schedule(decode_steps=self.runner.decode_steps)
-        if not chunks and inflight is None:
-            raise RuntimeError("the scheduler found nothing to run although requests are unfinished")
+        if not chunks:
+            if inflight is None:
+                raise RuntimeError("the scheduler found nothing to run although requests are unfinished")
+            return None
         chunks, fields = self._prepare(chunks)
         if not chunks:
             return None

@@ -50,7 +50,8 @@ class Ops:
         kw = {"norm_eps": norm_eps, "residual": residual, "activation": activation,
               "w_scale": p.scale[...] if p.quantized else None}
         max_rows = PALLAS_PROJECTION_MAX_ROWS if norm_eps is None else PALLAS_NORMED_PROJECTION_MAX_ROWS
-        if self.pallas and (rows == 1 and w.size <= PALLAS_FP8_MAX_WEIGHT if p.quantized else rows <= max_rows):
+        kernel_fits = (rows == 1 and w.size <= PALLAS_FP8_MAX_WEIGHT) if p.quantized else rows <= max_rows
+        if self.pallas and kernel_fits:
             return rmsnorm_matmul(x, w, b, interpret=self.interpret, **kw)
         if p.quantized and rows < FP8_XLA_MIN_ROWS:
             pad = lambda a: jnp.pad(a, ((0, FP8_XLA_MIN_ROWS - rows), (0, 0)))  # noqa: E731
