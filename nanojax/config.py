@@ -62,6 +62,19 @@ def speculative_option(text: str) -> SpeculativeConfig:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    """The model's and EngineConfig's flags that the generate command line and the server share."""
+    p.add_argument("--model", default=None, help="checkpoint, HF folder, 'org/name' in the HF cache or .gguf "
+                   "(default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="fp8: the projections' weights in FP8 (E4M3), quantized at load (default: as the checkpoint)")
+    p.add_argument("--speculative-config", type=speculative_option, default=None,
+                   help='speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+                   '"prompt_lookup_min": 1, "prompt_lookup_max": 4}')
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """max_model_len: prompt + output tokens (None: 4096, or the model's positions if fewer). num_pages: the KV pool

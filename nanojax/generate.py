@@ -9,22 +9,9 @@ import time
 import jax
 
 from nanojax import distributed
-from nanojax.config import EngineConfig, speculative_option
+from nanojax.config import EngineConfig, add_model_flags
 from nanojax.llm import LLM
 from nanojax.sampling_params import SamplingParams
-
-
-def add_model_flags(p: argparse.ArgumentParser) -> None:
-    """The flags of the model and how it runs that this command line and the server's share."""
-    p.add_argument("--model", default=None, help="checkpoint, HF folder, 'org/name' in the HF cache or .gguf "
-                   "(default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"])
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--quantization", default=None, choices=["fp8"],
-                   help="fp8: the projections' weights in FP8 (E4M3), quantized at load (default: as the checkpoint)")
-    p.add_argument("--speculative-config", type=speculative_option, default=None,
-                   help='speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
-                   '"prompt_lookup_min": 1, "prompt_lookup_max": 4}')
 
 
 def parse_args(argv=None):

@@ -27,11 +27,10 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from starlette.exceptions import HTTPException
 
 from convert.cache import MODEL_NAME
-from nanojax.config import EngineConfig
+from nanojax.config import EngineConfig, add_model_flags
 from nanojax.engine_io import RequestOutput, RequestStream
 from nanojax.engine_process import EngineProcess, freeze_startup_heap
 from nanojax.front import EngineStats
-from nanojax.generate import add_model_flags
 from nanojax.llm import LLM
 from nanojax.reasoning import REASONING_PARSERS, ReasoningParser
 from nanojax.sampling_params import SamplingParams
