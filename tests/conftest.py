@@ -1,4 +1,5 @@
 """Shared fixtures: tiny random HF models saved with save_pretrained (float32), and the HF greedy oracle."""
+import gc
 import os
 
 # NANOJAX_TEST_DEVICES: host devices for the tensor-parallel tests (test_tensor_parallel.py runs itself with 8).
@@ -61,6 +62,16 @@ def pytest_collection_modifyitems(items):
         first.setdefault(item.module, i)
     items.sort(key=lambda item: (item.module not in long_modules, first[item.module],
                                  item.get_closest_marker("long") is None))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def free_compiled_programs():
+    """Frees each module's compiled programs after it: every XLA:CPU executable keeps its JIT code in memory maps of
+    its own (~90 for an interpret-mode kernel), and a worker that kept a whole run's passed the kernel's
+    vm.max_map_count (65,530), where the next compile segfaulted."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 def requires_gpu(test):
