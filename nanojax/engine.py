@@ -199,15 +199,19 @@ class EngineCore:
         chunks, fields = self._prepare(chunks)
         if not chunks:
             return None
+        chunks, masks = self._constrain(chunks)
         decodes = [c for c in chunks if c.num_tokens == 1 and c.sample]
         prefills = [c for c in chunks if not (c.num_tokens == 1 and c.sample)]
         sampling = [fields[c.seq.seq_id] for c in decodes]  # -> {name: [value per row]}
         rows = ([max(c.seq.token_ids[c.start], 0) for c in decodes], [c.seq.page_table for c in decodes],
                 [c.end for c in decodes], {k: [row[k] for row in sampling] for k in sampling[0]}) if decodes else None
         sources = [inflight.pending[c.seq.seq_id][1] if c.seq.num_pending else -1 for c in decodes]
+        alone = masks is not None and not prefills and all(c.seq.request.matcher is not None for c in decodes)
+        if masks is not None and not alone:
+            self.runner.set_masks(*masks)
         if not prefills:  # one dispatch of the decode program, 1..decode_steps a row (1 if all rows are constrained)
-            steps = 1 if all(c.seq.request.matcher is not None for c in decodes) else self.runner.decode_steps
-            out = self.runner.decode(*rows, steps, [c.num_steps for c in decodes], sources)
+            out = self.runner.decode(*rows, 1 if alone else self.runner.decode_steps, [c.num_steps for c in decodes],
+                                     sources, masks if alone else None)
             pending, prompt = {c.seq.seq_id: (out, i) for i, c in enumerate(decodes)}, {}
         else:
             targets = [prompt_targets(c) for c in prefills]
@@ -243,21 +247,20 @@ class EngineCore:
                     fields[c.seq.seq_id] = req.sampling_row(c.seq.num_generated, self.runner.neutral_slot)
             except Exception as e:  # noqa: BLE001 -- this request's error, the step goes on
                 self._fail([c.seq], e)
-        chunks = [c for c in chunks if c.seq.status is not SequenceStatus.FINISHED]
-        return self._constrain(chunks), fields
+        return [c for c in chunks if c.seq.status is not SequenceStatus.FINISHED], fields
 
-    def _constrain(self, chunks) -> list:
-        """Writes constrained rows' masks; each takes one step, unless beside plain rows it may keep the later draws its
-        grammar allows (Request.speculative_constraint)."""
+    def _constrain(self, chunks) -> tuple[list, tuple | None]:
+        """-> (chunks, constrained rows' masks as set_masks's arguments, or None). Each constrained row takes one step,
+        unless beside plain rows it may keep the later draws its grammar allows (Request.speculative_constraint)."""
         constrained = [c for c in chunks if c.sample and c.seq.request.matcher is not None]
         if not constrained:
-            return chunks
+            return chunks, None
         reqs = [c.seq.request for c in constrained]
-        self.runner.set_masks([r.slot for r in reqs], self.output.grammars.masks([r.matcher for r in reqs]))
+        masks = [r.slot for r in reqs], self.output.grammars.masks([r.matcher for r in reqs])
         decodes = [c for c in chunks if c.num_tokens == 1 and c.sample]
         alone = all(c.seq.request.matcher is not None for c in decodes)
         return [dataclasses.replace(c, num_steps=1) if c.sample and c.seq.request.matcher is not None and (
-            alone or not c.seq.request.speculative_constraint) else c for c in chunks]
+            alone or not c.seq.request.speculative_constraint) else c for c in chunks], masks
 
     def _release_slot(self, req: Request) -> None:
         if req.slot is not None:

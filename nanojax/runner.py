@@ -100,13 +100,16 @@ def prompt_step(params, tables, hidden, targets, *, config, ops) -> "PromptLogpr
 
 
 @functools.partial(jax.jit, static_argnames=(*_STATIC, "num_steps", "spec", "draft"), donate_argnums=(1, 2))
-def decode_step(params, cache, tables, prev, tokens, batch: Batch, sampling: SamplingBatch, row_steps, sources, *,
-                config, ops, num_steps, spec=None, draft=None):
+def decode_step(params, cache, tables, prev, tokens, batch: Batch, sampling: SamplingBatch, row_steps, sources,
+                masks=None, *, config, ops, num_steps, spec=None, draft=None):
     """num_steps decode steps in one dispatch. tokens: [B], or from prev [S] where sources [B] >= 0 (`chained`); batch:
     the first step's; row_steps: [B], the steps row b takes, after which it writes no KV and counts no token. ->
     (Sampled [num_steps, B], last tokens [S]: row b's step row_steps[b], cache, tables). spec: the same tokens in
-    fewer forwards (nanojax.speculative), its stats [3] returned after Sampled."""
+    fewer forwards (nanojax.speculative), its stats [3] returned after Sampled. masks: set_masks's arguments, written
+    first (constrained rows alone: one dispatch a token, not two)."""
     tokens = chained(prev, tokens, sources)
+    if masks is not None:
+        tables = set_masks(tables, *masks)
     shape = (num_steps, tokens.shape[0])
     out = Sampled(jnp.zeros(shape, jnp.int32), jnp.zeros(shape), jnp.zeros((*shape, MAX_LOGPROBS), jnp.int32),
                   jnp.zeros((*shape, MAX_LOGPROBS)))
@@ -231,12 +234,13 @@ class PromptLogprobs(NamedTuple):
 class Program:
     """One compiled shape: `rows` rows of decode (num_steps steps) or of packed prefill (num_steps 0); cascade: a
     decode reading shared prefixes once (nanojax.cascade); decode_rows: a mixed step's one-token decode rows;
-    speculative: a decode through nanojax.speculative."""
+    speculative: a decode through nanojax.speculative; masked: a decode that writes its rows' constraint masks first."""
     rows: int
     num_steps: int
     cascade: bool = False
     decode_rows: int = 0
     speculative: bool = False
+    masked: bool = False
 
 
 class ModelRunner:
@@ -295,9 +299,9 @@ class ModelRunner:
 
     # ----- programs -----
     def programs(self) -> list:
-        """Every program the engine runs (one-step decodes: for constrained rows alone)."""
-        steps = sorted({1, self.decode_steps})
-        return [Program(b, n) for n in steps for b in self.decode_rows] + [
+        """Every program the engine runs (masked one-step decodes: for constrained rows alone)."""
+        return [Program(b, self.decode_steps) for b in self.decode_rows] + [
+            Program(b, 1, masked=True) for b in self.decode_rows] + [
             Program(b, self.decode_steps, True) for b in self.cascade_rows] + [
             Program(b, self.decode_steps, speculative=True) for b in self.spec_rows] + [
             Program(r, 0, decode_rows=d) for r in self.prefill_rows for d in (0, self.mixed_rows)] + [
@@ -335,7 +339,9 @@ class ModelRunner:
         args = (self.params, self.cache, self.tables, self.last, tokens, *self._inputs(p, table, [], [], {}, plan))
         if p.num_steps:
             spec = dict(spec=self.spec, draft=self.draft) if p.speculative else {}
-            return decode_step, (*args, _shape((p.rows,)), _shape((p.rows,))), {**kw, "num_steps": p.num_steps, **spec}
+            masks = [(_shape((p.rows,)), _shape((p.rows, self.tables.allowed.shape[1])))] if p.masked else []
+            return decode_step, (*args, _shape((p.rows,)), _shape((p.rows,)), *masks), {**kw, "num_steps": p.num_steps,
+                                                                                        **spec}
         decode = self._decode_segment(p, [], [], [], []) if p.decode_rows else None
         return prefill_step, (*args, decode), {**kw, "hidden_rows": self.prefill_rows[-1]}
 
@@ -412,15 +418,18 @@ class ModelRunner:
     # ----- steps -----
     def decode(self, last_tokens: list[int], page_tables: list[list[int]], seq_lens: list[int],
                sampling: dict[str, list], num_steps: int = 1, row_steps: list[int] | None = None,
-               sources: list[int] | None = None) -> "Pending":
+               sources: list[int] | None = None, masks: tuple[list[int], np.ndarray] | None = None) -> "Pending":
         """Dispatches num_steps decode steps (seq_lens counts the last token), of which row b keeps row_steps[b]
         (default: all). sources: per row -1 (its token is last_tokens') or the row of the previous dispatch whose last
-        sampled token it takes on the device. Rows sharing prefix pages read them once where the cascade rules say."""
+        sampled token it takes on the device. Rows sharing prefix pages read them once where the cascade rules say.
+        masks: set_masks's arguments for one step of constrained rows, sent with the step's inputs."""
         n = len(last_tokens)
-        p = Program(bucket(n, self.decode_rows), num_steps)
+        p = Program(bucket(n, self.decode_rows), num_steps, masked=masks is not None)
         table = _stacked(page_tables, p.rows, self.pages_per_seq)
         plan = None
-        if num_steps == self.decode_steps and p.rows in self.spec_rows:
+        if p.masked:
+            masks = [self._mask_rows(p.rows, *masks)]
+        elif num_steps == self.decode_steps and p.rows in self.spec_rows:
             p = dataclasses.replace(p, speculative=True)
         elif num_steps == self.decode_steps and p.rows in self.cascade_rows:
             plan = self._plan(p.rows, table[:len(seq_lens)], seq_lens)
@@ -430,7 +439,7 @@ class ModelRunner:
             self.cascade_saved_tokens += plan.saved_tokens * num_steps
         steps = _padded([num_steps] * n if row_steps is None else row_steps, p.rows)
         outs = self._run(p, _padded(last_tokens, p.rows), table, seq_lens, [1] * n, sampling,
-                         plan if p.cascade else None, extra=(steps, _padded(sources or (), p.rows, -1)))
+                         plan if p.cascade else None, extra=(steps, _padded(sources or (), p.rows, -1), *(masks or ())))
         if p.speculative:
             self._spec_pending.append(outs.pop())
             if len(self._spec_pending) >= 256:  # folded in now and then: a server never asks
@@ -509,8 +518,11 @@ class ModelRunner:
     def set_masks(self, slots: list[int], masks: np.ndarray) -> None:
         """Writes constraints' next-token bitmasks (masks [M, <= W] int32, zeros after) into their slots."""
         rows = bucket(len(slots), self.decode_rows)
-        self.tables = self._program(("set_masks", rows))(self.tables, _padded(slots, rows, self.tables.neutral + 1),
-                                                         _stacked(masks, rows, self.tables.allowed.shape[1]))
+        self.tables = self._program(("set_masks", rows))(self.tables, *self._mask_rows(rows, slots, masks))
+
+    def _mask_rows(self, rows: int, slots: list[int], masks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """set_masks's arguments padded to rows (padding rows' slot out of range: dropped)."""
+        return _padded(slots, rows, self.tables.neutral + 1), _stacked(masks, rows, self.tables.allowed.shape[1])
 
 
 def buffer_addresses(tree) -> frozenset[int]:

@@ -52,9 +52,9 @@ def test_mixed_and_row_limited_steps_are_one_dispatch_each(qwen3, monkeypatch):
         calls["mixed"] += decodes is not None
         return prefill(chunks, decodes, sources)
 
-    def counting_decode(last_tokens, page_tables, seq_lens, sampling, num_steps, row_steps, sources):
+    def counting_decode(last_tokens, page_tables, seq_lens, sampling, num_steps, row_steps, sources, masks):
         calls["row_limited"] += len(set(row_steps)) > 1
-        return decode(last_tokens, page_tables, seq_lens, sampling, num_steps, row_steps, sources)
+        return decode(last_tokens, page_tables, seq_lens, sampling, num_steps, row_steps, sources, masks)
 
     monkeypatch.setattr(llm.runner, "prefill", counting_prefill)
     monkeypatch.setattr(llm.runner, "decode", counting_decode)
@@ -162,9 +162,9 @@ def test_steps_are_dispatched_before_the_previous_step_is_read_back(qwen3, monke
     llm = LLM(folder, dtype="float32", page_size=4, max_model_len=64, decode_steps=4)
     decode, chained = llm.runner.decode, []
 
-    def recording_decode(last_tokens, page_tables, seq_lens, sampling, num_steps, row_steps, sources):
+    def recording_decode(last_tokens, page_tables, seq_lens, sampling, num_steps, row_steps, sources, masks):
         chained.append(sum(s >= 0 for s in sources))
-        return decode(last_tokens, page_tables, seq_lens, sampling, num_steps, row_steps, sources)
+        return decode(last_tokens, page_tables, seq_lens, sampling, num_steps, row_steps, sources, masks)
 
     monkeypatch.setattr(llm.runner, "decode", recording_decode)
     stop_at = expected[1][5]

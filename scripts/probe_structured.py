@@ -1,0 +1,122 @@
+"""Where a constrained batch-1 request's time goes: the engine loop's functions timed (totals per token), against
+plain decoding with the default steps per dispatch and with one step per dispatch (the runner called directly).
+
+    PYTHONPATH=$PWD python3 scripts/probe_structured.py --tokenizer DIR [--model qwen3-0.6b]
+"""
+import argparse
+import collections
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_structured import row_speeds, schema  # noqa: E402
+
+from nanojax import LLM, SamplingParams  # noqa: E402
+from nanojax import engine as engine_module, output as output_module, runner as runner_module, structured  # noqa: E402
+from nanojax import scheduler as scheduler_module  # noqa: E402
+
+TIMES = collections.defaultdict(float)
+CALLS = collections.Counter()
+
+
+def timed(cls, name, label=None):
+    fn = getattr(cls, name)
+    label = label or f"{cls.__name__}.{name}"
+
+    def wrapper(*args, **kw):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kw)
+        finally:
+            TIMES[label] += time.perf_counter() - start
+            CALLS[label] += 1
+    setattr(cls, name, wrapper)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen3-0.6b")
+    ap.add_argument("--tokenizer", required=True)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--tiny", action="store_true", help="2 layers of width 64 (a CPU run: the host's share shows)")
+    args = ap.parse_args()
+    from random_model import loaded_model, random_hf_model
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(Path(args.tokenizer) / "tokenizer.json"),
+                                        eos_token="<|im_end|>")
+    if args.tiny:
+        import torch
+        from random_model import hf_config
+        from transformers import AutoModelForCausalLM
+        torch.manual_seed(0)
+        hf = AutoModelForCausalLM.from_config(hf_config(args.model, hidden_size=64, intermediate_size=128,
+                                                        num_hidden_layers=2, num_attention_heads=4,
+                                                        num_key_value_heads=2, head_dim=16)).eval()
+    else:
+        hf = random_hf_model(args.model, torch_dtype="bfloat16")
+    loaded = loaded_model(hf)
+    llm = LLM(type(loaded)(loaded.config, loaded.params, tokenizer), dtype="bfloat16", max_num_seqs=8,
+              max_model_len=1024)
+    for cls, names in ((engine_module.EngineCore, ["_step", "_dispatch", "_prepare", "_constrain", "_read_back",
+                                                   "_complete"]),
+                       (runner_module.ModelRunner, ["decode", "set_masks", "_run", "_inputs"]),
+                       (runner_module.Pending, ["tokens"]),
+                       (structured.Grammars, ["masks"]),
+                       (output_module.OutputProcessor, ["accept", "update_text", "event"]),
+                       (output_module.Request, ["sampling_row"]),
+                       (scheduler_module.Scheduler, ["schedule", "advance", "fill"])):
+        for name in names:
+            timed(cls, name)
+    prompt = np.random.default_rng(0).integers(0, len(tokenizer) - 1000, 32).tolist()
+    free = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    bound = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True,
+                           structured_outputs={"json": schema()})
+    for params in (free, bound, free, bound):
+        TIMES.clear(), CALLS.clear()
+        start = time.perf_counter()
+        speed = row_speeds(llm, [prompt], [params])[0]
+        wall = time.perf_counter() - start
+        host = TIMES["EngineCore._step"] - TIMES["Pending.tokens"]
+        print(f"\n{'constrained' if params is bound else 'plain'}: {speed:.1f} tok/s a row, wall {wall * 1e3:.1f} ms, "
+              f"{CALLS['EngineCore._step']} loop steps, host {host / max(CALLS['Scheduler.fill'], 1) * 1e6:.0f} us "
+              f"a dispatch besides waiting for tokens")
+        for label in sorted(TIMES, key=TIMES.get, reverse=True):
+            print(f"  {label:<28} {TIMES[label] * 1e3:9.2f} ms  {CALLS[label]:5d} calls  "
+                  f"{TIMES[label] / max(CALLS[label], 1) * 1e6:8.1f} us/call")
+    # One step of a constrained row through the runner alone (dispatch, device, read back): its mask sent with the
+    # step's inputs (the masked program), or written by set_masks first (two dispatches); then a plain step.
+    r = llm.runner
+    table, sampling = [list(range(4))], runner_module.greedy_sampling(1, r.neutral_slot)
+    masks = ([0], np.full((1, r.tables.allowed.shape[1]), -1, np.int32))
+    cases = {"masked one-step": lambda: r.decode([5], table, [40], sampling, 1, masks=masks),
+             "set_masks + one-step": lambda: (r.set_masks(*masks), r.decode([5], table, [40], sampling, 1))[1],
+             f"{r.decode_steps}-step, per step": lambda: r.decode([5], table, [40], sampling, r.decode_steps)}
+    # The masked program again, compiled without XLA's command buffers (CUDA graphs): its kernels launched one by one.
+    masked = runner_module.Program(1, 1, masked=True)
+    graphs = r._program(masked)
+    no_graphs = r.lower(masked).compile(compiler_options={**r.compiler_options(masked),
+                                                          "xla_gpu_enable_command_buffer": ""})
+
+    def without_graphs():
+        r.install(masked, no_graphs)
+        out = r.decode([5], table, [40], sampling, 1, masks=masks)
+        r.install(masked, graphs)
+        return out
+    cases["masked one-step, no command buffers"] = without_graphs
+    for _ in range(2):
+        for label, run in cases.items():
+            times = []
+            for _ in range(40):
+                t = time.perf_counter()
+                run().tokens()
+                times.append(time.perf_counter() - t)
+            per = r.decode_steps if label.endswith("per step") else 1
+            print(f"{label:<24} {np.median(times[10:]) / per * 1e3:.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
