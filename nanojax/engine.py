@@ -199,19 +199,18 @@ class EngineCore:
         chunks, fields = self._prepare(chunks)
         if not chunks:
             return None
-        chunks, masks = self._constrain(chunks)
+        chunks, masks, masks_in_step = self._constrain(chunks)
         decodes = [c for c in chunks if c.num_tokens == 1 and c.sample]
         prefills = [c for c in chunks if not (c.num_tokens == 1 and c.sample)]
         sampling = [fields[c.seq.seq_id] for c in decodes]  # -> {name: [value per row]}
         rows = ([max(c.seq.token_ids[c.start], 0) for c in decodes], [c.seq.page_table for c in decodes],
                 [c.end for c in decodes], {k: [row[k] for row in sampling] for k in sampling[0]}) if decodes else None
         sources = [inflight.pending[c.seq.seq_id][1] if c.seq.num_pending else -1 for c in decodes]
-        alone = masks is not None and not prefills and all(c.seq.request.matcher is not None for c in decodes)
-        if masks is not None and not alone:
+        if masks is not None and not masks_in_step:
             self.runner.set_masks(*masks)
         if not prefills:  # one dispatch of the decode program, 1..decode_steps a row (1 if all rows are constrained)
-            out = self.runner.decode(*rows, 1 if alone else self.runner.decode_steps, [c.num_steps for c in decodes],
-                                     sources, masks if alone else None)
+            out = self.runner.decode(*rows, 1 if masks_in_step else self.runner.decode_steps,
+                                     [c.num_steps for c in decodes], sources, masks if masks_in_step else None)
             pending, prompt = {c.seq.seq_id: (out, i) for i, c in enumerate(decodes)}, {}
         else:
             targets = [prompt_targets(c) for c in prefills]
@@ -249,18 +248,20 @@ class EngineCore:
                 self._fail([c.seq], e)
         return [c for c in chunks if c.seq.status is not SequenceStatus.FINISHED], fields
 
-    def _constrain(self, chunks) -> tuple[list, tuple | None]:
-        """-> (chunks, constrained rows' masks as set_masks's arguments, or None). Each constrained row takes one step,
-        unless beside plain rows it may keep the later draws its grammar allows (Request.speculative_constraint)."""
+    def _constrain(self, chunks) -> tuple[list, tuple | None, bool]:
+        """-> (chunks, constrained rows' masks as set_masks's arguments or None, whether they are the step's only rows:
+        then the one-step decode carries them). Each constrained row takes one step, unless beside plain rows it may
+        keep the later draws its grammar allows (Request.speculative_constraint)."""
         constrained = [c for c in chunks if c.sample and c.seq.request.matcher is not None]
         if not constrained:
-            return chunks, None
+            return chunks, None, False
         reqs = [c.seq.request for c in constrained]
         masks = [r.slot for r in reqs], self.output.grammars.masks([r.matcher for r in reqs])
         decodes = [c for c in chunks if c.num_tokens == 1 and c.sample]
         alone = all(c.seq.request.matcher is not None for c in decodes)
         return [dataclasses.replace(c, num_steps=1) if c.sample and c.seq.request.matcher is not None and (
-            alone or not c.seq.request.speculative_constraint) else c for c in chunks], masks
+            alone or not c.seq.request.speculative_constraint) else c for c in chunks], masks, \
+            alone and len(decodes) == len(chunks)
 
     def _release_slot(self, req: Request) -> None:
         if req.slot is not None:

@@ -426,9 +426,9 @@ class ModelRunner:
         n = len(last_tokens)
         p = Program(bucket(n, self.decode_rows), num_steps, masked=masks is not None)
         table = _stacked(page_tables, p.rows, self.pages_per_seq)
-        plan = None
+        plan, mask_inputs = None, ()
         if p.masked:
-            masks = [self._mask_rows(p.rows, *masks)]
+            mask_inputs = (self._mask_rows(p.rows, *masks),)
         elif num_steps == self.decode_steps and p.rows in self.spec_rows:
             p = dataclasses.replace(p, speculative=True)
         elif num_steps == self.decode_steps and p.rows in self.cascade_rows:
@@ -439,7 +439,7 @@ class ModelRunner:
             self.cascade_saved_tokens += plan.saved_tokens * num_steps
         steps = _padded([num_steps] * n if row_steps is None else row_steps, p.rows)
         outs = self._run(p, _padded(last_tokens, p.rows), table, seq_lens, [1] * n, sampling,
-                         plan if p.cascade else None, extra=(steps, _padded(sources or (), p.rows, -1), *(masks or ())))
+                         plan if p.cascade else None, extra=(steps, _padded(sources or (), p.rows, -1), *mask_inputs))
         if p.speculative:
             self._spec_pending.append(outs.pop())
             if len(self._spec_pending) >= 256:  # folded in now and then: a server never asks
