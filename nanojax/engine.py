@@ -178,6 +178,10 @@ class EngineCore:
             if (event := self.output.event(seq)) is not None:
                 seq.request.stream.put(event)
         self.events_out()
+        # Its results' device buffers go back to the pool before the next dispatch allocates: a program given the
+        # addresses of its last run reuses its CUDA graph as recorded (docs/perf_notes.md, "Dispatch and host overhead").
+        step.pending.clear()
+        step.prompt.clear()
 
     def _add(self, firsts: list[Sequence[Request]]) -> None:
         for seq in firsts:

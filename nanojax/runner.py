@@ -138,7 +138,7 @@ def _last_of(out: Sampled, row_steps, size: int):
     return last_tokens(out.tokens[jnp.clip(row_steps - 1, 0, num_steps - 1), jnp.arange(rows)], size)
 
 
-@functools.partial(jax.jit, static_argnames=("step", "layout", "static"), donate_argnums=(1, 2))
+@functools.partial(jax.jit, static_argnames=("step", "layout", "static"), donate_argnums=(1, 2, 3))
 def packed_step(params, cache, tables, prev, packed, *, step, layout, static):
     """step(params, cache, tables, prev, *host_args, **static), the host arguments sent as one byte buffer (`pack`'s,
     read by its layout): one host-to-device copy per dispatch (docs/perf_notes.md, "Dispatch and host overhead")."""
@@ -390,8 +390,9 @@ class ModelRunner:
         program = self._program(p)
         if layout != self._layouts[p]:  # recorded when p was keyed (`key_parts`) or traced
             raise AssertionError(f"program {p} was compiled for other host arrays: {self._layouts[p]} != {layout}")
-        *outs, self.last, self.cache, self.tables = program(self.params, self.cache, self.tables, self.last,
-                                                            jax.device_put(packed, self._inputs_sharding))
+        if self._inputs_sharding is not None:  # else the program places the host buffer itself, sooner than device_put
+            packed = jax.device_put(packed, self._inputs_sharding)
+        *outs, self.last, self.cache, self.tables = program(self.params, self.cache, self.tables, self.last, packed)
         return outs
 
     def _inputs(self, p: Program, table: np.ndarray, seq_lens, q_lens, sampling: dict,
