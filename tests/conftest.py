@@ -64,23 +64,14 @@ def pytest_collection_modifyitems(items):
                                  item.get_closest_marker("long") is None))
 
 
-def _memory_maps() -> int:
-    with open("/proc/self/maps") as f:
-        return sum(1 for _ in f)
-
-
-_MAP_LIMIT = int(open("/proc/sys/vm/max_map_count").read()) if os.path.exists("/proc/sys/vm/max_map_count") else 0
-
-
-@pytest.fixture(autouse=True)
+@pytest.fixture(autouse=True, scope="module")
 def free_compiled_programs():
-    """Frees the compiled programs once a worker holds half the kernel's vm.max_map_count (65,530) memory maps: every
-    XLA:CPU executable keeps its JIT code in maps of its own (~90 for an interpret-mode kernel), and a worker that kept
-    a whole run's passed the limit, where the next compile segfaulted. Freeing them sooner costs recompiles."""
+    """Frees each module's compiled programs after it: every XLA:CPU executable keeps its JIT code in memory maps of
+    its own (~90 for an interpret-mode kernel), and a worker that kept a whole run's passed the kernel's
+    vm.max_map_count (65,530), where the next compile segfaulted."""
     yield
-    if _MAP_LIMIT and _memory_maps() > _MAP_LIMIT // 2:
-        jax.clear_caches()
-        gc.collect()
+    jax.clear_caches()
+    gc.collect()
 
 
 def requires_gpu(test):
