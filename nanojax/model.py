@@ -18,7 +18,7 @@ from flax import nnx
 
 from convert.config import ModelConfig
 from nanojax.kv_cache import KVCache
-from nanojax.moe import grouped_swiglu, route
+from nanojax.moe import grouped_swiglu
 from nanojax.ops import Ops
 from pallas_kernels.qkv_rope_cache import rope_cos_sin
 from pallas_kernels.rms_norm import rms_norm
@@ -104,7 +104,7 @@ class DecoderLayer(nnx.Module):
         x = ops.row_project(attention(ops, q, k_pages, v_pages, batch, config), self.o, residual=x)
         h, norm_eps = self._pre_norm(self.mlp_norm, x, config)
         if self.experts is not None:  # h is normalized: the router reads it too
-            return x + ops.experts(self.experts, h, *route(h, self.router.w[...], config.moe)), k_pages, v_pages
+            return x + ops.experts(self.experts, h, *ops.route(h, self.router.w[...], config.moe)), k_pages, v_pages
         if config.mlp == "swiglu":
             h = ops.project(h, self.up, norm_eps=norm_eps, activation="silu_mul")
         else:  # GELU runs beside the projection

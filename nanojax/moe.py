@@ -8,17 +8,17 @@ import jax.numpy as jnp
 from convert.config import MoE
 from pallas_kernels.expert_matmul import expert_matmul_reference
 from pallas_kernels.grouped_matmul import block_rows, grouped_matmul_reference
+from pallas_kernels.topk_routing import topk_routing_reference
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def route(h, router, moe: MoE):
+def route(h, router, moe: MoE, routing=topk_routing_reference):
     """h: [N, H] normalized rows; router: [H, E] -> (weights f32 [N, k], expert ids int32 [N, k]): the top k of the
     softmax over the logits (in f32, from logits rounded to h.dtype as HF's linear rounds them), renormalized to sum
-    1 where moe.norm_topk_prob."""
+    1 where moe.norm_topk_prob. routing: topk_routing's contract."""
     logits = jnp.dot(h, router, precision=_HIGHEST, preferred_element_type=jnp.float32).astype(h.dtype)
-    weights, ids = jax.lax.top_k(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), moe.top_k)
-    return (weights / weights.sum(axis=-1, keepdims=True) if moe.norm_topk_prob else weights), ids
+    return routing(logits, moe.top_k, moe.norm_topk_prob)
 
 
 def grouped_swiglu(x, weights, ids, up, down, matmul=expert_matmul_reference, grouped=grouped_matmul_reference):

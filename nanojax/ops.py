@@ -5,6 +5,7 @@ kernel, chosen by one static, hashable `Ops` value that the compiled steps take.
     qkv_rope_cache: split, q/k RMSNorm, RoPE, paged KV write                       pallas_kernels.qkv_rope_cache
     attention:      paged attention over the KV pages (decode and ragged prefill)  pallas_kernels.paged_attention
                     decode with shared prefixes read once (cascade)                pallas_kernels.cascade_attention
+    route:          a MoE router's softmax, top-k and renormalization             pallas_kernels.topk_routing
     sampling_filters: the kept prefix of top-k / top-p / min-p, top-N logprobs     pallas_kernels.sampling_filters
 
 The references are the kernels' own `*_reference` functions, which the HF parity tests run.
@@ -15,6 +16,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from nanojax.moe import route
 from pallas_kernels.cascade_attention import cascade_decode_attention, cascade_decode_attention_reference
 from pallas_kernels.expert_matmul import expert_matmul, expert_matmul_reference
 from pallas_kernels.grouped_matmul import grouped_matmul, grouped_matmul_reference
@@ -22,6 +24,7 @@ from pallas_kernels.paged_attention import paged_attention_reference, paged_deco
 from pallas_kernels.qkv_rope_cache import qkv_rope_cache, qkv_rope_cache_reference
 from pallas_kernels.rmsnorm_matmul import rmsnorm_matmul, rmsnorm_matmul_reference
 from pallas_kernels.sampling_filters import is_filtered, no_filters, sampling_filters, sampling_filters_reference
+from pallas_kernels.topk_routing import topk_routing, topk_routing_reference
 
 NAMES = ("auto", "reference", "pallas", "interpret")
 # Rows up to which a projection takes the fused kernel (docs/perf_notes.md, "Fused projections: which rows take the
@@ -70,6 +73,10 @@ class Ops:
 
     def _kernel(self, kernel, reference):
         return functools.partial(kernel, interpret=self.interpret) if self.pallas else reference
+
+    def route(self, h, router, moe):
+        """h: [N, H] normalized rows, router: [H, E] -> their top-k experts (weights, ids); see nanojax.moe.route."""
+        return route(h, router, moe, self._kernel(topk_routing, topk_routing_reference))
 
     def experts(self, experts, x, weights, ids):
         """experts (a nanojax.model.Experts)(x, weights, ids) -> [N, H] (tensor-parallel: each device's experts)."""

@@ -149,7 +149,7 @@ def shared_tables(runner: ModelRunner, batch: int, prefix: int, levels: int, own
     """Page tables of `batch` rows over one shared prefix of `prefix` tokens (levels 1), or a system prompt of a
     quarter of it shared by all and two documents, each shared by half the rows (levels 2); then `own` tokens of
     each row's own, in pages that hold `steps` more. -> (tables, seq_lens)."""
-    pages = iter(range(runner.cache.num_pages))
+    pages = iter(range(runner.cache.k[0].shape[0]))
     system = prefix // 4 // PAGE if levels == 2 else prefix // PAGE
     common = [next(pages) for _ in range(system)]
     docs = [[next(pages) for _ in range(prefix // PAGE - system)] for _ in range(levels)]
