@@ -390,7 +390,7 @@ class ModelRunner:
         program = self._program(p)
         if layout != self._layouts[p]:  # recorded when p was keyed (`key_parts`) or traced
             raise AssertionError(f"program {p} was compiled for other host arrays: {self._layouts[p]} != {layout}")
-        if self._inputs_sharding is not None:  # else the program places the host buffer itself, sooner than device_put
+        if self._inputs_sharding is not None:  # else the program takes the numpy buffer as it is (one device)
             packed = jax.device_put(packed, self._inputs_sharding)
         *outs, self.last, self.cache, self.tables = program(self.params, self.cache, self.tables, self.last, packed)
         return outs
