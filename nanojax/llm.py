@@ -13,7 +13,7 @@ from tqdm import tqdm
 from convert.keys import param_shapes
 from convert.quantize import is_quantized, quantize_params
 from nanojax import compilation, compile_workers, executable_cache
-from nanojax.cache import use_compilation_cache
+from nanojax.executable_cache import use_compilation_cache
 from nanojax.config import EngineConfig
 from nanojax.distributed import DistributedRunner, min_over_processes
 from nanojax.engine import EngineCore
@@ -42,13 +42,13 @@ class LLM(RequestFront):
             engine.warmup is not False and engine.tensor_parallel_size is None) else []
         self._stop_workers = weakref.finalize(self, compile_workers.stop_all, workers)
         on_gpu = jax.default_backend() == "gpu"
-        if on_gpu:  # XLA:CPU executables do not reliably survive the persistent cache (nanojax.cache)
+        if on_gpu:  # XLA:CPU executables do not reliably survive the persistent cache
             use_compilation_cache()
         engine = engine.resolved(on_gpu)
         several = jax.process_count() > 1  # a jax.distributed job: one model over every process's devices
         sharded = engine.tensor_parallel_size is not None or several
         # Off for several processes (each holds other devices' executables, under keys not made per process) and on
-        # the CPU (an XLA:CPU executable is not reliably loaded by another process: nanojax.cache).
+        # the CPU (an XLA:CPU executable is not reliably loaded by another process).
         executable_dir = executable_cache.default_directory() if on_gpu and not several else None
         first_start = engine.warmup and executable_dir and not sharded and executable_cache.holds_none(executable_dir)
         _start_workers(workers, first_start)

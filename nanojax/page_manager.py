@@ -1,17 +1,14 @@
 """KV-cache pages with reference counting and prefix caching (plain Python, no JAX): a full computed page is cached
 under the chained hash of its token prefix, and a freed page keeps its content until reused: a later hit revives it."""
 
-from __future__ import annotations
-
 import hashlib
 import itertools
 import struct
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence as SequenceLike
+from typing import Sequence as SequenceLike
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .sequence import Sequence
+from .sequence import Sequence
 
 
 def hash_page_tokens(parent: bytes | None, token_ids: SequenceLike[int]) -> bytes:

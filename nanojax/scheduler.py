@@ -2,8 +2,6 @@
 prefill chunk costs whole ``prefill_row``s (docs/perf_notes.md, "Prefill"). A step: ``schedule``, dispatch, ``advance``
 (placeholders: the next step may go before this one is read back), then per sampling chunk ``fill`` and ``finish``."""
 
-from __future__ import annotations
-
 import dataclasses
 import numbers
 from collections import deque

@@ -1,7 +1,5 @@
 """A request's token sequence and scheduling state (plain Python, no JAX), changed by the scheduler and page manager."""
 
-from __future__ import annotations
-
 import enum
 import itertools
 from typing import Generic, Iterable, TypeVar

@@ -5,7 +5,7 @@ import subprocess
 import jax
 import pytest
 
-import nanojax.cache
+import nanojax.executable_cache
 import nanojax.llm
 import torch
 
@@ -87,10 +87,10 @@ def test_llm_keeps_compiled_programs_beside_the_model(tmp_path, monkeypatch):
     saved = [getattr(jax.config, name) for name in names]
     try:  # nothing compiles in between, so putting the settings back leaves no cache behind
         jax.config.update("jax_compilation_cache_dir", None)
-        nanojax.cache.use_compilation_cache()
+        nanojax.executable_cache.use_compilation_cache()
         assert jax.config.jax_compilation_cache_dir == str(tmp_path / "xla")
         jax.config.update("jax_compilation_cache_dir", "/elsewhere")
-        nanojax.cache.use_compilation_cache()  # a directory the user chose is kept
+        nanojax.executable_cache.use_compilation_cache()  # a directory the user chose is kept
         assert jax.config.jax_compilation_cache_dir == "/elsewhere"
     finally:
         for name, value in zip(names, saved):
