@@ -9,10 +9,9 @@ import multiprocessing
 import threading
 from concurrent.futures import Future
 
-from nanojax.engine_io import RequestOutput, RequestStream
+from nanojax.engine_io import RequestOutput
 from nanojax.front import EngineStats, RequestFront
 from nanojax.llm import LLM
-from nanojax.sampling_params import SamplingParams
 
 
 class EngineProcess(RequestFront):
@@ -42,22 +41,14 @@ class EngineProcess(RequestFront):
         threading.Thread(target=self._read, name="nanojax-engine-reader", daemon=True).start()
 
     # ----- requests (LLM's surface) -----
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
-                    request_id: str | None = None, index: int = 0, stream: RequestStream | None = None,
-                    stream_text: bool = True) -> RequestStream:
-        """As LLM.add_request."""
-        params = params or SamplingParams()
-        ids = self.encode(prompt)
-        self.check(index, ids, params)
+    def _submit(self, ids, params, request_id, index, stream, stream_text) -> None:
         if self.dead is not None:
             raise RuntimeError(f"the engine has stopped: {self.dead}")
         request_id = f"p{next(self._ids)}" if request_id is None else request_id
-        stream = stream or RequestStream()
         stream.expect(params.n)
         with self._lock:
             self._streams[request_id] = [stream, ids, params.n]
         self._send(("add", ids, params, request_id, index, stream_text))
-        return stream
 
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))

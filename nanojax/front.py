@@ -2,6 +2,7 @@
 by `LLM` and `EngineProcess` (an LLM in another process, as the server sees it) so that each check is written once."""
 import dataclasses
 
+from nanojax.engine_io import RequestStream
 from nanojax.sampling_params import SamplingParams
 
 
@@ -24,7 +25,8 @@ class EngineStats:
 
 
 class RequestFront:
-    """Needs `config` (a ModelConfig), `tokenizer` (or None), `limits` (EngineLimits) and `close()`."""
+    """Needs `config` (a ModelConfig), `tokenizer` (or None), `limits` (EngineLimits), `close()` and `_submit(ids,
+    params, request_id, index, stream, stream_text)`, which hands a checked request to the engine."""
 
     def __enter__(self):
         return self
@@ -64,6 +66,18 @@ class RequestFront:
                                                       tokenize=True, return_dict=False, **(template_kwargs or {}))
         except TemplateError as e:  # its raise_exception (e.g. Llama 3.1's one call a turn): the messages' fault
             raise ValueError(f"the chat template refused these messages: {e}") from None
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
+                    request_id: str | None = None, index: int = 0, stream: RequestStream | None = None,
+                    stream_text: bool = True) -> RequestStream:
+        """Queues a request (ValueError if bad); its stream gets a RequestOutput whenever one of its n choices gains
+        text or finishes. stream: one to share between requests; stream_text=False: text only at the end."""
+        params = params or SamplingParams()
+        ids = self.encode(prompt)
+        self.check(index, ids, params)
+        stream = stream or RequestStream()
+        self._submit(ids, params, request_id, index, stream, stream_text)
+        return stream
 
     def check(self, index: int, ids: list[int], params: SamplingParams) -> None:
         """ValueError naming what is wrong when prompt `index` (encoded) cannot run with `params`."""

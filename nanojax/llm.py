@@ -136,18 +136,9 @@ class LLM(RequestFront):
         and the other processes' `follow`; idempotent, also on leaving `with LLM(...) as llm:`."""
         self._release()
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
-                    request_id: str | None = None, index: int = 0, stream: RequestStream | None = None,
-                    stream_text: bool = True) -> RequestStream:
-        """Queues a request (ValueError if bad); its stream gets a RequestOutput whenever one of its n choices gains
-        text or finishes. stream: one to share between requests; stream_text=False: text only at the end."""
-        params = params or SamplingParams()
-        ids = self.encode(prompt)
-        self.check(index, ids, params)
+    def _submit(self, ids, params, request_id, index, stream, stream_text) -> None:
         request_id = str(next(self._ids)) if request_id is None else request_id
-        stream = stream or RequestStream()
         self.core.submit([self.core.new_request(ids, params, request_id, index, stream, stream_text)])
-        return stream
 
     def abort(self, request_id: str) -> None:
         """Ends a request (all its choices) with finish_reason "abort"; its KV pages are freed in the next step."""
