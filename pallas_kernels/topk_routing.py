@@ -56,8 +56,9 @@ def topk_routing(logits, top_k: int, normalize: bool, *, config: TopkRoutingConf
     n, num_experts = logits.shape
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k must be in [1, {num_experts}] (the experts), got {top_k}")
-    config = config or TopkRoutingConfig(block_rows=min(TopkRoutingConfig.block_rows, _pow2_above(n)))
-    rows, width, k = -(-n // config.block_rows) * config.block_rows, _pow2_above(num_experts), _pow2_above(top_k)
+    config = config or TopkRoutingConfig(block_rows=min(TopkRoutingConfig.block_rows, pl.next_power_of_2(n)))
+    rows = pl.cdiv(n, config.block_rows) * config.block_rows
+    width, k = pl.next_power_of_2(num_experts), pl.next_power_of_2(top_k)
     logits = jnp.pad(jnp.pad(logits, ((0, 0), (0, width - num_experts)), constant_values=-jnp.inf),
                      ((0, rows - n), (0, 0)))
     out = jax.ShapeDtypeStruct((rows, k), jnp.float32), jax.ShapeDtypeStruct((rows, k), jnp.int32)
@@ -71,7 +72,3 @@ def topk_routing(logits, top_k: int, normalize: bool, *, config: TopkRoutingConf
         interpret=interpret,
     )(logits)
     return weights[:n, :top_k], ids[:n, :top_k]
-
-
-def _pow2_above(n: int) -> int:
-    return 1 << (n - 1).bit_length()
