@@ -2,17 +2,16 @@
 import gc
 import os
 
+# The tests' programs (tiny models') compile for seconds and run for milliseconds: XLA's older elemental emitters
+# without LLVM's optimizations compile them several times faster, in the tests' processes and those they start.
+FAST_COMPILE_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 # NANOJAX_TEST_DEVICES: host devices for the tensor-parallel tests (test_tensor_parallel.py runs itself with 8).
-os.environ.setdefault("XLA_FLAGS",
-                      f"--xla_force_host_platform_device_count={os.environ.get('NANOJAX_TEST_DEVICES', '1')}")
+os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={os.environ.get('NANOJAX_TEST_DEVICES', '1')}"
+                                   f" {FAST_COMPILE_XLA_FLAGS}")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # One thread per process for torch's operators (the HF references) and the processes tests start: CI runs two workers
 # on two cores, and an operator split over two threads waited at each of its joins for a core the other worker held.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# For the tiny models' engines that tests start in processes of their own: their programs compile for seconds and run
-# for milliseconds, and XLA's older elemental emitters without LLVM's optimizations compile them several times faster.
-# Not for the tests' own processes: the 135M default model decodes slower so.
-CHILD_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -2,7 +2,6 @@
 (nanojax served at two decode-steps values beside its offline rows, then `transformers serve` on the same weights)."""
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -13,7 +12,6 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
 import bench_serving
 import random_model
 from bench_serving import Scenario, parse_scenario
-from conftest import CHILD_XLA_FLAGS
 from transformers_serve_peer import prompt_text, save_peer_folder
 
 TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
@@ -69,11 +67,9 @@ def test_tiny_launch_with_the_transformers_peer(tmp_path, monkeypatch):
     (tmp_path / "configs" / "tiny-llama.json").write_text(json.dumps(TINY_LLAMA))
     monkeypatch.setattr(random_model, "CONFIGS", tmp_path / "configs")
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")  # --peer sets it when unset: undone after the test
-    # For the engine processes: this one starts no JAX backend here, so its own flags stay as they were.
-    monkeypatch.setenv("XLA_FLAGS", f"{os.environ['XLA_FLAGS']} {CHILD_XLA_FLAGS}")
     out = tmp_path / "serving.json"
     report = bench_serving.main([
-        "--launch", "tiny-llama", "--scenario", "12,6,5,-", "--scenario", "12,6,3,1", "--decode-steps", "2", "4",
+        "--launch", "tiny-llama", "--scenario", "12,6,5,-", "--scenario", "12,16,3,1", "--decode-steps", "2", "4",
         "--vocab-size", "200", "--max-num-seqs", "5", "--warmup-requests", "1", "--peer", "transformers",
         "--peer-num-prompts", "2", "--peer-timeout", "120", "--peer-args", "--cb-num-blocks 32 --cb-max-batch-tokens 64",
         "--out", str(out), "--save-detailed"])
@@ -89,13 +85,14 @@ def test_tiny_launch_with_the_transformers_peer(tmp_path, monkeypatch):
         sent = [r["sent_s"] for r in served["requests"]]  # --save-detailed: each request, in the order sent
         assert len(sent) == 5 and sent == sorted(sent) and sent[0] >= 0
         assert all(0 < r["ttft_s"] <= r["e2el_s"] and r["output_tokens"] == 6 for r in served["requests"])
-        served, step = rows["nanojax", steps, "12,6,3,1,inf"], rows["offline", steps, "12,6,3,1,inf"]
-        assert (served["completed"], served["total_output_tokens"]) == (3, 18) and step["decode_ms_per_step"] > 0
+        served, step = rows["nanojax", steps, "12,16,3,1,inf"], rows["offline", steps, "12,16,3,1,inf"]
+        assert (served["completed"], served["total_output_tokens"]) == (3, 48) and step["decode_ms_per_step"] > 0
         assert served["vs_offline"] == pytest.approx(served["median_tpot_ms"] / step["decode_ms_per_step"])
-        engine = rows["engine", steps, "12,6,3,1,inf"]
-        assert (engine["completed"], engine["total_output_tokens"]) == (3, 18), engine["errors"]
+        engine = rows["engine", steps, "12,16,3,1,inf"]
+        assert (engine["completed"], engine["total_output_tokens"]) == (3, 48), engine["errors"]
         assert engine["vs_offline"] == pytest.approx(engine["median_tpot_ms"] / step["decode_ms_per_step"])
-    for scenario in ("12,6,5,-,inf", "12,6,3,1,inf"):
+    for scenario, output_len in (("12,6,5,-,inf", 6), ("12,16,3,1,inf", 16)):
         peer = rows["transformers", None, scenario]
-        assert (peer["num_prompts"], peer["completed"], peer["total_output_tokens"]) == (2, 2, 12), peer["errors"]
+        assert (peer["num_prompts"], peer["completed"], peer["total_output_tokens"]) == (2, 2, 2 * output_len), \
+            peer["errors"]
         assert 0 < peer["median_ttft_ms"] <= peer["median_e2el_ms"]

@@ -15,7 +15,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from conftest import CHILD_XLA_FLAGS, TINY, build_hf_model, hf_greedy, random_prompts
+from conftest import FAST_COMPILE_XLA_FLAGS, TINY, build_hf_model, hf_greedy, random_prompts
 
 from nanojax import LLM, SamplingParams
 from nanojax.sharding import TensorParallel
@@ -49,7 +49,7 @@ PARTS = {"greedy-1": [f"::{_GREEDY}[{name}]" for name in ("ernie4_5", "gpt2", "l
 @pytest.mark.skipif(jax.device_count() >= DEVICES, reason="already on 8 host devices")
 @pytest.mark.parametrize("part", sorted(PARTS))
 def test_on_8_host_devices(part):
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES} {CHILD_XLA_FLAGS}",
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES} {FAST_COMPILE_XLA_FLAGS}",
            "NANOJAX_TEST_DEVICES": str(DEVICES)}
     targets = [__file__ + x if x.startswith("::") or x == "" else x for x in PARTS[part]]
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "no:xdist",
