@@ -3,10 +3,11 @@
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TINY, build_hf_model, hf_greedy
+from conftest import TINY, build_hf_model, hf_greedy, random_prompts
 from test_page_manager import check_invariants
 
 from nanojax import LLM, SamplingParams
+from nanojax.cascade import CascadeRules
 from nanojax.config import SpeculativeConfig
 from nanojax.speculative import ngram_proposals
 
@@ -133,6 +134,26 @@ def test_a_draft_model_of_another_vocabulary_is_refused(qwen3, hf_model_dir):
     other_vocab = str(hf_model_dir("llama")[0])  # 101 tokens against 97
     with pytest.raises(ValueError, match="vocabulary of 101 tokens and the model one of 97"):
         LLM(folder, dtype="float32", max_model_len=96, speculative_config=draft_spec(other_vocab))
+
+
+def test_speculation_beside_cascade_compiles_nothing_after_the_start(hf_model_dir):
+    """With speculation on, the start compiles every program: a batch of 3 that speculates and one of 20 over a pinned
+    shared prefix, above the speculating buckets, that runs the cascade decode, compile nothing more; HF's tokens."""
+    folder, model = hf_model_dir("llama")
+    rules = CascadeRules(min_shared_tokens=8, min_piece_tokens=4, min_saved_tokens=1, min_batch=32, num_items=8)
+    with LLM(str(folder), dtype="float32", page_size=4, max_model_len=64, max_num_seqs=32, decode_steps=4,
+             cascade=rules, speculative_config=SPEC, warmup=True, progress=False) as llm:
+        compiled, vocab = llm.runner.compiles, llm.config.vocab_size
+        shared = random_prompts(vocab, [18], seed=5)[0]
+        questions = random_prompts(vocab, [1, 2, 3, 4, 5] * 4, seed=6)
+        prompts = repeating_prompts(vocab)[:3] + [shared + q for q in questions]
+        greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        outs = llm.generate(prompts[:3], greedy, use_tqdm=False)
+        llm.pin_prefix(shared)
+        outs += llm.generate(prompts[3:], greedy, use_tqdm=False)
+        assert llm.runner.compiles == compiled
+        assert llm.speculation_stats()[1] > 0 and llm.runner.cascade_dispatches > 0
+    assert [o.token_ids for o in outs] == [hf_greedy(model, p, 8) for p in prompts]
 
 
 @pytest.mark.parametrize("engine_args", [
