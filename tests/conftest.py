@@ -3,8 +3,10 @@ import gc
 import os
 
 # The tests' programs (tiny models') compile for seconds and run for milliseconds: XLA's older elemental emitters
-# without LLVM's optimizations compile them several times faster, in the tests' processes and those they start.
-FAST_COMPILE_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+# without LLVM's optimizations compile them several times faster, in the tests' processes and those they start. Not
+# where there is an NVIDIA GPU: the optimization level is the GPU backend's too, and the GPU tests run real kernels.
+FAST_COMPILE_XLA_FLAGS = "" if os.path.exists("/dev/nvidiactl") else (
+    "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false")
 # NANOJAX_TEST_DEVICES: host devices for the tensor-parallel tests (test_tensor_parallel.py runs itself with 8).
 os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={os.environ.get('NANOJAX_TEST_DEVICES', '1')}"
                                    f" {FAST_COMPILE_XLA_FLAGS}")
