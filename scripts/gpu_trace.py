@@ -5,7 +5,7 @@ import re
 
 
 def trace_events(trace_dir: str):
-    """([(name, start_ns, end_ns)] of every kernel on the first GPU's plane, [(name, duration_ns)] of host events).
+    """([(name, start_ns, end_ns)] of every kernel on the first GPU's plane, [(name, start_ns, end_ns)] of host events).
     With several GPUs (tensor parallelism) the others run the same program, so the first one stands for all."""
     from jax.profiler import ProfileData
 
@@ -14,7 +14,7 @@ def trace_events(trace_dir: str):
     for plane in ProfileData.from_file(path).planes:
         seen.append((plane.name, [line.name for line in plane.lines]))
         if plane.name.startswith("/host"):
-            host += [(ev.name, ev.duration_ns) for line in plane.lines for ev in line.events]
+            host += [(ev.name, ev.start_ns, ev.end_ns) for line in plane.lines for ev in line.events]
         if "gpu" not in plane.name.lower() or re.search(r":\d+$", plane.name) and not plane.name.endswith(":0"):
             continue
         for line in plane.lines:

@@ -1,18 +1,23 @@
 """Where a constrained batch-1 request's time goes: the engine loop's functions timed (totals per token), against
 plain decoding with the default steps per dispatch and with one step per dispatch (the runner called directly).
+--trace (a GPU): a constrained run and the masked one-step alone on a profiler timeline, per loop step (or call) the
+mean time of the host's events inside it and of the GPU kernels that start inside it.
 
-    PYTHONPATH=$PWD python3 scripts/probe_structured.py --tokenizer DIR [--model qwen3-0.6b]
+    PYTHONPATH=$PWD python3 scripts/probe_structured.py --tokenizer DIR [--model qwen3-0.6b] [--trace]
 """
 import argparse
 import collections
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_structured import row_speeds, schema  # noqa: E402
+from gpu_trace import trace_events  # noqa: E402
 
 from nanojax import LLM, SamplingParams  # noqa: E402
 from nanojax import engine as engine_module, output as output_module, runner as runner_module, structured  # noqa: E402
@@ -29,11 +34,31 @@ def timed(cls, name, label=None):
     def wrapper(*args, **kw):
         start = time.perf_counter()
         try:
-            return fn(*args, **kw)
+            with jax.profiler.TraceAnnotation(label):  # (--trace's timeline)
+                return fn(*args, **kw)
         finally:
             TIMES[label] += time.perf_counter() - start
             CALLS[label] += 1
     setattr(cls, name, wrapper)
+
+
+def print_timeline(trace_dir: str, marker: str) -> None:
+    """Per host event named `marker` (but the first 10 and last 5): the mean time of the host events that start inside
+    it (over 15 us), of the GPU kernels that start inside it, and their first start to last end."""
+    kernels, host = trace_events(trace_dir)
+    spans = [(start, end) for name, start, end in host if name == marker][10:-5]
+    per = collections.defaultdict(float)
+    for s, e in spans:
+        for name, start, end in host:
+            if s <= start < e:
+                per[f"host {name[:60]}"] += end - start
+        inside = [(start, end) for _, start, end in kernels if s <= start < e]
+        per["GPU kernels, busy"] += sum(end - start for start, end in inside)
+        per["GPU kernels, first start to last end"] += inside[-1][1] - inside[0][0] if inside else 0
+    print(f"\n{marker}: mean us over {len(spans)}")
+    for label, ns in sorted(per.items(), key=lambda kv: -kv[1]):
+        if label.startswith("GPU") or ns / len(spans) > 15e3:
+            print(f"  {label:<70} {ns / len(spans) / 1e3:9.1f}")
 
 
 def main():
@@ -42,6 +67,7 @@ def main():
     ap.add_argument("--tokenizer", required=True)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--tiny", action="store_true", help="2 layers of width 64 (a CPU run: the host's share shows)")
+    ap.add_argument("--trace", action="store_true", help="the profiler timeline (a GPU)")
     args = ap.parse_args()
     from random_model import loaded_model, random_hf_model
     from transformers import PreTrainedTokenizerFast
@@ -116,6 +142,20 @@ def main():
                 times.append(time.perf_counter() - t)
             per = r.decode_steps if label.endswith("per step") else 1
             print(f"{label:<24} {np.median(times[10:]) / per * 1e3:.3f} ms")
+    if args.trace:  # Python's own tracing off: it would slow the loop it measures
+        options = jax.profiler.ProfileOptions()
+        options.python_tracer_level = 0
+
+        def alone():
+            for _ in range(40):
+                with jax.profiler.TraceAnnotation("masked one-step"):  # the call and its read back
+                    cases["masked one-step"]().tokens()
+        for marker, run in (("EngineCore._step", lambda: row_speeds(llm, [prompt], [bound])),
+                            ("masked one-step", alone)):
+            trace_dir = tempfile.mkdtemp()
+            with jax.profiler.trace(trace_dir, profiler_options=options):
+                run()
+            print_timeline(trace_dir, marker)
 
 
 if __name__ == "__main__":

@@ -43,9 +43,9 @@ def print_gaps(kernels, top: int) -> None:
 
 def print_host(host, top: int) -> None:
     by_name = collections.defaultdict(lambda: [0, 0])
-    for name, ns in host:
+    for name, start, end in host:
         by_name[name[:70]][0] += 1
-        by_name[name[:70]][1] += ns
+        by_name[name[:70]][1] += end - start
     print(f"{'host event':<70} {'count':>6} {'ms':>9}")
     for name, (n, ns) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]:
         print(f"{name:<70} {n:>6} {ns / 1e6:>9.3f}")
