@@ -1,6 +1,7 @@
 """A one-step dispatch's host cost, taken apart: the compiled program's call against its buffers' addresses (XLA
-re-records a program's CUDA graph when an argument's or result's address changed since its last run: its packed
-inputs', its results' while the previous ones are held) and against its number of array arguments.
+updates a program's CUDA graph where an argument's or result's address changed since its last run: its packed
+inputs', its results' while the previous ones are held), against how XLA builds its graph (the scheduling mode, the
+Pallas kernels left out of it), against its number of array arguments, and beside graphs of as many small kernels.
 
     PYTHONPATH=$PWD python3 scripts/probe_call_cost.py --tokenizer DIR
 
@@ -15,12 +16,14 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
 
 sys.path.insert(0, str(Path(__file__).parent))
 from random_model import loaded_model, random_hf_model  # noqa: E402
 
 from nanojax import LLM  # noqa: E402
 from nanojax import runner as R  # noqa: E402
+from pallas_kernels._compat import triton_params  # noqa: E402
 
 
 def timed(fn, calls=60, skip=10, hold=False) -> tuple[float, float]:
@@ -72,6 +75,57 @@ def address_cases(r) -> dict:
             "a donated staging copy": lambda: call(staged_inputs)}
 
 
+def graph_cases(r) -> dict:
+    """The masked one-step program compiled with XLA's graph (command buffer) options changed, its inputs on the
+    device at one address."""
+    table, sampling = [list(range(4))], R.greedy_sampling(1, r.neutral_slot)
+    masks = ([0], np.full((1, r.tables.allowed.shape[1]), -1, np.int32))
+    p = R.Program(1, 1, masked=True)
+    inputs = jax.device_put(R.pack((R._padded([5], 1), *r._inputs(p, R._stacked(table, 1, r.pages_per_seq), [40], [1],
+                                                                    sampling), R._padded([1], 1), R._padded((), 1, -1),
+                                    r._mask_rows(1, *masks)))[0])
+    cases = {}
+    for label, option in (("scheduled SERIALIZE", {"xla_gpu_command_buffer_scheduling_mode": "SERIALIZE"}),
+                          ("scheduled CONCURRENT", {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}),
+                          ("Pallas kernels outside the graph",
+                           {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUDNN,DYNAMIC_SLICE_FUSION"})):
+        program = r.lower(p).compile(compiler_options={**r.compiler_options(p), **option})
+
+        def call(program=program):
+            start = time.perf_counter()
+            *outs, r.last, r.cache, r.tables = program(r.params, r.cache, r.tables, r.last, inputs)
+            return time.perf_counter() - start, outs
+        cases[f"masked one-step, {label}"] = call
+    return cases
+
+
+def _sine(x_ref, o_ref):
+    o_ref[...] = jnp.sin(x_ref[...]) * 1.001
+
+
+def kernel_cases(n: int = 358) -> dict:
+    """A program of n small kernels in a row (the masked one-step's count): XLA fusions, or Pallas (Triton) kernels."""
+    interpret = jax.default_backend() != "gpu"
+    kw = {} if interpret else {"compiler_params": triton_params(4, 1)}
+
+    def chain(x, pallas):
+        for i in range(n):
+            x = (pl.pallas_call(_sine, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=interpret, **kw)(x)
+                 if pallas else jax.lax.optimization_barrier(jnp.sin(x) * (1 + i * 1e-3)))
+        return x
+    x = jax.device_put(np.ones((1, 4096), np.float32))
+    cases = {}
+    for label, pallas in (("XLA fusions", False), ("Pallas kernels", True)):
+        program = jax.jit(lambda x, pallas=pallas: chain(x, pallas)).lower(x).compile()
+
+        def call(program=program):
+            start = time.perf_counter()
+            out = program(x)
+            return time.perf_counter() - start, out
+        cases[f"{n} {label} in a row"] = call
+    return cases
+
+
 def leaf_cases() -> dict:
     """A trivial program called with n arrays (unused but kept) beside a small state."""
     cases = {}
@@ -103,11 +157,12 @@ def main():
               max_model_len=1024)
     skip = min(10, args.calls // 2)
     cases = [(label + held, run, bool(held)) for held in ("", ", results held") for label, run in
-             address_cases(llm.runner).items()] + [(label, run, False) for label, run in leaf_cases().items()]
+             address_cases(llm.runner).items()] + [(label, run, False) for label, run in (
+                 *graph_cases(llm.runner).items(), *kernel_cases().items(), *leaf_cases().items())]
     rows = [(label, *timed(run, args.calls, skip, hold)) for _ in range(2) for label, run, hold in cases]
-    print(f"{'case':<40} {'host ms':>8} {'total ms':>9}")
+    print(f"{'case':<52} {'host ms':>8} {'total ms':>9}")
     for label, host, total in rows:
-        print(f"{label:<40} {host:8.3f} {total:9.3f}")
+        print(f"{label:<52} {host:8.3f} {total:9.3f}")
 
 
 if __name__ == "__main__":
