@@ -2,8 +2,9 @@
 way) against the multi-step dispatch a constrained row takes beside unconstrained ones (its first draw masked, the
 later ones kept while the grammar allows them): tok/s, the tokens each dispatch kept, and whether the texts agree.
 
-    PYTHONPATH=$PWD python3 scripts/probe_run_ahead.py
+    PYTHONPATH=$PWD python3 scripts/probe_run_ahead.py [--model PATH_OR_GGUF]
 """
+import argparse
 import collections
 import dataclasses
 import time
@@ -40,13 +41,17 @@ def run_ahead(self, chunks):
 
 
 def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None, help="a checkpoint, HF folder or GGUF (default: the embedded model)")
+    ap.add_argument("--max-tokens", type=int, default=160)
+    args = ap.parse_args()
     output_module.OutputProcessor.accept = counting(output_module.OutputProcessor.accept)
     one_step = engine_module.EngineCore._constrain
-    llm = LLM()
+    llm = LLM(args.model) if args.model else LLM()
     prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": f"Describe a {who} as JSON with name, "
                                                    "age, email, city and skills."}], add_generation_prompt=True,
                                                  tokenize=False) for who in PEOPLE]
-    params = SamplingParams(temperature=0, max_tokens=160, structured_outputs={"json": SCHEMA})
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, structured_outputs={"json": SCHEMA})
     texts = {}
     for rep in range(2):  # the first round compiles
         for label, constrain in (("one step a dispatch", one_step), ("run ahead", run_ahead)):
