@@ -41,9 +41,8 @@ def timed(fn, calls=60, skip=10, hold=False) -> tuple[float, float]:
     return np.median(host[skip:]) * 1e3, np.median(total[skip:]) * 1e3
 
 
-def address_cases(r) -> dict:
-    """The masked one-step program, its packed inputs given as runner.decode gives them (a numpy buffer), already on
-    the device at one address, put there afresh, or copied into one donated device buffer by a program of its own."""
+def _masked_step(r) -> tuple:
+    """(the masked one-step Program of one row, runner.decode's arguments for it, a function packing its inputs)."""
     table, sampling = [list(range(4))], R.greedy_sampling(1, r.neutral_slot)
     masks = ([0], np.full((1, r.tables.allowed.shape[1]), -1, np.int32))
     p = R.Program(1, 1, masked=True)
@@ -51,15 +50,25 @@ def address_cases(r) -> dict:
     def packed():
         return R.pack((R._padded([5], 1), *r._inputs(p, R._stacked(table, 1, r.pages_per_seq), [40], [1], sampling),
                        R._padded([1], 1), R._padded((), 1, -1), r._mask_rows(1, *masks)))[0]
+    return p, ([5], table, [40], sampling, 1), masks, packed
 
-    r.decode([5], table, [40], sampling, 1, masks=masks).tokens()
-    program, on_device, staged = r._program(p), jax.device_put(packed()), [jax.device_put(packed())]
-    stage = jax.jit(lambda buffer, host: buffer.at[:].set(host), donate_argnums=(0,))
 
+def _caller(r, program):
+    """call(inputs) -> (seconds until program returned, its results), inputs() giving its packed inputs."""
     def call(inputs):
         start = time.perf_counter()
         *outs, r.last, r.cache, r.tables = program(r.params, r.cache, r.tables, r.last, inputs())
         return time.perf_counter() - start, outs
+    return call
+
+
+def address_cases(r) -> dict:
+    """The masked one-step program, its packed inputs given as runner.decode gives them (a numpy buffer), already on
+    the device at one address, put there afresh, or copied into one donated device buffer by a program of its own."""
+    p, args, masks, packed = _masked_step(r)
+    r.decode(*args, masks=masks).tokens()
+    call, on_device, staged = _caller(r, r._program(p)), jax.device_put(packed()), [jax.device_put(packed())]
+    stage = jax.jit(lambda buffer, host: buffer.at[:].set(host), donate_argnums=(0,))
 
     def staged_inputs():
         staged[0] = stage(staged[0], packed())
@@ -67,7 +76,7 @@ def address_cases(r) -> dict:
 
     def runner():
         start = time.perf_counter()
-        out = r.decode([5], table, [40], sampling, 1, masks=masks)._out
+        out = r.decode(*args, masks=masks)._out
         return time.perf_counter() - start, out
 
     return {"runner.decode": runner, "inputs on the device, one address": lambda: call(lambda: on_device),
@@ -78,25 +87,15 @@ def address_cases(r) -> dict:
 def graph_cases(r) -> dict:
     """The masked one-step program compiled with XLA's graph (command buffer) options changed, its inputs on the
     device at one address."""
-    table, sampling = [list(range(4))], R.greedy_sampling(1, r.neutral_slot)
-    masks = ([0], np.full((1, r.tables.allowed.shape[1]), -1, np.int32))
-    p = R.Program(1, 1, masked=True)
-    inputs = jax.device_put(R.pack((R._padded([5], 1), *r._inputs(p, R._stacked(table, 1, r.pages_per_seq), [40], [1],
-                                                                    sampling), R._padded([1], 1), R._padded((), 1, -1),
-                                    r._mask_rows(1, *masks)))[0])
-    cases = {}
-    for label, option in (("scheduled SERIALIZE", {"xla_gpu_command_buffer_scheduling_mode": "SERIALIZE"}),
-                          ("scheduled CONCURRENT", {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}),
-                          ("Pallas kernels outside the graph",
-                           {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUDNN,DYNAMIC_SLICE_FUSION"})):
-        program = r.lower(p).compile(compiler_options={**r.compiler_options(p), **option})
-
-        def call(program=program):
-            start = time.perf_counter()
-            *outs, r.last, r.cache, r.tables = program(r.params, r.cache, r.tables, r.last, inputs)
-            return time.perf_counter() - start, outs
-        cases[f"masked one-step, {label}"] = call
-    return cases
+    p, _, _, packed = _masked_step(r)
+    on_device = jax.device_put(packed())
+    options = {"scheduled SERIALIZE": {"xla_gpu_command_buffer_scheduling_mode": "SERIALIZE"},
+               "scheduled CONCURRENT": {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"},
+               "Pallas kernels outside the graph": {
+                   "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUDNN,DYNAMIC_SLICE_FUSION"}}
+    calls = {label: _caller(r, r.lower(p).compile(compiler_options={**r.compiler_options(p), **option}))
+             for label, option in options.items()}
+    return {f"masked one-step, {label}": lambda call=call: call(lambda: on_device) for label, call in calls.items()}
 
 
 def _sine(x_ref, o_ref):
