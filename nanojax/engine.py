@@ -254,18 +254,19 @@ class EngineCore:
 
     def _constrain(self, chunks) -> tuple[list, tuple | None, bool]:
         """-> (chunks, constrained rows' masks as set_masks's arguments or None, whether they are the step's only rows:
-        then the one-step decode carries them). Each constrained row takes one step, unless beside plain rows it may
-        keep the later draws its grammar allows (Request.speculative_constraint)."""
+        then the one-step decode carries them). Each constrained row takes one step, unless it may keep the later draws
+        its grammar allows (Request.speculative_constraint) beside plain rows, or alone once its model keeps to its
+        grammar (Request.run_ahead)."""
         constrained = [c for c in chunks if c.sample and c.seq.request.matcher is not None]
         if not constrained:
             return chunks, None, False
         reqs = [c.seq.request for c in constrained]
         masks = [r.slot for r in reqs], self.output.grammars.masks([r.matcher for r in reqs])
         decodes = [c for c in chunks if c.num_tokens == 1 and c.sample]
-        alone = all(c.seq.request.matcher is not None for c in decodes)
+        one_step = all(c.seq.request.matcher is not None for c in decodes) and not all(r.run_ahead for r in reqs)
         return [dataclasses.replace(c, num_steps=1) if c.sample and c.seq.request.matcher is not None and (
-            alone or not c.seq.request.speculative_constraint) else c for c in chunks], masks, \
-            alone and len(decodes) == len(chunks)
+            one_step or not c.seq.request.speculative_constraint) else c for c in chunks], masks, \
+            one_step and len(decodes) == len(chunks)
 
     def _release_slot(self, req: Request) -> None:
         if req.slot is not None:

@@ -12,6 +12,9 @@ from nanojax.sampling_params import SamplingParams
 from nanojax.sequence import Sequence
 from nanojax.structured import Grammars
 
+# Masked draws in a row that a constrained request's model would have drawn unmasked, after which it runs ahead alone.
+RUN_AHEAD_AFTER = 4
+
 
 @dataclasses.dataclass
 class Request:
@@ -29,6 +32,7 @@ class Request:
     stream_tokens: bool = False  # streamed without a tokenizer: an event for every step's new tokens
     slot: int | None = None  # its row of the runner's token tables, while it runs (bias, penalties, min_tokens, mask)
     matcher: object = None  # its structured output's llguidance matcher, at the tokens accepted so far
+    agreed: int = 0  # its last masked draws in a row that its model would have drawn unmasked (`run_ahead`)
     device_row: dict | None = None  # its sampling fields as the step's dtypes hold them (sampling_row)
     siblings: list[Sequence["Request"]] = dataclasses.field(default_factory=list)  # n > 1: admitted once cached
 
@@ -40,6 +44,13 @@ class Request:
         slot = neutral_slot if self.slot is None else self.slot
         return dict(self.device_row, counters=generated, slots=slot, ban_steps=max(0, p.min_tokens - generated),
                     mask_steps=int(self.matcher is not None))
+
+    @property
+    def run_ahead(self) -> bool:
+        """Whether, alone, it takes the multi-step dispatch (its later draws kept while its grammar allows them): its
+        model has kept to its grammar for its last RUN_AHEAD_AFTER masked draws (docs/perf_notes.md, "Structured
+        outputs: masks in the engine")."""
+        return self.speculative_constraint and self.agreed >= RUN_AHEAD_AFTER
 
     @property
     def speculative_constraint(self) -> bool:
@@ -117,6 +128,12 @@ class OutputProcessor:
                 out.finish_reason = "length"
             if out.finish_reason:
                 break
+        if req.matcher is not None:
+            agrees = pending.agrees()
+            if agrees is not None:  # a masked one-step dispatch
+                req.agreed = req.agreed + 1 if agrees[0, row] else 0
+            elif len(kept) < num_steps and not out.finish_reason:  # its grammar cut the draws after the masked one
+                req.agreed = 0
         if req.params.logprobs is not None:
             logprobs, top_ids, top_logprobs = pending.logprobs()
             for step in range(len(kept)):

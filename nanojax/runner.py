@@ -22,7 +22,7 @@ from nanojax.config import EngineConfig
 from nanojax.kv_cache import Batch, KVCache
 from nanojax.model import forward, lm_logits
 from nanojax.ops import get_ops
-from nanojax.sampling import MAX_LOGPROBS, Sampled, SamplingBatch, TokenTables, limited_bias, sample
+from nanojax.sampling import MAX_LOGPROBS, Sampled, SamplingBatch, TokenTables, limited_bias, sample, unmasked_tokens
 from nanojax.sampling_params import DEVICE_FIELDS
 from nanojax.speculative import speculative_decode
 from pallas_kernels._compat import num_sms
@@ -106,30 +106,37 @@ def decode_step(params, cache, tables, prev, tokens, batch: Batch, sampling: Sam
     the first step's; row_steps: [B], the steps row b takes, after which it writes no KV and counts no token. ->
     (Sampled [num_steps, B], last tokens [S]: row b's step row_steps[b], cache, tables). spec: the same tokens in
     fewer forwards (nanojax.speculative), its stats [3] returned after Sampled. masks: set_masks's arguments, written
-    first (constrained rows alone: one dispatch a token, not two)."""
+    first (constrained rows alone: one dispatch a token, not two); then after Sampled, [num_steps, B] whether each
+    draw is the one the row would make unmasked (`unmasked_tokens`: whether its model keeps to its grammar)."""
     tokens = chained(prev, tokens, sources)
     if masks is not None:
         tables = set_masks(tables, *masks)
     shape = (num_steps, tokens.shape[0])
     out = Sampled(jnp.zeros(shape, jnp.int32), jnp.zeros(shape), jnp.zeros((*shape, MAX_LOGPROBS), jnp.int32),
                   jnp.zeros((*shape, MAX_LOGPROBS)))
+    agrees = jnp.zeros(shape, jnp.bool_)
     if spec is not None:
         out, cache, tables, stats = speculative_decode(params, cache, tables, tokens, batch, sampling, row_steps, out,
                                                        config=config, ops=ops, spec=spec, draft=draft)
         return out, stats, _last_of(out, row_steps, prev.shape[0]), cache, tables
 
     def body(i, carry):
-        tokens, cache, tables, seq_lens, out = carry
+        tokens, cache, tables, seq_lens, out, agrees = carry
         active = jnp.where(i < row_steps, batch.q_lens, 0)
         hidden, cache = forward(params, tokens[:, None], cache, batch.replace(seq_lens=seq_lens, q_lens=active),
                                 config=config, ops=ops)
-        new = sample(lm_logits(params, hidden[:, 0], ops), sampling, tables, i, ops=ops)
+        logits = lm_logits(params, hidden[:, 0], ops)
+        new = sample(logits, sampling, tables, i, ops=ops)
         out = jax.tree.map(lambda o, n: o.at[i].set(n), out, new)
+        if masks is not None:
+            agrees = agrees.at[i].set(unmasked_tokens(logits, sampling, tables, i) == new.tokens)
         counted = jnp.where(active > 0, sampling.slots, tables.neutral)
-        return new.tokens, cache, tables.count(counted, new.tokens), seq_lens + active, out
+        return new.tokens, cache, tables.count(counted, new.tokens), seq_lens + active, out, agrees
 
-    _, cache, tables, _, out = jax.lax.fori_loop(0, num_steps, body, (tokens, cache, tables, batch.seq_lens, out))
-    return out, _last_of(out, row_steps, prev.shape[0]), cache, tables
+    _, cache, tables, _, out, agrees = jax.lax.fori_loop(0, num_steps, body,
+                                                         (tokens, cache, tables, batch.seq_lens, out, agrees))
+    last = _last_of(out, row_steps, prev.shape[0])
+    return (out, agrees, last, cache, tables) if masks is not None else (out, last, cache, tables)
 
 
 def _last_of(out: Sampled, row_steps, size: int):
@@ -445,7 +452,8 @@ class ModelRunner:
             self._spec_pending.append(outs.pop())
             if len(self._spec_pending) >= 256:  # folded in now and then: a server never asks
                 self.speculation_stats()
-        return Pending(*outs)
+        out, *agrees = outs
+        return Pending(out, agrees=agrees[0] if agrees else None)
 
     def speculation_stats(self) -> np.ndarray:
         """[3] int64 since the start: speculative forwards, row-forwards verifying proposals, the tokens those gave."""
@@ -535,14 +543,19 @@ def buffer_addresses(tree) -> frozenset[int]:
 class Pending:
     """A dispatched step's results on device: the host goes on while the GPU computes, and waits when it reads them."""
 
-    def __init__(self, out: Sampled, prompt: PromptLogprobs | None = None):
-        self._out, self._prompt, self._tokens, self._logprobs = out, prompt, None, None
+    def __init__(self, out: Sampled, prompt: PromptLogprobs | None = None, agrees=None):
+        self._out, self._prompt, self._tokens, self._logprobs, self._agrees = out, prompt, None, None, agrees
 
     def tokens(self) -> np.ndarray:
         """-> [num_steps, rows] int32 (waits for the step; copied to the host once)."""
         if self._tokens is None:
-            self._tokens = np.asarray(self._out.tokens)
+            self._tokens, self._agrees = jax.device_get((self._out.tokens, self._agrees))
         return self._tokens
+
+    def agrees(self) -> np.ndarray | None:
+        """A masked step's [num_steps, rows] bools: each draw is the one its row would make unmasked; else None."""
+        self.tokens()
+        return self._agrees
 
     def logprobs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """-> (logprobs [num_steps, rows], top_ids and top_logprobs [num_steps, rows, MAX_LOGPROBS]), fetched once."""

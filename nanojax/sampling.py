@@ -103,6 +103,14 @@ def sample(logits, s: SamplingBatch, tables: TokenTables, step, *, ops) -> Sampl
     return Sampled(tokens, chosen, top_ids, top_logits - log_norm[:, None])
 
 
+def unmasked_tokens(logits, s: SamplingBatch, tables: TokenTables, step):
+    """sample()'s draw with no constraint mask and no filters (the rows whose later draws a grammar may keep have
+    none): the same noise, so where it equals sample()'s token, the model's own choice was allowed."""
+    model = _adjust(logits, s, tables, step)
+    noisy = model / jnp.maximum(s.temperature, 1e-6)[:, None] + _gumbel(s.seeds, s.counters + step, model.shape[1])
+    return jnp.argmax(jnp.where(s.temperature[:, None] > 0, noisy, model), axis=-1).astype(jnp.int32)
+
+
 def _adjust(logits, s: SamplingBatch, tables: TokenTables, step):
     """logit_bias (with the vocabulary limit's -inf), then the repetition penalty (HF's: over prompt and output), the
     presence/frequency penalties (OpenAI's: over the output only) and the min_tokens ban."""

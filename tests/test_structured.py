@@ -12,6 +12,7 @@ import torch
 from conftest import TINY, build_hf_model
 
 from nanojax import LLM, SamplingParams
+from nanojax import output as output_module
 from nanojax.default_model import default_checkpoint
 from nanojax.loader import load_hf_tokenizer
 from nanojax.structured import StructuredOutputs
@@ -83,6 +84,44 @@ def test_greedy_constrained_tokens_equal_hf_under_the_same_masks(tiny, tokenizer
     assert [o.token_ids for o in alone] == refs
     assert [o.token_ids for o in mixed[:4]] == refs and [o.token_ids for o in mixed[4:]] == free_alone
     assert alone[2].text in ("red", "green", "blue") and alone[2].finish_reason == "stop"
+
+
+def test_constrained_rows_alone_running_ahead_keep_their_tokens(tiny, tokenizer, monkeypatch):
+    """Alone, a row whose model has kept to its grammar takes the multi-step dispatch, its later draws kept while the
+    grammar allows them: greedy, HF's tokens under the same masks; seeded sampling, the one-step path's tokens."""
+    folder, hf = tiny
+    prompt = tokenizer.encode("Answer:")
+    refs = [masked_greedy(hf, tokenizer, prompt, c, 40) for c in CONSTRAINTS]
+    greedy = [SamplingParams(temperature=0, max_tokens=40, structured_outputs=c) for c in CONSTRAINTS]
+    sampled = SamplingParams(temperature=1.0, seed=5, max_tokens=30, structured_outputs=StructuredOutputs(json=PERSON))
+    with LLM(str(folder), dtype="float32", page_size=4, max_model_len=128) as llm:
+        one_step = llm.generate([prompt], sampled, use_tqdm=False)[0]
+        dispatches = []
+        decode = llm.runner.decode
+        monkeypatch.setattr(llm.runner, "decode", lambda *a, **k: dispatches.append(a[4]) or decode(*a, **k))
+        monkeypatch.setattr(output_module, "RUN_AHEAD_AFTER", 0)
+        ahead = [llm.generate([prompt], p, use_tqdm=False)[0] for p in greedy]
+        ahead_sampled = llm.generate([prompt], sampled, use_tqdm=False)[0]
+    assert [o.token_ids for o in ahead] == refs
+    assert ahead_sampled.token_ids == one_step.token_ids
+    assert max(dispatches) == llm.runner.decode_steps  # (a random model seldom keeps a run: no fewer dispatches)
+
+
+def test_run_ahead_follows_the_models_agreement(tiny, tokenizer):
+    """A request's agreement: masked draws its model would have made unmasked, counted from the masked program; the
+    default model, answering in JSON, runs ahead after RUN_AHEAD_AFTER of them and keeps its tokens."""
+    with LLM(max_model_len=512, max_num_seqs=2) as llm:
+        chat = llm.apply_chat_template([{"role": "user", "content": "Describe a person as JSON with a name and an age."}])
+        params = SamplingParams(temperature=0, max_tokens=60, structured_outputs={"json": PERSON})
+        steps = []
+        decode = llm.runner.decode
+        llm.runner.decode = lambda *a, **k: steps.append(a[4]) or decode(*a, **k)
+        out = llm.generate([chat], params, use_tqdm=False)[0]
+        mixed = llm.generate([chat, chat], [params, SamplingParams(temperature=0, max_tokens=60)], use_tqdm=False)
+    assert steps[:output_module.RUN_AHEAD_AFTER] == [1] * output_module.RUN_AHEAD_AFTER
+    assert max(steps) == llm.runner.decode_steps
+    assert out.token_ids == mixed[0].token_ids
+    jsonschema.validate(json.loads(out.text), PERSON)
 
 
 @pytest.mark.parametrize("speculation", [None, {"method": "ngram", "num_speculative_tokens": 3}])
