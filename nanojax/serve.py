@@ -152,7 +152,8 @@ class _MessageParser:
             if reasoning:
                 fields["reasoning_content"] = reasoning
             if calls:
-                fields["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls, self.tools.calls - len(calls))]
+                first = self.tools.calls - len(calls)
+                fields["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls, first)]
             return fields
         if self.reasoning:
             fields["reasoning_content"] = reasoning or None
@@ -483,10 +484,10 @@ class _Server:
         self.check_model(body.model)
         if body.messages is not None:
             ids = await self.chat_prompt(body)
-        elif self.llm.tokenizer is None:
+        elif (tokenizer := self.llm.tokenizer) is None:
             raise RequestError(400, "this model has no tokenizer", "prompt")
         else:
-            encode = functools.partial(self.llm.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens)
+            encode = functools.partial(tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens)
             ids = await self.tokenized(encode, "prompt")
         return {"tokens": ids, "count": len(ids), "max_model_len": self.llm.max_model_len}
 
