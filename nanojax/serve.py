@@ -76,6 +76,17 @@ def _param_of(message: str, prompt_field: str, renames: dict[str, str]) -> str |
     return renames.get(word, word) if word in _SAMPLING_FIELDS else None
 
 
+@contextlib.contextmanager
+def _engine_errors(prompt_field: str, renames: dict[str, str] | None = None):
+    """ValueErrors of the engine or SamplingParams as 400s naming the field; RuntimeErrors (it has died) as 503s."""
+    try:
+        yield
+    except ValueError as e:
+        raise RequestError(400, str(e), _param_of(str(e), prompt_field, renames or {})) from None
+    except RuntimeError as e:
+        raise RequestError(503, str(e), kind="server_error") from None
+
+
 def _completion_prompts(llm, prompt, limits: ServerLimits) -> tuple[list[list[int]], list[str | None]]:
     """-> (token ids, the text as given or None) per prompt."""
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
@@ -142,7 +153,7 @@ class _MessageParser:
                 fields["reasoning_content"] = reasoning
             if calls:
                 first = self.tools.calls - len(calls)
-                fields["tool_calls"] = [{"index": first + k, **call} for k, call in enumerate(calls)]
+                fields["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls, first)]
             return fields
         if self.reasoning:
             fields["reasoning_content"] = reasoning or None
@@ -172,10 +183,11 @@ class _Response:
         return event.index * self.body.n + event.choice
 
     def choice(self, event: RequestOutput, streamed: bool) -> dict:
-        """The choice's fields for the event's new tokens and text (streamed) or for all of them."""
+        """The choice's fields for the event's new tokens and text (streamed) or for all of them (then `sent` is
+        empty: a response is streamed or whole)."""
         i = self.choice_index(event)
         first = i not in self.sent
-        start = self.sent.get(i, 0) if streamed else 0
+        start = self.sent.get(i, 0)
         self.sent[i] = max(start, len(event.token_ids))
         text = event.delta if streamed else event.text
         # (token id, its logprob, {id: logprob} of the top N) per token from `start` on
@@ -186,10 +198,9 @@ class _Response:
             if first:
                 fields["prompt_token_ids"] = self.prompts[event.index]
         if self.chat:
-            parser = self.parsers.setdefault(i, self.message_parser()) if streamed else self.message_parser()
+            parser = self.parsers.setdefault(i, self.message_parser())
             message = parser.fields(text, streamed, final=event.finish_reason is not None)
-            fields["delta" if streamed else "message"] = {"role": "assistant", **message} if first or not streamed \
-                else message
+            fields["delta" if streamed else "message"] = {"role": "assistant", **message} if first else message
             if parser.tools and parser.tools.calls and event.finish_reason == "stop":
                 fields["finish_reason"] = "tool_calls"
             if self.logprobs:
@@ -200,7 +211,7 @@ class _Response:
             if echo:  # the prompt's tokens with their logprobs (SamplingParams.prompt_logprobs), the first's null
                 prompt_lps = event.prompt_logprobs or [None] * len(self.prompts[event.index])
                 entries = [(t, *(lp or (None, None))) for t, lp in zip(self.prompts[event.index], prompt_lps)] + entries
-            fields["logprobs"] = _completion_logprobs(self.llm, entries, self.text_len.get(i, 0) if streamed else 0)
+            fields["logprobs"] = _completion_logprobs(self.llm, entries, self.text_len.get(i, 0))
         fields["text"] = echo + text
         self.text_len[i] = self.text_len.get(i, 0) + len(fields["text"])
         return fields
@@ -247,7 +258,7 @@ class _Guard:
     set); 413 for a body over max_bytes (declared, or found so while it streams in)."""
 
     def __init__(self, app, max_bytes: int, api_key: str | None):
-        self.app, self.max_bytes = app, max_bytes
+        self.app, self.max_bytes, self.too_large = app, max_bytes, f"request body is over {max_bytes} bytes"
         self.expected = None if api_key is None else f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send):
@@ -260,8 +271,7 @@ class _Guard:
             return await JSONResponse(refusal, status_code=401)(scope, receive, send)
         declared = headers.get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.max_bytes:
-            too_large = error_body(f"request body is over {self.max_bytes} bytes")
-            return await JSONResponse(too_large, status_code=413)(scope, receive, send)
+            return await JSONResponse(error_body(self.too_large), status_code=413)(scope, receive, send)
         received = 0
 
         async def limited_receive():
@@ -269,7 +279,7 @@ class _Guard:
             message = await receive()
             received += len(message.get("body", b""))
             if received > self.max_bytes:
-                raise HTTPException(413, f"request body is over {self.max_bytes} bytes")
+                raise HTTPException(413, self.too_large)
             return message
 
         await self.app(scope, limited_receive, send)
@@ -321,19 +331,9 @@ class _Server:
             raise RequestError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                                "model", "NotFoundError", "model_not_found")
 
-    @staticmethod
-    def engine_call(fn, prompt_field: str, renames: dict[str, str]):
-        """fn() with the engine's and SamplingParams' ValueErrors as 400s naming the field."""
-        try:
-            return fn()
-        except ValueError as e:
-            raise RequestError(400, str(e), _param_of(str(e), prompt_field, renames)) from None
-        except RuntimeError as e:  # the engine has died
-            raise RequestError(503, str(e), kind="server_error") from None
-
     async def tokenized(self, fn, prompt_field: str):
-        """engine_call(fn) in the tokenizing pool: for what encodes or decodes text a client sent."""
-        return await asyncio.get_running_loop().run_in_executor(self.tokenizing, self.engine_call, fn, prompt_field, {})
+        with _engine_errors(prompt_field):
+            return await asyncio.get_running_loop().run_in_executor(self.tokenizing, fn)
 
     async def chat_prompt(self, body) -> list[int]:
         """The prompt of a chat request, or of /tokenize's messages: its messages, tools and template variables."""
@@ -376,18 +376,21 @@ class _Server:
         """Adds one engine request per prompt; answers with their events streamed (SSE) or collected whole."""
         body, prompt_field, renames = response.body, "prompt", {}
         if response.chat:  # errors name the chat request's fields
-            prompt_field = "messages"
-            renames = {"logprobs": "top_logprobs",
-                       "max_tokens": "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"}
+            prompt_field, renames = "messages", {"logprobs": "top_logprobs"}
+            if body.max_completion_tokens is not None:
+                renames["max_tokens"] = "max_completion_tokens"
         # StructuredOutputs' errors name the field that asked for the constraint
         renames["structured_outputs"], constraint = self.constraint(body, response.chat)
-        params = self.engine_call(lambda: self.sampling_params(body, max_tokens, logprobs, prompt_logprobs, constraint),
-                                  prompt_field, renames)
+        with _engine_errors(prompt_field, renames):
+            params = self.sampling_params(body, max_tokens, logprobs, prompt_logprobs, constraint)
         stream = RequestStream(loop=asyncio.get_running_loop())
-        request_ids: list[str] = []
+        request_ids = [f"{response.head['id']}-{i}" for i in range(len(response.prompts))]
         close = functools.partial(self.close, stream, request_ids)
-        try:
-            self.engine_call(lambda: self.add_requests(response, params, stream, request_ids), prompt_field, renames)
+        try:  # a refused prompt aborts those added before it
+            with _engine_errors(prompt_field, renames):
+                for i, (ids, request_id) in enumerate(zip(response.prompts, request_ids)):
+                    self.llm.add_request(ids, params, request_id=request_id, index=i, stream=stream,
+                                         stream_text=body.stream)
         except RequestError:
             close()
             raise
@@ -411,7 +414,6 @@ class _Server:
 
     def sampling_params(self, body, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None,
                         constraint: dict | None) -> SamplingParams:
-        """SamplingParams from the request's fields; past the server's limits (or a malformed logit_bias): 400."""
         if max_tokens > self.token_limit:
             raise RequestError(400, f"max_tokens={max_tokens} is more than this server allows ({self.token_limit})",
                                "max_tokens")
@@ -427,13 +429,6 @@ class _Server:
                                  "stop_token_ids": tuple(body.stop_token_ids or ()), "stop": body.stop or (),
                                  "logit_bias": bias or None, "logprobs": logprobs, "prompt_logprobs": prompt_logprobs,
                                  "structured_outputs": constraint})
-
-    def add_requests(self, response: _Response, params: SamplingParams, stream: RequestStream,
-                     request_ids: list[str]) -> None:
-        for i, ids in enumerate(response.prompts):
-            request_ids.append(f"{response.head['id']}-{i}")  # before adding: a refused one is aborted too
-            self.llm.add_request(ids, params, request_id=request_ids[-1], index=i, stream=stream,
-                                 stream_text=response.body.stream)
 
     def close(self, stream: RequestStream, request_ids: list[str]) -> None:
         """Aborts the requests unless all have finished; counted as aborted if the stream had not finished."""
@@ -487,10 +482,9 @@ class _Server:
 
     async def tokenize(self, body: TokenizeRequest):
         self.check_model(body.model)
-        tokenizer = self.llm.tokenizer
         if body.messages is not None:
             ids = await self.chat_prompt(body)
-        elif tokenizer is None:
+        elif (tokenizer := self.llm.tokenizer) is None:
             raise RequestError(400, "this model has no tokenizer", "prompt")
         else:
             encode = functools.partial(tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens)
@@ -544,21 +538,18 @@ async def _events(stream: RequestStream, response: _Response, metrics: ServeMetr
     last: dict[int, float] = {}  # choice -> when its previous events came
     async for batch in stream.batches():
         now = time.perf_counter()
-        by_choice: dict[int, list[RequestOutput]] = {}
+        merged: dict[int, RequestOutput] = {}  # choice -> its last event, with the deltas of all
         for event in batch:
-            by_choice.setdefault(response.choice_index(event), []).append(event)
-        events = [same[-1] if len(same) == 1 else dataclasses.replace(same[-1], delta="".join(e.delta for e in same))
-                  for same in by_choice.values()]
-        for i, event in zip(by_choice, events):
+            i = response.choice_index(event)
+            merged[i] = dataclasses.replace(event, delta=merged[i].delta + event.delta) if i in merged else event
+        for i, event in merged.items():
             if i in last:
                 metrics.itl.observe(now - last[i])
             last[i] = now
             if event.finish_reason is not None:
                 response.finals[i] = event
                 metrics.choice_done(event)
-                if event.choice == 0:
-                    metrics.prompt_done(len(event.prompt_token_ids), event.num_cached_tokens)
-        yield events
+        yield list(merged.values())
     metrics.e2e.observe(time.perf_counter() - response.arrival)  # every choice has ended
 
 
@@ -649,11 +640,10 @@ def parse_args(argv=None):
     p.add_argument("--kernels", default="auto", choices=["auto", "pallas", "reference", "interpret"])
     p.add_argument("--tensor-parallel-size", type=int, default=None,
                    help="split the model over this many GPUs (default: one)")
-    limits = ServerLimits()
-    p.add_argument("--max-body-bytes", type=int, default=limits.max_body_bytes)
-    p.add_argument("--max-n", type=int, default=limits.max_n)
+    p.add_argument("--max-body-bytes", type=int, default=ServerLimits.max_body_bytes)
+    p.add_argument("--max-n", type=int, default=ServerLimits.max_n)
     p.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens (default: max_model_len)")
-    p.add_argument("--max-prompts", type=int, default=limits.max_prompts, help="prompts per completions request")
+    p.add_argument("--max-prompts", type=int, default=ServerLimits.max_prompts, help="prompts per completions request")
     p.add_argument("--engine-in-process", action="store_true", help="run the engine loop in the server's process "
                    "(default: a process of its own, so that HTTP work and the loop do not share one GIL)")
     p.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,

@@ -36,17 +36,16 @@ class ServeMetrics:
         self.e2e = Histogram("nanojax_request_latency_seconds", "From a request's arrival to its last choice's end",
                              **latency)
 
-    def prompt_done(self, num_prompt_tokens: int, num_cached_tokens: int) -> None:
-        self.prompt_tokens.inc(num_prompt_tokens)
-        self.cached_tokens.inc(num_cached_tokens)
-        self._queried += num_prompt_tokens
-        self._hits += num_cached_tokens
-
     def choice_done(self, event) -> None:
         self.generation_tokens.inc(len(event.token_ids))
         self.finished.labels(event.finish_reason).inc()
         if event.time_to_first_token is not None:
             self.ttft.observe(event.time_to_first_token)
+        if event.choice == 0:  # its prompt's, once for the prompt's n choices
+            self.prompt_tokens.inc(len(event.prompt_token_ids))
+            self.cached_tokens.inc(event.num_cached_tokens)
+            self._queried += len(event.prompt_token_ids)
+            self._hits += event.num_cached_tokens
 
     def exposition(self, stats: EngineStats | None, up: bool) -> bytes:
         """The metrics with the engine's load just read (None: it could not be read; its gauges keep their values)."""
