@@ -1,9 +1,7 @@
 """A llama.cpp GGUF file (llama, qwen2, qwen3, qwen3moe; Mixtral is llama with experts) as a source: its metadata as
-an HF config, its tensors by HF name, read when asked for (a tensor without an HF name keeps its GGUF name:
-convert/keys.py reports it unmapped). A layer's experts stay stacked [E, ...] as the file holds them, gate and up apart.
-
-GGUF dims run fastest-first: its [in, out] is HF's [out, in]. llama.cpp permutes the llama arch's q/k rows (its RoPE
-rotates adjacent pairs, HF's the halves of each head); reading undoes that, as transformers does. Llama 3's RoPE
+an HF config, its tensors by HF name, read when asked for (one without an HF name keeps its GGUF name: convert/keys.py
+reports it unmapped). GGUF dims run fastest-first: its [in, out] is HF's [out, in]. llama.cpp permutes the llama
+arch's q/k rows (its RoPE rotates adjacent pairs, HF's the halves of each head); reading undoes that. Llama 3's RoPE
 scaling comes back from the rope_freqs tensor; scalings in metadata (linear, yarn) are refused, as in config.py.
 """
 import contextlib
@@ -48,8 +46,7 @@ _LAYER_NAMES = {
 }
 _TOP_FROM_HF = {hf: name for name, hf in _TOP_NAMES.items()}
 _LAYER_FROM_HF = {hf: name for name, hf in _LAYER_NAMES.items()}
-# llama.cpp writes rope_freqs.weight for Llama 3.x (per-frequency divisors) and no metadata for that scaling:
-# _llama3_rope_scaling turns it back into the config's rope_scaling. Only the llama arch has it.
+# Llama 3.x's per-frequency RoPE divisors, written without metadata for the scaling; only the llama arch has it.
 _ROPE_FREQS = "rope_freqs.weight"
 
 _SCALAR_BYTES = {kind: np.dtype(t).itemsize for kind, t in gguf.GGUFReader.gguf_scalar_to_np.items()}
@@ -108,7 +105,7 @@ def _open(path: Path) -> gguf.GGUFReader:
 
 def _header_problem(path: Path) -> str | None:
     """What is wrong with a file gguf's reader refused, read field by field (gguf's errors name no metadata entry or
-    tensor): where the header ends early, or a tensor of unknown type or past the end; None: gguf's message says."""
+    tensor); None: gguf's message says."""
     with open(path, "rb") as f:
         size, where, infos, alignment = os.fstat(f.fileno()).st_size, "the GGUF header", [], gguf.GGUF_DEFAULT_ALIGNMENT
 
@@ -127,7 +124,7 @@ def _header_problem(path: Path) -> str | None:
             if kind == GGUFValueType.STRING:
                 return string()
             if kind != GGUFValueType.ARRAY:
-                return unpack({1: "B", 2: "H", 4: "I", 8: "Q"}[_SCALAR_BYTES[GGUFValueType(kind)]])[0]
+                return int.from_bytes(take(_SCALAR_BYTES[GGUFValueType(kind)]), "little")
             item, count = unpack("IQ")
             if item in _SCALAR_BYTES:
                 take(_SCALAR_BYTES[GGUFValueType(item)] * count)

@@ -1,10 +1,8 @@
-"""The key table from HF tensor names to nanojax params, per architecture, with the fusing and transposing.
-
-Every tensor is shape-checked; a missing or unmapped one is an error naming it. Params come out a layer at a time in
-the checkpoint's dtype, so a conversion holds one layer in float32 at most. Linear weights go from HF's [out, in] to
-[in, out] (GPT-2's Conv1D already is). An RMSNorm's scale is folded into the rows of the projection after it, which
-then needs only the norm's statistic (pallas_kernels/rmsnorm_matmul.py); GPT-2's LayerNorms, the final norm (the tied
-embedding after it must stay unscaled), Qwen3's q/k norms and the norm before a MoE router stay as they are.
+"""The key table from HF tensor names to nanojax params, per architecture: every tensor shape-checked, a missing or
+unmapped one an error naming it. Params come out a layer at a time in the checkpoint's dtype, so a conversion holds
+one layer in float32 at most. An RMSNorm's scale is folded into the rows of the projection after it, which then needs
+only the norm's statistic (pallas_kernels/rmsnorm_matmul.py); GPT-2's LayerNorms, the final norm (the tied embedding
+after it must stay unscaled), Qwen3's q/k norms and the norm before a MoE router stay as they are.
 """
 import collections
 import concurrent.futures
@@ -97,9 +95,8 @@ def _mlp(r: _Reader, c: ModelConfig, p: str) -> dict:
 
 def _experts(r: _Reader, c: ModelConfig, p: str, mixtral: bool) -> dict:
     """The routed experts: {mlp_norm {scale [H]}, router {w [H, E]}, experts {up {w [E, H, 2I]}, down {w [E, I, H]}}},
-    from one tensor per expert as checkpoints store them (Mixtral's w1 / w3 / w2 under block_sparse_moe), or stacked
-    [E, ...]: as transformers 5 holds them, or with gate and up apart as a GGUF holds them (convert/gguf_source.py).
-    The norm stays apart: the router reads the normalized rows too."""
+    from one tensor per expert (Mixtral's w1 / w3 / w2 under block_sparse_moe), stacked [E, ...] as transformers 5
+    holds them, or stacked with gate and up apart as a GGUF does. The norm stays apart: the router reads its output."""
     e, h, i = c.moe.num_experts, c.hidden_size, c.intermediate_size
     gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
     # Stacked unless expert 0 has tensors of its own: a stacked tensor missing is then named as such.
@@ -158,15 +155,11 @@ def param_parts(config: ModelConfig, model_type: str, tensors: Mapping[str, Call
     else:
         top = {"embed": r.get("model.embed_tokens.weight", vh),
                "final_norm": {"scale": r.get("model.norm.weight", (h,))}}
-    if c.tie_word_embeddings:
-        if "lm_head.weight" in tensors:  # a tied copy some checkpoints still store
-            r.used.add("lm_head.weight")
-            tied = np.asarray(tensors["lm_head.weight"]())
-            if tied.shape != vh or not np.array_equal(tied, top["embed"]):
-                raise CheckpointError("lm_head.weight differs from the embedding but the config ties them")
-    else:
-        r.prefix = ""
+    r.prefix = ""  # GPT-2's lm_head.weight is outside "transformer."
+    if not c.tie_word_embeddings:
         top["lm_head"] = r.get("lm_head.weight", vh).T
+    elif r.has("lm_head.weight") and not np.array_equal(r.get("lm_head.weight", vh), top["embed"]):
+        raise CheckpointError("lm_head.weight differs from the embedding but the config ties them")
     unmapped = sorted(n for n in set(tensors) - r.used if not (gpt2 and n.endswith(_IGNORED_SUFFIXES)))
     if unmapped:
         raise CheckpointError(f"{len(unmapped)} unmapped tensor(s) in the checkpoint: "

@@ -102,9 +102,8 @@ def normalized_hf_config(raw: dict) -> dict:
 
 
 def config_as_written(folder: Path) -> ModelConfig | None:
-    """The config of an HF folder's config.json read without transformers, for work that starts before the normalized
-    config is known and is checked against it; only rope_theta / rope_scaling move into rope_parameters, as
-    transformers 5 does. None if unreadable or a field ModelConfig reads is left out."""
+    """An HF folder's config read without transformers (rope_theta / rope_scaling moved into rope_parameters, as
+    transformers 5 does), for work checked later against the normalized one; None if unreadable or incomplete."""
     try:
         raw = _read_config(folder)
         if "rope_parameters" not in raw and "rope_theta" in raw:
