@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._compat import check_vector, dot, is_power_of_2, load, pow2_divisor, store, triton_params
+from pallas_kernels._compat import check_pow2, check_vector, dot, load, pow2_divisor, store, triton_params
 from pallas_kernels.expert_matmul import expert_shape
 
 
@@ -24,8 +24,7 @@ class GroupedMatmulConfig:
     num_stages: int = 3
 
     def __post_init__(self):
-        if not (is_power_of_2(self.block_n) and is_power_of_2(self.block_k)):
-            raise ValueError(f"block sizes must be powers of two, got {self}")
+        check_pow2(self, ("block_n", "block_k"))
 
 
 def block_rows(num_choices: int, num_experts: int) -> int:
