@@ -80,10 +80,9 @@ def expert_matmul(x, w, scale, ids, *, config: ExpertMatmulConfig | None = None,
         raise ValueError(f"x [M, {k}] and experts of [{k_w}, {n}] must share K, divisible by split_k * block_k, and "
                          f"N by block_n: {config}")
     check_vector("ids", ids, m)
-    if scale is None:
-        w_spec, scales = pl.BlockSpec((num_experts, k_split, bn), lambda r, c, s: (0, s, c)), []
-    else:
-        w_spec, scales = pl.BlockSpec((num_experts, bn, k_split), lambda r, c, s: (0, c, s)), [scale]
+    scales = [] if scale is None else [scale]
+    w_spec = (pl.BlockSpec((num_experts, bn, k_split), lambda r, c, s: (0, c, s)) if scales else
+              pl.BlockSpec((num_experts, k_split, bn), lambda r, c, s: (0, s, c)))
     return pl.pallas_call(
         functools.partial(_kernel, block_k=config.block_k),
         grid=(m, n // bn, config.split_k),

@@ -84,10 +84,9 @@ def grouped_matmul(x, w, scale, block_experts, *, config: GroupedMatmulConfig | 
         raise ValueError(f"x's {rows} rows must be whole blocks of >= 16 for {num_blocks} block_experts")
     check_vector("block_experts", block_experts, num_blocks)
     bn = config.block_n
-    if scale is None:
-        w_spec, scales = pl.BlockSpec((num_experts, k, bn), lambda c, b: (0, 0, c)), []
-    else:
-        w_spec, scales = pl.BlockSpec((num_experts, bn, k), lambda c, b: (0, c, 0)), [scale]
+    scales = [] if scale is None else [scale]
+    w_spec = (pl.BlockSpec((num_experts, bn, k), lambda c, b: (0, c, 0)) if scales else
+              pl.BlockSpec((num_experts, k, bn), lambda c, b: (0, 0, c)))
     return pl.pallas_call(
         functools.partial(_kernel, block_k=config.block_k),
         grid=(n // bn, num_blocks),
