@@ -54,7 +54,11 @@ def can_lower_for_cuda() -> bool:
 
 
 def check_vector(name, x, length, dtype=jnp.int32):
-    """Raises ValueError unless x is a [length] array of dtype."""
     if x is None or x.shape != (length,) or x.dtype != dtype:
         got = None if x is None else f"{x.dtype}{x.shape}"
         raise ValueError(f"{name} must be {jnp.dtype(dtype).name} [{length}], got {got}")
+
+
+def check_pow2(config, names, minimum=1):
+    if not all(is_power_of_2(getattr(config, name)) and getattr(config, name) >= minimum for name in names):
+        raise ValueError(f"{', '.join(names)} must be powers of two >= {minimum}, got {config}")

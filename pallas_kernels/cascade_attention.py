@@ -12,19 +12,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._compat import check_vector, is_power_of_2, load, store, triton_params
-from pallas_kernels.paged_attention import (
-    _LOG2E,
-    _MASK,
-    DECODE_CONFIG,
-    _attend,
-    _check_inputs,
-    _default_config,
-    _paged_attention,
-    _query_rows,
-    combine_splits_reference,
-    gather_pages,
-)
+from pallas_kernels import paged_attention as paged
+from pallas_kernels._compat import check_pow2, check_vector, load, store, triton_params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,8 +25,7 @@ class CascadeConfig:
     num_stages: int = 3
 
     def __post_init__(self):
-        if not all(is_power_of_2(b) and b >= 16 for b in (self.block_m, self.block_k)):
-            raise ValueError(f"block_m and block_k must be powers of two >= 16, got {self}")
+        check_pow2(self, ("block_m", "block_k"), minimum=16)
 
 
 # The sweep's choice, with two waves of items (docs/perf_notes.md, "Cascade attention").
@@ -59,11 +47,11 @@ def cascade_decode_attention_reference(q, k_pages, v_pages, page_table, seq_lens
     pos = jnp.arange(page_table.shape[1] * page_size)
 
     def pieces(queries, table, valid):  # queries [..., Hq, D], table [..., P], valid [..., ctx] -> o, m, l
-        k, v = gather_pages(k_pages, table), gather_pages(v_pages, table)  # [..., Hkv, ctx, D]
+        k, v = paged.gather_pages(k_pages, table), paged.gather_pages(v_pages, table)  # [..., Hkv, ctx, D]
         by_kv_head = queries.reshape(*queries.shape[:-2], num_kv_heads, group, head_dim).astype(jnp.float32)
         valid = valid[..., None, None, :]  # [..., 1, 1, ctx]
-        s = jnp.einsum("...rd,...kd->...rk", by_kv_head, k, precision=lax.Precision.HIGHEST) * (scale * _LOG2E)
-        m = jnp.where(valid, s, _MASK).max(axis=-1)
+        s = jnp.einsum("...rd,...kd->...rk", by_kv_head, k, precision=lax.Precision.HIGHEST) * (scale * paged._LOG2E)
+        m = jnp.where(valid, s, paged._MASK).max(axis=-1)
         p = jnp.where(valid, jnp.exp2(s - m[..., None]), 0.0)
         o = jnp.einsum("...rk,...kd->...rd", p, v, precision=lax.Precision.HIGHEST)
         return o.reshape(queries.shape), m.reshape(queries.shape[:-1]), p.sum(axis=-1).reshape(queries.shape[:-1])
@@ -77,7 +65,7 @@ def cascade_decode_attention_reference(q, k_pages, v_pages, page_table, seq_lens
     m_row = jnp.maximum(suffix[1], jax.ops.segment_max(m, ids, batch + 1)[:batch])
     weight = jnp.where((ids < batch)[:, None], jnp.exp2(m - m_row[jnp.minimum(ids, batch - 1)]), 0.0)
     sums = [jax.ops.segment_sum(x, ids, batch + 1)[:batch] for x in (weight[..., None] * o, weight * l)]
-    return combine_splits_reference(jnp.stack([suffix[0], sums[0]]), jnp.stack([suffix[1], m_row]),
+    return paged.combine_splits_reference(jnp.stack([suffix[0], sums[0]]), jnp.stack([suffix[1], m_row]),
                                     jnp.stack([suffix[2], sums[1]]), q.dtype)
 
 
@@ -91,7 +79,7 @@ def _cascade_kernel(item_row_ref, item_start_ref, item_end_ref, members_ref, slo
     # o_ref: [W, B, Hq, D] bf16 or f32; m_ref, l_ref: [W, B, Hq] f32; written at this program's rows only
     num_members = members_ref.shape[0]
     batch, _, head_dim = q_ref.shape
-    member, head, head_ok = _query_rows(0, pl.program_id(1), block_m, group, group_pad)
+    member, head, head_ok = paged._query_rows(0, pl.program_id(1), block_m, group, group_pad)
     member_ok = head_ok & (member < num_members)
     row = load(members_ref.at[member], mask=member_ok, other=-1)
     slot = load(slots_ref.at[member], mask=member_ok, other=0)
@@ -104,7 +92,7 @@ def _cascade_kernel(item_row_ref, item_start_ref, item_end_ref, members_ref, slo
     offset = item_row_ref[...] * table_tokens
     start, end = offset + item_start_ref[...], offset + item_end_ref[...]
     # Every member's last token lies past the item: no causal mask, every tile before `end` is full.
-    o, m, l = _attend(q, jnp.full((block_m,), end), row_ok, k_ref, v_ref, page_table_ref, 0, 1, end, end,
+    o, m, l = paged._attend(q, jnp.full((block_m,), end), row_ok, k_ref, v_ref, page_table_ref, 0, 1, end, end,
                       block_k=block_k, scale=scale, decode=False, kv_start=start)
     store(o_ref.at[(slot[:, None], *idx)], o.astype(o_ref.dtype), mask=row_ok[:, None])
     store(m_ref.at[slot, row, head], m, mask=row_ok)
@@ -130,7 +118,7 @@ def cascade_decode_attention(q, k_pages, v_pages, page_table, seq_lens, kv_start
                              item_end, item_members, item_slots, *, scale, config=None, interpret=False):
     """paged_decode_attention with shared prefixes read once per work item; plan_cascade's arrays in ARRAY_FIELDS
     order: kv_starts, num_pieces [B], item_row, item_start, item_end [W], item_members, item_slots [W, M], int32."""
-    _check_inputs(q, k_pages, v_pages, page_table, seq_lens, None, kv_starts)
+    paged._check_inputs(q, k_pages, v_pages, page_table, seq_lens, None, kv_starts)
     # f32 halves block_k, so that the pipelined tiles fit in shared memory.
     config = config or (CASCADE_CONFIG if q.dtype.itemsize <= 2 else
                         dataclasses.replace(CASCADE_CONFIG, block_k=CASCADE_CONFIG.block_k // 2))
@@ -168,7 +156,7 @@ def cascade_decode_attention(q, k_pages, v_pages, page_table, seq_lens, kv_start
         interpret=interpret,
         name="cascade_attention",
     )(item_row, item_start, item_end, item_members, item_slots, q, k_pages, v_pages, page_table.reshape(-1))
-    suffix_config = dataclasses.replace(_default_config(DECODE_CONFIG, q.dtype), k_splits=1)
-    out = _paged_attention(q[:, None], k_pages, v_pages, page_table, seq_lens, None, scale=scale, config=suffix_config,
-                           interpret=interpret, kv_starts=kv_starts, pieces=(*shared, num_pieces))
-    return out[:, 0]
+    suffix_config = dataclasses.replace(paged._default_config(paged.DECODE_CONFIG, q.dtype), k_splits=1)
+    return paged._paged_attention(q[:, None], k_pages, v_pages, page_table, seq_lens, None, scale=scale,
+                                  config=suffix_config, interpret=interpret, kv_starts=kv_starts,
+                                  pieces=(*shared, num_pieces))[:, 0]

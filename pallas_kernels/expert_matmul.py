@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._compat import check_vector, is_power_of_2, load, pow2_divisor, store, triton_params
+from pallas_kernels._compat import check_pow2, check_vector, load, pow2_divisor, store, triton_params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,8 +24,7 @@ class ExpertMatmulConfig:
     num_stages: int = 3
 
     def __post_init__(self):
-        if not all(is_power_of_2(v) for v in (self.block_n, self.block_k, self.split_k)):
-            raise ValueError(f"block sizes and split_k must be powers of two, got {self}")
+        check_pow2(self, ("block_n", "block_k", "split_k"))
 
 
 def expert_shape(w, scale) -> tuple[int, int, int]:
@@ -36,7 +35,7 @@ def expert_shape(w, scale) -> tuple[int, int, int]:
 def expert_matmul_reference(x, w, scale, ids):
     """x: [M, K]; w, scale: experts w [E, K, N] and None, or FP8 w_t [E, N, K] and scale [E, N]; ids: [M] int32 in
     [0, E) -> [M, N] f32."""
-    kw = dict(precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    kw = {"precision": lax.Precision.HIGHEST, "preferred_element_type": jnp.float32}
     if scale is None:
         return jnp.einsum("mk,mkn->mn", x, w[ids].astype(x.dtype), **kw)
     return jnp.einsum("mk,mnk->mn", x, w[ids].astype(x.dtype), **kw) * scale[ids]
@@ -58,10 +57,7 @@ def _kernel(ids_ref, x_ref, w_ref, *refs, block_k: int):
 
     shape = (o_ref.shape[0], block_k) if fp8 else (block_k, o_ref.shape[0])
     acc = lax.fori_loop(0, x_ref.shape[0] // block_k, body, jnp.zeros(shape, jnp.float32))
-    if fp8:
-        store(o_ref, jnp.sum(acc, axis=1) * load(scale_ref[0].at[expert, :]))
-    else:
-        store(o_ref, jnp.sum(acc, axis=0))
+    store(o_ref, jnp.sum(acc, axis=1) * load(scale_ref[0].at[expert, :]) if fp8 else jnp.sum(acc, axis=0))
 
 
 def _default_config(k: int, n: int, fp8: bool) -> ExpertMatmulConfig:
@@ -84,11 +80,10 @@ def expert_matmul(x, w, scale, ids, *, config: ExpertMatmulConfig | None = None,
         raise ValueError(f"x [M, {k}] and experts of [{k_w}, {n}] must share K, divisible by split_k * block_k, and "
                          f"N by block_n: {config}")
     check_vector("ids", ids, m)
-    if scale is None:
-        w_spec, scales = pl.BlockSpec((num_experts, k_split, bn), lambda r, c, s: (0, s, c)), []
-    else:
-        w_spec, scales = pl.BlockSpec((num_experts, bn, k_split), lambda r, c, s: (0, c, s)), [scale]
-    out = pl.pallas_call(
+    scales = [] if scale is None else [scale]
+    w_spec = (pl.BlockSpec((num_experts, bn, k_split), lambda r, c, s: (0, c, s)) if scales else
+              pl.BlockSpec((num_experts, k_split, bn), lambda r, c, s: (0, s, c)))
+    return pl.pallas_call(
         functools.partial(_kernel, block_k=config.block_k),
         grid=(m, n // bn, config.split_k),
         in_specs=[pl.BlockSpec((None,), lambda r, c, s: (r,)), pl.BlockSpec((None, k_split), lambda r, c, s: (r, s)),
@@ -97,5 +92,4 @@ def expert_matmul(x, w, scale, ids, *, config: ExpertMatmulConfig | None = None,
         out_shape=jax.ShapeDtypeStruct((config.split_k, m, n), jnp.float32),
         compiler_params=triton_params(config.num_warps, config.num_stages),
         interpret=interpret,
-    )(ids, x, w, *scales)
-    return out.sum(axis=0)
+    )(ids, x, w, *scales).sum(axis=0)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._compat import check_vector, dot, is_power_of_2, load, pow2_divisor, store, triton_params
+from pallas_kernels._compat import check_pow2, check_vector, dot, load, pow2_divisor, store, triton_params
 from pallas_kernels.expert_matmul import expert_shape
 
 
@@ -24,8 +24,7 @@ class GroupedMatmulConfig:
     num_stages: int = 3
 
     def __post_init__(self):
-        if not (is_power_of_2(self.block_n) and is_power_of_2(self.block_k)):
-            raise ValueError(f"block sizes must be powers of two, got {self}")
+        check_pow2(self, ("block_n", "block_k"))
 
 
 def block_rows(num_choices: int, num_experts: int) -> int:
@@ -85,10 +84,9 @@ def grouped_matmul(x, w, scale, block_experts, *, config: GroupedMatmulConfig | 
         raise ValueError(f"x's {rows} rows must be whole blocks of >= 16 for {num_blocks} block_experts")
     check_vector("block_experts", block_experts, num_blocks)
     bn = config.block_n
-    if scale is None:
-        w_spec, scales = pl.BlockSpec((num_experts, k, bn), lambda c, b: (0, 0, c)), []
-    else:
-        w_spec, scales = pl.BlockSpec((num_experts, bn, k), lambda c, b: (0, c, 0)), [scale]
+    scales = [] if scale is None else [scale]
+    w_spec = (pl.BlockSpec((num_experts, bn, k), lambda c, b: (0, c, 0)) if scales else
+              pl.BlockSpec((num_experts, k, bn), lambda c, b: (0, 0, c)))
     return pl.pallas_call(
         functools.partial(_kernel, block_k=config.block_k),
         grid=(n // bn, num_blocks),

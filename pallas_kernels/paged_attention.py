@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._compat import check_vector, dot, is_power_of_2, load, num_sms, store, triton_params
+from pallas_kernels._compat import check_pow2, check_vector, dot, is_power_of_2, load, num_sms, store, triton_params
 
 
 def gather_pages(pages, table):
@@ -66,8 +66,7 @@ class PagedAttentionConfig:
     num_stages: int = 5
 
     def __post_init__(self):
-        if not all(is_power_of_2(b) and b >= 16 for b in (self.block_m, self.block_k)):
-            raise ValueError(f"block_m and block_k must be powers of two >= 16, got {self}")
+        check_pow2(self, ("block_m", "block_k"), minimum=16)
         if self.k_splits is not None and self.k_splits < 1:
             raise ValueError(f"k_splits must be None or >= 1, got {self.k_splits}")
 
@@ -316,7 +315,6 @@ def _paged_attention(q, k_pages, v_pages, page_table, seq_lens, q_lens, *, scale
 
 
 def check_kv_pages(x_name, x, k_pages, v_pages):
-    """Raises ValueError unless k_pages and v_pages are both [num_pages, Hkv, page_size, D] of x's float dtype."""
     if k_pages.ndim != 4 or v_pages.shape != k_pages.shape:
         raise ValueError(f"k_pages and v_pages must both be [num_pages, Hkv, page_size, D], got {k_pages.shape} "
                          f"and {v_pages.shape}")
@@ -359,8 +357,7 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seq_lens, *, scale, 
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "config", "interpret"))
-def paged_prefill_attention(q, k_pages, v_pages, page_table, seq_lens, q_lens, *, scale, config=None,
-                            interpret=False):
+def paged_prefill_attention(q, k_pages, v_pages, page_table, seq_lens, q_lens, *, scale, config=None, interpret=False):
     """paged_attention_reference for ragged chunked prefill: q_lens <= T and q_lens <= seq_lens <= P * page_size."""
     _check_inputs(q, k_pages, v_pages, page_table, seq_lens, q_lens)
     config = config or _default_config(FEW_TOKENS_CONFIG if q.shape[1] <= FEW_TOKENS else PREFILL_CONFIG, q.dtype)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._compat import check_vector, is_power_of_2, load, store, triton_params
+from pallas_kernels._compat import check_pow2, check_vector, is_power_of_2, load, store, triton_params
 from pallas_kernels.paged_attention import _query_rows, check_kv_pages
 from pallas_kernels.rms_norm import rms_norm
 
@@ -68,9 +68,7 @@ class QkvRopeCacheConfig:
     num_warps: int = 4
 
     def __post_init__(self):
-        for name in ("block_rows", "num_warps"):
-            if not is_power_of_2(getattr(self, name)):
-                raise ValueError(f"{name} must be a power of two, got {getattr(self, name)}")
+        check_pow2(self, ("block_rows", "num_warps"))
 
 
 # Decode (N <= 256): latency-bound; small one-warp programs, so that even batch 1 spreads over Hkv programs.

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._compat import dot, is_power_of_2, load, num_sms, store, triton_params
+from pallas_kernels._compat import check_pow2, dot, load, num_sms, store, triton_params
 from pallas_kernels.rms_norm import rms_normalize
 
 ACTIVATIONS = (None, "silu_mul")
@@ -60,8 +60,7 @@ class RmsNormMatmulConfig:
     norm_stat: str | None = None
 
     def __post_init__(self):
-        if not all(is_power_of_2(b) and b >= 16 for b in (self.block_m, self.block_n, self.block_k)):
-            raise ValueError(f"block sizes must be powers of two >= 16, got {self}")
+        check_pow2(self, ("block_m", "block_n", "block_k"), minimum=16)
         if self.k_splits < 1:
             raise ValueError(f"k_splits must be >= 1, got {self.k_splits}")
         if self.norm_stat not in NORM_STATS:
@@ -232,10 +231,11 @@ def _check_inputs(x, w, w_scale, bias, residual, norm_eps, activation):
     if activation == "silu_mul" and n % 2:
         raise ValueError(f"silu_mul needs w's N = 2 * I (gate | up), got an odd N = {n}")
     n_out = n // 2 if activation == "silu_mul" else n
-    if bias is not None and bias.shape != (n,):
-        raise ValueError(f"bias must be [N] = [{n}] (w's outputs), got {bias.shape}")
-    if residual is not None and residual.shape != (m, n_out):
-        raise ValueError(f"residual must be [M, N_out] = [{m}, {n_out}] (the output's shape), got {residual.shape}")
+    if bias is not None and (bias.shape != (n,) or not jnp.issubdtype(bias.dtype, jnp.floating)):
+        raise ValueError(f"bias must be [N] = [{n}] (w's outputs), floating point, got {bias.dtype}{bias.shape}")
+    if residual is not None and (residual.shape != (m, n_out) or residual.dtype != x.dtype):
+        raise ValueError(f"residual must be [M, N_out] = [{m}, {n_out}] (the output's shape) of x's dtype {x.dtype}, got "
+                         f"residual dtype {residual.dtype}, shape {residual.shape}")
     if x.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
         raise ValueError(f"x's dtype must be bf16, f16 or f32, got {x.dtype}")
     if w_scale is None and w.dtype != x.dtype:
@@ -243,10 +243,6 @@ def _check_inputs(x, w, w_scale, bias, residual, norm_eps, activation):
     if w_scale is not None and (w.dtype != jnp.float8_e4m3fn or w_scale.shape != (n,) or w_scale.dtype != jnp.float32):
         raise ValueError(f"w_scale needs w float8_e4m3fn [N, K] and w_scale float32 [N] = [{n}], got w {w.dtype} "
                          f"and w_scale {w_scale.dtype} {w_scale.shape}")
-    if residual is not None and residual.dtype != x.dtype:
-        raise ValueError(f"residual dtype {residual.dtype} must be x's dtype {x.dtype}")
-    if bias is not None and not jnp.issubdtype(bias.dtype, jnp.floating):
-        raise ValueError(f"bias must be floating point, got {bias.dtype}")
     if norm_eps is not None and not norm_eps > 0:
         raise ValueError(f"norm_eps must be None (no norm) or > 0, got {norm_eps}")
     return n_out
@@ -259,6 +255,7 @@ def rmsnorm_matmul(x, w, bias=None, *, w_scale=None, norm_eps=None, residual=Non
     silu_mul: w's N holds the gate columns, then the up columns. config None: a preset by M, fit to the shape."""
     n_out = _check_inputs(x, w, w_scale, bias, residual, norm_eps, activation)
     (m, k), silu_mul, fp8 = x.shape, activation == "silu_mul", w_scale is not None
+    groups = 2 if silu_mul else 1  # weight column groups: gate and up, or one
     config = config or _default_config(m, k, n_out, x.dtype, silu_mul=silu_mul, fp8=fp8)
     block_m = _block_m(config, m)
     k_blocks = pl.cdiv(k, config.block_k)
@@ -269,8 +266,8 @@ def rmsnorm_matmul(x, w, bias=None, *, w_scale=None, norm_eps=None, residual=Non
     kernel = functools.partial(_rmsnorm_matmul_kernel, norm_eps=norm_eps, stat_rows=stat_rows, silu_mul=silu_mul,
                                block_m=block_m, block_n=config.block_n, block_k=config.block_k, n_out=n_out,
                                k_blocks_per_split=pl.cdiv(k_blocks, k_splits), partial=partial)
-    out_shape = [jax.ShapeDtypeStruct((k_splits, m, 2 * n_out if silu_mul else n_out) if partial else (m, n_out),
-                                      jnp.float32 if partial else x.dtype)]
+    out_shape = [jax.ShapeDtypeStruct((k_splits, m, groups * n_out), jnp.float32) if partial else
+                 jax.ShapeDtypeStruct((m, n_out), x.dtype)]
     if gram_partials:
         out_shape.append(jax.ShapeDtypeStruct((k_splits, m), jnp.float32))
     outs = pl.pallas_call(
@@ -286,6 +283,5 @@ def rmsnorm_matmul(x, w, bias=None, *, w_scale=None, norm_eps=None, residual=Non
     acc = outs[0].sum(axis=0)
     if gram_partials:
         acc = acc * lax.rsqrt(outs[1].sum(axis=0) / k + norm_eps)[:, None]
-    groups = 2 if silu_mul else 1
     biases = None if bias is None else jnp.split(bias, groups)
     return _epilogue(jnp.split(acc, groups, axis=1), biases, residual, x.dtype)

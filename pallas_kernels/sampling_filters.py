@@ -14,7 +14,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._compat import check_vector, is_power_of_2, load, store, triton_params
+from pallas_kernels._compat import check_pow2, check_vector, load, store, triton_params
 
 INT32_MIN = -(2**31)
 
@@ -315,10 +315,9 @@ def sampling_filters(logits, temperature, top_k, top_p, min_p, logprobs, *, num_
         in_specs=[pl.BlockSpec((None, vocab), lambda s, b: (b, 0))] + 5 * [row] + [arrivals],
         out_specs=[row, row, tops, tops,
                    pl.BlockSpec((None, 2, MAX_EXCHANGES, splits, 4), lambda s, b: (b, 0, 0, 0, 0)), arrivals],
-        out_shape=[jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in (
-            ((batch,), jnp.int32), ((batch,), jnp.int32), ((batch, num_top), jnp.int32),
-            ((batch, num_top), jnp.float32), ((batch, 2, MAX_EXCHANGES, splits, 4), jnp.float32),
-            ((batch, 2), jnp.int32))],
+        out_shape=[jax.ShapeDtypeStruct((batch, *shape), dtype) for shape, dtype in (
+            ((), jnp.int32), ((), jnp.int32), ((num_top,), jnp.int32), ((num_top,), jnp.float32),
+            ((2, MAX_EXCHANGES, splits, 4), jnp.float32), ((2,), jnp.int32))],
         input_output_aliases={6: 5},
         compiler_params=triton_params(config.num_warps, config.num_stages),
         interpret=interpret,
@@ -343,7 +342,6 @@ def _check_inputs(logits, temperature, top_k, top_p, min_p, logprobs, num_top, c
         raise ValueError(f"the vocabulary must be below 2**24 tokens, got {logits.shape[1]}")
     if num_top < 1:
         raise ValueError(f"num_top must be >= 1, got {num_top}")
-    if not is_power_of_2(config.block):
-        raise ValueError(f"FilterConfig.block must be a power of two, got {config.block}")
+    check_pow2(config, ("block",))
     if config.splits < 1:
         raise ValueError(f"FilterConfig.splits must be >= 1, got {config.splits}")

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels._compat import is_power_of_2, load, store, triton_params
+from pallas_kernels._compat import check_pow2, load, store, triton_params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,8 +18,7 @@ class TopkRoutingConfig:
     num_warps: int = 4
 
     def __post_init__(self):
-        if not is_power_of_2(self.block_rows):
-            raise ValueError(f"block_rows must be a power of two, got {self}")
+        check_pow2(self, ("block_rows",))
 
 
 def topk_routing_reference(logits, top_k: int, normalize: bool):
@@ -61,13 +60,12 @@ def topk_routing(logits, top_k: int, normalize: bool, *, config: TopkRoutingConf
     width, k = pl.next_power_of_2(num_experts), pl.next_power_of_2(top_k)
     logits = jnp.pad(jnp.pad(logits, ((0, 0), (0, width - num_experts)), constant_values=-jnp.inf),
                      ((0, rows - n), (0, 0)))
-    out = jax.ShapeDtypeStruct((rows, k), jnp.float32), jax.ShapeDtypeStruct((rows, k), jnp.int32)
     weights, ids = pl.pallas_call(
         functools.partial(_kernel, top_k=top_k, normalize=normalize),
         grid=(rows // config.block_rows,),
         in_specs=[pl.BlockSpec((config.block_rows, width), lambda i: (i, 0))],
         out_specs=[pl.BlockSpec((config.block_rows, k), lambda i: (i, 0))] * 2,
-        out_shape=out,
+        out_shape=[jax.ShapeDtypeStruct((rows, k), dtype) for dtype in (jnp.float32, jnp.int32)],
         compiler_params=triton_params(config.num_warps, 1),
         interpret=interpret,
     )(logits)
