@@ -6,7 +6,7 @@
     a norm is {scale [H], bias [H]?}; attn_norm and mlp_norm for LayerNorm (GPT-2) and before a MoE router only:
     convert/ folds an RMSNorm's scale into the projection after it, which computes the norm's statistic.
 
-The compiled steps build the modules from the params' dict while tracing; a layer sees [B, T] tokens as N = B * T rows."""
+The compiled steps build the modules from the params' dict while tracing; layers see [B, T] tokens as N = B * T rows."""
 import functools
 
 import jax
