@@ -1,6 +1,5 @@
 """Compiling a runner's programs ahead: loaded from the executable cache, else lowered here (Python, under the GIL) and
-compiled on a thread pool, with shares lowered in worker processes on a GPU (docs/perf_notes.md, "Compile workers").
-"""
+compiled on a thread pool, with shares lowered in worker processes on a GPU (docs/perf_notes.md, "Compile workers")."""
 import concurrent.futures
 import dataclasses
 import os

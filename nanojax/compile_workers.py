@@ -1,6 +1,5 @@
 """Worker processes that compile shares of the programs into the executable cache (nanojax.compilation), spawned, or
-forked before JAX starts a backend here so that they skip importing it (docs/perf_notes.md, "Compile workers").
-"""
+forked before JAX starts a backend here so that they skip importing it (docs/perf_notes.md, "Compile workers")."""
 import contextlib
 import json
 import logging
@@ -82,8 +81,7 @@ def spawn() -> Running:
 
 def fork_ahead(n: int) -> list[Running]:
     """n workers forked from this process, each waiting without a backend for `start`; [] where forking is not safe:
-    a backend started here (CUDA state does not survive a fork) or other threads running (their locks would stay held
-    in the child)."""
+    a backend started here (CUDA state does not survive a fork), or other threads (their locks would stay held)."""
     if not hasattr(os, "fork") or xla_bridge.backends_are_initialized() or threading.active_count() > 1:
         return []
     sys.stdout.flush()

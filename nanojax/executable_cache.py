@@ -1,6 +1,5 @@
 """Compiled programs kept on disk as serialized executables, keyed before tracing, so that a warm start neither traces
-nor lowers them (docs/perf_notes.md, "Keeping compiled programs"). Files are unpickled: keep the folder private.
-"""
+nor lowers them (docs/perf_notes.md, "Keeping compiled programs"). Files are unpickled: keep the folder private."""
 import functools
 import hashlib
 import logging
@@ -30,9 +29,8 @@ def default_directory() -> Path:
 
 
 def use_compilation_cache() -> None:
-    """JAX's persistent compilation cache in the nanojax cache's `xla/` folder: compiled programs (XLA executables,
-    their Triton kernels, autotuning results) kept on disk for the next start; a user's JAX_COMPILATION_CACHE_DIR wins.
-    Only on a GPU: docs/perf_notes.md, "Keeping compiled programs"."""
+    """JAX's persistent compilation cache (executables, Triton kernels, autotuning) in the nanojax cache's `xla/`
+    unless JAX_COMPILATION_CACHE_DIR is set. Only on a GPU: docs/perf_notes.md, "Keeping compiled programs"."""
     if jax.config.jax_compilation_cache_dir is None:
         jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # the few programs there are, all kept
@@ -117,21 +115,16 @@ def load(directory: Path | None, key: str) -> jax.stages.Compiled | None:
 
 
 def store(directory: Path | None, key: str, compiled: jax.stages.Compiled) -> bool:
-    """-> whether `compiled` was written; a program that cannot be serialized is not an error."""
+    """-> whether `compiled` was written; a program that cannot be serialized or written is not an error."""
     if directory is None:
         return False
     try:
         blob, in_tree, out_tree = serialize_executable.serialize(compiled)
         device_ids = [d.id for d in compiled._executable._unloaded_executable.device_list]
         data = pickle.dumps((device_ids, blob, in_tree, out_tree), protocol=pickle.HIGHEST_PROTOCOL)
-    except (ValueError, NotImplementedError, AttributeError, pickle.PicklingError, TypeError) as e:
-        _log.debug("executable cache: %s not serializable (%s: %s)", key, type(e).__name__, e)
-        return False
-    path = path_of(directory, key)
-    try:
-        write_whole(path, data)  # what a killed writer left is removed by the next store
-    except OSError as e:
-        _log.debug("executable cache: cannot write %s (%s)", path, e)
+        write_whole(path_of(directory, key), data)  # what a killed writer left is removed by the next store
+    except (OSError, ValueError, NotImplementedError, AttributeError, pickle.PicklingError, TypeError) as e:
+        _log.debug("executable cache: %s not stored (%s: %s)", key, type(e).__name__, e)
         return False
     return True
 

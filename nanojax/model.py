@@ -6,9 +6,7 @@
     a norm is {scale [H], bias [H]?}; attn_norm and mlp_norm for LayerNorm (GPT-2) and before a MoE router only:
     convert/ folds an RMSNorm's scale into the projection after it, which computes the norm's statistic.
 
-The compiled steps take the params as a plain dict and build the modules while tracing (`forward`, `lm_logits`). In a
-layer the [B, T] tokens are N = B * T rows (only attention sees [B, T]); the fused steps go through `Ops`.
-"""
+The compiled steps build the modules from the params' dict while tracing; layers see [B, T] tokens as N = B * T rows."""
 import functools
 
 import jax
@@ -18,7 +16,6 @@ from flax import nnx
 
 from convert.config import ModelConfig
 from nanojax.kv_cache import KVCache
-from nanojax.moe import grouped_swiglu
 from nanojax.ops import Ops
 from pallas_kernels.qkv_rope_cache import rope_cos_sin
 from pallas_kernels.rms_norm import rms_norm
@@ -76,11 +73,6 @@ class Experts(nnx.Module):
     def num_experts(self) -> int:
         return (self.up.w_t if self.up.quantized else self.up.w)[...].shape[0]
 
-    def __call__(self, x, weights, ids, matmul, grouped):
-        """x: [N, H]; weights, ids: [N, k] each row's experts (ids outside [0, E) skipped) -> [N, H]; matmul,
-        grouped: the contracts of pallas_kernels.expert_matmul and grouped_matmul."""
-        return grouped_swiglu(x, weights, ids, self.up.experts(), self.down.experts(), matmul, grouped)
-
 
 class DecoderLayer(nnx.Module):
     """Pre-norm attention and MLP, each with a residual."""
@@ -95,8 +87,7 @@ class DecoderLayer(nnx.Module):
         self.up, self.down = (None, None) if moe else (Projection(lp["up"]), Projection(lp["down"]))
 
     def __call__(self, ops: Ops, x, positions, cos_sin, slots, k_pages, v_pages, batch, config: ModelConfig):
-        """x [N, H], positions, slots [N], cos_sin [N, D] or None; batch: a Batch of N = B * T rows, or a mixed step's
-        (Batch of B * T rows, Batch of D one-token rows) -> (x, k_pages, v_pages); config: maybe one device's share."""
+        """x [N, H], positions, slots [N], cos_sin [N, D] or None; batch: `attention`'s -> (x, k_pages, v_pages)."""
         h, norm_eps = self._pre_norm(self.attn_norm, x, config)
         qkv = ops.project(h, self.qkv, norm_eps=norm_eps)
         q, k_pages, v_pages = ops.qkv_rope_cache(qkv, positions, slots, k_pages, v_pages, cos_sin,
@@ -118,7 +109,7 @@ class DecoderLayer(nnx.Module):
 
 
 def attention(ops: Ops, q, k_pages, v_pages, batch, config: ModelConfig):
-    """q: [N, Hq, D] -> [N, Hq * D]: each of batch's segments (DecoderLayer's) through its own attention."""
+    """q: [N, Hq, D] -> [N, Hq * D]; batch: a Batch, or a mixed step's (prompt rows' Batch, one-token rows' Batch)."""
     segments = batch if isinstance(batch, tuple) else (batch,)
     parts = jnp.split(q, [q.shape[0] - segments[1].q_lens.shape[0]]) if len(segments) > 1 else [q]
     outs = [ops.attention(part.reshape(seg.q_lens.shape[0], -1, *q.shape[1:]), k_pages, v_pages, seg.page_table,

@@ -1,22 +1,13 @@
-"""The kernel switch: the decoder's three fused steps, each either a plain jnp reference (XLA fuses it) or a Pallas
-kernel, chosen by one static, hashable `Ops` value that the compiled steps take.
-
-    project:        [RMSNorm] -> matmul [+ bias] [-> SiLU-and-mul] [+ residual]   pallas_kernels.rmsnorm_matmul
-    qkv_rope_cache: split, q/k RMSNorm, RoPE, paged KV write                       pallas_kernels.qkv_rope_cache
-    attention:      paged attention over the KV pages (decode and ragged prefill)  pallas_kernels.paged_attention
-                    decode with shared prefixes read once (cascade)                pallas_kernels.cascade_attention
-    route:          a MoE router's softmax, top-k and renormalization             pallas_kernels.topk_routing
-    sampling_filters: the kept prefix of top-k / top-p / min-p, top-N logprobs     pallas_kernels.sampling_filters
-
-The references are the kernels' own `*_reference` functions, which the HF parity tests run.
-"""
+"""The kernel switch: each fused step of the decoder and sampler is either a plain jnp reference (XLA fuses it) or a
+Pallas kernel (pallas_kernels/, whose `*_reference` functions the HF parity tests run), chosen by one static, hashable
+`Ops` value that the compiled steps take."""
 import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 
-from nanojax.moe import route
+from nanojax.moe import grouped_swiglu, route
 from pallas_kernels.cascade_attention import cascade_decode_attention, cascade_decode_attention_reference
 from pallas_kernels.expert_matmul import expert_matmul, expert_matmul_reference
 from pallas_kernels.grouped_matmul import grouped_matmul, grouped_matmul_reference
@@ -79,9 +70,10 @@ class Ops:
         return route(h, router, moe, self._kernel(topk_routing, topk_routing_reference))
 
     def experts(self, experts, x, weights, ids):
-        """experts (a nanojax.model.Experts)(x, weights, ids) -> [N, H] (tensor-parallel: each device's experts)."""
-        return experts(x, weights, ids, self._kernel(expert_matmul, expert_matmul_reference),
-                       self._kernel(grouped_matmul, grouped_matmul_reference))
+        """experts (a nanojax.model.Experts) on x [N, H], each row's k experts -> [N, H]; see moe.grouped_swiglu."""
+        return grouped_swiglu(x, weights, ids, experts.up.experts(), experts.down.experts(),
+                              self._kernel(expert_matmul, expert_matmul_reference),
+                              self._kernel(grouped_matmul, grouped_matmul_reference))
 
     def run_layer(self, layer, x, positions, cos_sin, slots, k_pages, v_pages, batch, config):
         """Runs layer (a nanojax.model.DecoderLayer) on x; a tensor-parallel Ops runs it per shard."""

@@ -4,8 +4,7 @@ Two programs per power-of-two row bucket serve every request mix (sampling param
 steps per dispatch, each row taking its own number of them) and prefill (prompt chunks packed as rows of PREFILL_ROW
 tokens; a mixed step adds one-token decode rows). Prompt logprobs run in a third program. Every program returns each
 row's last sampled token on the device, the next dispatch's `prev` (`chained`): the engine dispatches a step before
-it has read the previous one back.
-"""
+it has read the previous one back."""
 import dataclasses
 import functools
 from typing import NamedTuple
@@ -329,7 +328,8 @@ class ModelRunner:
         self.compiles += not cached
 
     def _call(self, p) -> tuple:
-        """(jitted step, its arguments, its static keywords) of program p; arguments as arrays or shapes."""
+        """(jitted step, its arguments, its static keywords) of program p; arguments as arrays or shapes. Records a
+        Program's layout of host arrays (after params, cache, tables and prev), which _run checks every dispatch."""
         kw = dict(config=self.config, ops=self.ops)
         if p == "set_slot":
             v = (self.config.vocab_size,)
@@ -343,32 +343,31 @@ class ModelRunner:
         tokens = _shape((p.rows,) if p.num_steps else (p.rows, PREFILL_ROW))
         table = np.zeros((p.rows, self.pages_per_seq), np.int32)
         plan = self._plan(p.rows, table[:0], []) if p.cascade else None
-        args = (self.params, self.cache, self.tables, self.last, tokens, *self._inputs(p, table, [], [], {}, plan))
+        host, rows = (tokens, *self._inputs(p, table, [], [], {}, plan)), _shape((p.rows,))
         if p.num_steps:
             spec = dict(spec=self.spec, draft=self.draft) if p.speculative else {}
-            masks = [(_shape((p.rows,)), _shape((p.rows, self.tables.allowed.shape[1])))] if p.masked else []
-            return decode_step, (*args, _shape((p.rows,)), _shape((p.rows,)), *masks), {**kw, "num_steps": p.num_steps,
-                                                                                        **spec}
-        decode = self._decode_segment(p, [], [], [], []) if p.decode_rows else None
-        return prefill_step, (*args, decode), {**kw, "hidden_rows": self.prefill_rows[-1]}
+            masks = [(rows, _shape((p.rows, self.tables.allowed.shape[1])))] if p.masked else []
+            fn, kw, host = decode_step, {**kw, "num_steps": p.num_steps, **spec}, (*host, rows, rows, *masks)
+        else:
+            decode = self._decode_segment(p, [], [], [], []) if p.decode_rows else None
+            fn, kw, host = prefill_step, {**kw, "hidden_rows": self.prefill_rows[-1]}, (*host, decode)
+        self._layouts[p] = layout_of(host)
+        return fn, (self.params, self.cache, self.tables, self.last, *host), kw
 
     def key_parts(self, p) -> tuple:
-        """What program p's executable depends on besides the environment, read without tracing; records the layout
-        of its host arrays (after params, cache, tables and prev), which _run checks every dispatch against."""
+        """What program p's executable depends on besides the environment, read without tracing."""
         fn, args, kw = self._call(p)
-        if isinstance(p, Program):
-            self._layouts[p] = layout_of(args[4:])
         return fn.__name__, p, kw, executable_cache.signature(args)
 
     def lower(self, p) -> jax.stages.Lowered:
         return self.trace(p).lower()
 
     def trace(self, p) -> jax.stages.Traced:
-        """Program p traced as it is dispatched: a Program through packed_step (its layout recorded as key_parts's)."""
+        """Program p traced as it is dispatched: a Program through packed_step (its layout as _call recorded it)."""
         fn, args, kw = self._call(p)
         if not isinstance(p, Program):
             return fn.trace(*args, **kw)
-        layout = self._layouts[p] = layout_of(args[4:])
+        layout = self._layouts[p]
         nbytes = sum(int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in layout[1])
         return packed_step.trace(*args[:4], jax.ShapeDtypeStruct((nbytes,), jnp.uint8), step=fn, layout=layout,
                                  static=tuple(sorted(kw.items())))
