@@ -29,11 +29,10 @@ class SchedulerConfig:
     prefill_row: int = 1  # tokens per row of a packed prefill dispatch (nanojax.runner.PREFILL_ROW)
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "page_size", "prefill_row",
-                     "chunk_size"):
-            v = getattr(self, name)
-            if (v is not None or name != "chunk_size") and (not isinstance(v, int) or v < 1):
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        for field in dataclasses.fields(self):
+            v = getattr(self, field.name)
+            if (v is not None or field.name != "chunk_size") and (not isinstance(v, int) or v < 1):
+                raise ValueError(f"{field.name} must be a positive int, got {v!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                              f"max_num_seqs ({self.max_num_seqs}) so every running sequence can decode")
