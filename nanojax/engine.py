@@ -227,9 +227,8 @@ class EngineCore:
         # wait: docs/perf_notes.md), or a constrained row's next mask needs this step's tokens on the host.
         one_dispatch = len({id(out) for out, _ in pending.values()}) <= 1
         first_tokens_only = bool(pending) and not decodes
-        constrained = any(c.seq.request.matcher is not None for c in chunks if c.sample)
         return _Step(chunks, pending, prompt, one_dispatch and not first_tokens_only and not after_first_tokens
-                     and not constrained, first_tokens_only)
+                     and masks is None, first_tokens_only)
 
     def _prepare(self, chunks) -> tuple[list, dict]:
         """Slots, masks and sampling rows (a request whose row fails ends alone) -> (chunks kept, {seq_id: row})."""

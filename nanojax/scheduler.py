@@ -1,7 +1,6 @@
 """Continuous-batching scheduler with chunked prefill and preemption (plain Python, no JAX), as nano-vllm / vLLM v1; a
 prefill chunk costs whole ``prefill_row``s (docs/perf_notes.md, "Prefill"). A step: ``schedule``, dispatch, ``advance``
 (placeholders: the next step may go before this one is read back), then per sampling chunk ``fill`` and ``finish``."""
-
 import dataclasses
 import numbers
 from collections import deque
@@ -44,7 +43,6 @@ class SchedulerConfig:
 @dataclasses.dataclass(frozen=True, eq=False)
 class ScheduledChunk:
     """Compute ``seq.token_ids[start:start + num_tokens]``, then if ``sample`` (it ends at the last token) sample."""
-
     seq: Sequence
     start: int
     num_tokens: int
