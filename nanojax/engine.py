@@ -63,7 +63,6 @@ class EngineCore:
         self.events_out: Callable[[], None] = lambda: None
 
     def stats(self) -> EngineStats:
-        """The engine's load now (read from any thread: a snapshot for metrics, not a consistent one)."""
         pages, busy = self.page_manager, self.scheduler.has_unfinished() or not self._inbox.empty()
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), pages.num_pages,
                            pages.num_pages - pages.num_free_pages, time.monotonic() - self._turned_at if busy else 0.0)
@@ -83,7 +82,6 @@ class EngineCore:
         self.in_loop(lambda: [self._abort(request_id) for request_id in request_ids])
 
     def abort(self, request_id: str) -> None:
-        """Ends a request (all its choices) with finish_reason "abort"; its KV pages are freed in the next step."""
         self._post(lambda: self._abort(request_id))
 
     def new_request(self, ids, params, request_id, index, stream, stream_text) -> Sequence[Request]:
@@ -170,7 +168,7 @@ class EngineCore:
 
     def _read_back(self, step: _Step) -> None:
         try:
-            seqs = self._complete(step.chunks, step.pending, step.prompt)
+            seqs = self._complete(step)
         except Exception as e:  # noqa: BLE001
             self._step_failed(e)
             return
@@ -229,9 +227,8 @@ class EngineCore:
         # wait: docs/perf_notes.md), or a constrained row's next mask needs this step's tokens on the host.
         one_dispatch = len({id(out) for out, _ in pending.values()}) <= 1
         first_tokens_only = bool(pending) and not decodes
-        constrained = any(c.seq.request.matcher is not None for c in chunks if c.sample)
         return _Step(chunks, pending, prompt, one_dispatch and not first_tokens_only and not after_first_tokens
-                     and not constrained, first_tokens_only)
+                     and masks is None, first_tokens_only)
 
     def _prepare(self, chunks) -> tuple[list, dict]:
         """Slots, masks and sampling rows (a request whose row fails ends alone) -> (chunks kept, {seq_id: row})."""
@@ -273,15 +270,15 @@ class EngineCore:
             self._free_slots.append(req.slot)
             req.slot = None
 
-    def _complete(self, chunks, pending, prompt) -> list[Sequence]:
+    def _complete(self, step: _Step) -> list[Sequence]:
         """The step's tokens in place of its placeholders, under the stop conditions. -> the sequences that gained."""
-        for c in chunks:
-            if c.seq.seq_id in prompt:
-                self.output.accept_prompt_logprobs(c, *prompt[c.seq.seq_id])
+        for c in step.chunks:
+            if c.seq.seq_id in step.prompt:
+                self.output.accept_prompt_logprobs(c, *step.prompt[c.seq.seq_id])
         seqs = []
-        for c in chunks:
+        for c in step.chunks:
             if c.sample and c.seq.status is not SequenceStatus.FINISHED:
-                out, row = pending[c.seq.seq_id]
+                out, row = step.pending[c.seq.seq_id]
                 self.scheduler.fill(c.seq, self.output.accept(c.seq, out, row, c.num_steps), c.num_steps)
                 seqs.append(c.seq)
         for seq in seqs:

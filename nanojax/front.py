@@ -81,7 +81,7 @@ class RequestFront:
 
     def check(self, index: int, ids: list[int], params: SamplingParams) -> None:
         """ValueError naming what is wrong when prompt `index` (encoded) cannot run with `params`."""
-        limits = self.limits
+        limits, vocab = self.limits, self.config.vocab_size
         if len(ids) >= limits.max_model_len:
             raise ValueError(f"prompt {index} has {len(ids)} tokens; max_model_len={limits.max_model_len} "
                              "leaves no room to generate")
@@ -94,8 +94,7 @@ class RequestFront:
             raise ValueError("stop strings need a tokenizer, and this checkpoint has none: use stop_token_ids")
         if params.n > limits.max_num_seqs:
             raise ValueError(f"n={params.n} is more than max_num_seqs={limits.max_num_seqs}")
-        if params.top_k > self.config.vocab_size:
-            raise ValueError(f"top_k must be <= vocab_size={self.config.vocab_size} (0 disables it), "
-                             f"got {params.top_k}")
-        if bad := [t for t in (params.logit_bias or {}) if t >= self.config.vocab_size]:
-            raise ValueError(f"logit_bias token ids must be < vocab_size={self.config.vocab_size}, got {bad[:4]}")
+        if params.top_k > vocab:
+            raise ValueError(f"top_k must be <= vocab_size={vocab} (0 disables it), got {params.top_k}")
+        if bad := [t for t in (params.logit_bias or {}) if t >= vocab]:
+            raise ValueError(f"logit_bias token ids must be < vocab_size={vocab}, got {bad[:4]}")

@@ -4,7 +4,6 @@ import time
 
 import numpy as np
 
-from nanojax.detokenizer import Detokenizer
 from nanojax.engine_io import RequestOutput, RequestStream, find_stop
 from nanojax.runner import checked_row
 from nanojax.sampling import BANNED, PROMPT
@@ -24,7 +23,7 @@ class Request:
     stop_ids: frozenset[int]
     stream: RequestStream
     start: float
-    detok: Detokenizer | None = None
+    detok: "Detokenizer | None" = None
     emitted_text: str = ""
     pin: bool = False  # pin the prompt's full pages when the request finishes (`LLM.pin_prefix`) ...
     pin_handle: int | None = None  # ... under this page-manager handle
@@ -185,6 +184,28 @@ class OutputProcessor:
 
     def text(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+class Detokenizer:
+    """Text of a growing token list, each update decoding only its last few tokens (not the whole text again), appended
+    once it no longer ends in an incomplete character (U+FFFD). Decoding from the previous update's tokens on (as vLLM
+    does) keeps right the tokenizers that strip a leading space."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.prefix_offset = self.read_offset = 0
+        self.text = ""
+
+    def update(self, token_ids: list[int]) -> str:
+        prefix = self._decode(token_ids[self.prefix_offset:self.read_offset])
+        new = self._decode(token_ids[self.prefix_offset:])
+        if len(new) > len(prefix) and not new.endswith("\ufffd"):
+            self.text += new[len(prefix):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(token_ids)
+        return self.text
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True) if token_ids else ""
 
 
 def logprob_entry(logprob, top_ids, top_logprobs, n: int) -> tuple[float, dict[int, float]]:

@@ -1,6 +1,5 @@
 """KV-cache pages with reference counting and prefix caching (plain Python, no JAX): a full computed page is cached
 under the chained hash of its token prefix, and a freed page keeps its content until reused: a later hit revives it."""
-
 import hashlib
 import itertools
 import struct

@@ -1,7 +1,6 @@
 """Continuous-batching scheduler with chunked prefill and preemption (plain Python, no JAX), as nano-vllm / vLLM v1; a
 prefill chunk costs whole ``prefill_row``s (docs/perf_notes.md, "Prefill"). A step: ``schedule``, dispatch, ``advance``
 (placeholders: the next step may go before this one is read back), then per sampling chunk ``fill`` and ``finish``."""
-
 import dataclasses
 import numbers
 from collections import deque
@@ -29,11 +28,10 @@ class SchedulerConfig:
     prefill_row: int = 1  # tokens per row of a packed prefill dispatch (nanojax.runner.PREFILL_ROW)
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "page_size", "prefill_row",
-                     "chunk_size"):
-            v = getattr(self, name)
-            if (v is not None or name != "chunk_size") and (not isinstance(v, int) or v < 1):
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        for field in dataclasses.fields(self):
+            v = getattr(self, field.name)
+            if (v is not None or field.name != "chunk_size") and (not isinstance(v, int) or v < 1):
+                raise ValueError(f"{field.name} must be a positive int, got {v!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                              f"max_num_seqs ({self.max_num_seqs}) so every running sequence can decode")
@@ -45,7 +43,6 @@ class SchedulerConfig:
 @dataclasses.dataclass(frozen=True, eq=False)
 class ScheduledChunk:
     """Compute ``seq.token_ids[start:start + num_tokens]``, then if ``sample`` (it ends at the last token) sample."""
-
     seq: Sequence
     start: int
     num_tokens: int

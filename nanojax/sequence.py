@@ -1,5 +1,4 @@
 """A request's token sequence and scheduling state (plain Python, no JAX), changed by the scheduler and page manager."""
-
 import enum
 import itertools
 from typing import Generic, Iterable, TypeVar
