@@ -10,9 +10,8 @@ import numpy as np
 class CascadeRules:
     """When a shared prefix is worth it (docs/perf_notes.md, "Cascade attention"); num_items is a shape."""
 
-    min_members: int = 2  # member rows a segment needs ...
-    # ... and shared tokens; a shorter run goes with each of its nested groups, or to the rows' own suffixes
-    min_shared_tokens: int = 256
+    min_members: int = 2  # member rows a segment needs
+    min_shared_tokens: int = 256  # and tokens; a shorter run goes with each nested group, or to the rows' own suffixes
     # Pieces are at least this long (else about one wave of programs): each writes one f32 output per member and query
     # head for the merge, as costly as reading a few tokens of KV per member.
     min_piece_tokens: int = 256
@@ -147,9 +146,8 @@ def _within_budget(segments, num_rows, members_per_item, num_items):
 
 def plan_cascade(page_tables, seq_lens, *, batch: int, page_size: int, members_per_item: int,
                  rules: CascadeRules = CascadeRules(), wave_items: int | None = None) -> CascadePlan:
-    """The shared prefixes of the live rows (find_segments', at most `batch`) as fixed-shape work items of up to
-    members_per_item rows. Pieces are sized to fill about wave_items items (one wave of SMs; None: all items left),
-    the fastest measured (docs/perf_notes.md, "Cascade attention")."""
+    """find_segments' shared prefixes of up to `batch` rows as fixed-shape work items of up to members_per_item rows,
+    pieces sized to fill about wave_items items (one wave of SMs, the fastest measured; None: all items left)."""
     if len(page_tables) > batch:
         raise ValueError(f"{len(page_tables)} rows do not fit batch {batch}")
     if members_per_item < 1:

@@ -14,9 +14,8 @@ PROMPT, BANNED = 1, 2  # TokenTables.flags bits: the token is in the prompt; it 
 
 @flax.struct.dataclass
 class SamplingBatch:
-    """Per-row sampling parameters, each [B], as in SamplingParams. seeds and counters (+1 per sampled token) key each
-    row's noise; slots: its `TokenTables` row; ban_steps / mask_steps: the steps its BANNED tokens / `allowed` mask
-    hold."""
+    """Per-row sampling parameters, each [B], as in SamplingParams. seeds and counters (+1 per sampled token) key the
+    noise; slots: the `TokenTables` row; ban_steps / mask_steps: the steps BANNED tokens / the `allowed` mask hold."""
 
     temperature: jax.Array
     top_k: jax.Array
@@ -35,9 +34,9 @@ class SamplingBatch:
 
 @flax.struct.dataclass
 class TokenTables:
-    """Per-request token state on the device, one row per slot plus the neutral last row (read by rows using none of
-    it; it stays in L2). counts [S + 1, V]: the output's occurrences; flags: PROMPT | BANNED; bias: logit_bias, -inf
-    past the vocabulary limit (data: a first start compiles before reading the tokenizer); allowed [S + 1, ceil(V / 32)]:
+    """Per-request token state on the device, [S + 1, V]: one row per slot and the neutral row, which rows using none
+    of it read (it stays in L2). counts: output occurrences; flags: PROMPT | BANNED; bias: logit_bias, -inf past the
+    vocabulary limit (as data: a first start compiles before reading the tokenizer); allowed [S + 1, ceil(V / 32)]:
     the tokens a constraint allows next, as bits (all set in the neutral row)."""
 
     counts: jax.Array

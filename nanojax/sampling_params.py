@@ -12,8 +12,8 @@ _INT32_MAX = 2**31 - 1
 
 def _field(default, lo, hi, *, integer: bool = False, lo_open: bool = False, device=None, fill=None):
     """A field in [lo, hi] ((lo, hi] if lo_open; None if the default is); device, fill: its step dtype, a pad row's."""
-    return dataclasses.field(default=default, metadata=dict(
-        range=(lo, hi, integer, lo_open), device=None if device is None else (np.dtype(device), fill)))
+    device = None if device is None else (np.dtype(device), fill)
+    return dataclasses.field(default=default, metadata={"range": (lo, hi, integer, lo_open), "device": device})
 
 
 @dataclasses.dataclass(frozen=True)
