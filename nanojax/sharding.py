@@ -166,8 +166,7 @@ class TensorParallel:
 
 @dataclasses.dataclass(frozen=True)
 class TensorParallelOps(Ops):
-    """Ops whose decoder layers run per shard (`plan.local_config` on each device) under shard_map, with the two
-    all-reduces of the row-parallel projections, and whose embedding lookup and logits run per vocabulary shard."""
+    """Ops whose decoder layers (`plan.local_config` on each device), embedding lookup and logits run per shard."""
 
     plan: TensorParallel | None = None
 
