@@ -1,7 +1,6 @@
 """Cascade grouping (host numpy, each decode dispatch): decode rows whose page tables start with the same physical
 pages (a prefix-cached prompt), as fixed-shape work items for pallas_kernels.cascade_attention, which reads each shared
-page once per step for all its rows.
-"""
+page once per step for all its rows."""
 import dataclasses
 
 import numpy as np
@@ -11,9 +10,8 @@ import numpy as np
 class CascadeRules:
     """When a shared prefix is worth it (docs/perf_notes.md, "Cascade attention"); num_items is a shape."""
 
-    min_members: int = 2  # member rows a segment needs ...
-    # ... and shared tokens; a shorter run goes with each of its nested groups, or to the rows' own suffixes
-    min_shared_tokens: int = 256
+    min_members: int = 2  # member rows a segment needs
+    min_shared_tokens: int = 256  # and tokens; a shorter run goes with each nested group, or to the rows' own suffixes
     # Pieces are at least this long (else about one wave of programs): each writes one f32 output per member and query
     # head for the merge, as costly as reading a few tokens of KV per member.
     min_piece_tokens: int = 256
@@ -148,9 +146,8 @@ def _within_budget(segments, num_rows, members_per_item, num_items):
 
 def plan_cascade(page_tables, seq_lens, *, batch: int, page_size: int, members_per_item: int,
                  rules: CascadeRules = CascadeRules(), wave_items: int | None = None) -> CascadePlan:
-    """The shared prefixes of the live rows (find_segments', at most `batch`) as fixed-shape work items of up to
-    members_per_item rows. Pieces are sized to fill about wave_items items (one wave of SMs; None: all items left),
-    the fastest measured (docs/perf_notes.md, "Cascade attention")."""
+    """find_segments' shared prefixes of up to `batch` rows as fixed-shape work items of up to members_per_item rows,
+    pieces sized to fill about wave_items items (one wave of SMs, the fastest measured; None: all items left)."""
     if len(page_tables) > batch:
         raise ValueError(f"{len(page_tables)} rows do not fit batch {batch}")
     if members_per_item < 1:
@@ -159,10 +156,8 @@ def plan_cascade(page_tables, seq_lens, *, batch: int, page_size: int, members_p
     segments = find_segments(page_tables, seq_lens, page_size=page_size, rules=rules)
     segments, covered = _within_budget(segments, len(page_tables), members_per_item, num_items)
     chunks = [(seg, part) for seg in segments for part in _split(seg.rows, members_per_item)]
-    # sum(ceil(pages / piece_pages)) < total / piece_pages + len(chunks) <= num_items for this piece_pages.
-    spare = num_items - len(chunks)
-    if wave_items:  # then about wave_items pieces in all (each chunk's last piece may be short: one more at most)
-        spare = min(spare, wave_items)
+    # sum(ceil(pages / piece_pages)) < total / piece_pages + len(chunks) <= num_items (or about wave_items) pieces.
+    spare = min(num_items - len(chunks), wave_items or num_items)
     total = sum(seg.end - seg.start for seg, _ in chunks)
     piece_pages = max(-(-rules.min_piece_tokens // page_size), -(-total // spare) if spare > 0 else total, 1)
 
@@ -177,7 +172,6 @@ def plan_cascade(page_tables, seq_lens, *, batch: int, page_size: int, members_p
         item_members[w, :len(rows)] = rows
         item_slots[w, :len(rows)] = num_pieces[list(rows)]
         num_pieces[list(rows)] += 1
-    saved = sum((len(seg.rows) - len(_split(seg.rows, members_per_item))) * (seg.end - seg.start) * page_size
-                for seg in segments)
+    saved = sum((len(rows) - 1) * (seg.end - seg.start) for seg, rows in chunks) * page_size  # one reader per chunk
     return CascadePlan(kv_starts, num_pieces, item_row, item_start, item_end, item_members, item_slots,
                        tuple(segments), saved, saved >= rules.min_saved_tokens)

@@ -1,12 +1,6 @@
 """Token sampling on device, inside the compiled step: every row carries its own parameters as data, so any mix of
-greedy, random, filtered, biased and penalized rows shares one program (docs/perf_notes.md, "Sampling"):
-- Gumbel noise from a counter-based hash of (seed, counter, token id), inside the argmax fusion: no [B, V] noise
-  array, and a seeded row draws the same numbers whatever shares its batch.
-- logit_bias, penalties and the min_tokens ban read per-request `TokenTables` rows on the device; rows using none of
-  them read the shared all-zero row, which stays in L2.
-- Top-k / top-p / min-p and top-N logprobs read a prefix of a row's descending order (`Ops.sampling_filters`, no
-  branch on the host), after a structured output's token mask; the draw masks the tokens outside it.
-"""
+greedy, random, filtered, biased and penalized rows shares one program, with no branch read on the host
+(docs/perf_notes.md, "Sampling")."""
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -20,10 +14,8 @@ PROMPT, BANNED = 1, 2  # TokenTables.flags bits: the token is in the prompt; it 
 
 @flax.struct.dataclass
 class SamplingBatch:
-    """Per-row sampling parameters, each [B]. temperature 0 is greedy; top_k 0, top_p 1, min_p 0 disable filters.
-    seeds and counters (+1 per sampled token) key each row's noise; slots: its `TokenTables` row (`neutral` for rows
-    with no bias, penalty, ban or constraint); ban_steps: the steps BANNED tokens stay banned; mask_steps: the steps
-    the slot's `allowed` mask holds; logprobs: top logprobs wanted."""
+    """Per-row sampling parameters, each [B], as in SamplingParams. seeds and counters (+1 per sampled token) key the
+    noise; slots: the `TokenTables` row; ban_steps / mask_steps: the steps BANNED tokens / the `allowed` mask hold."""
 
     temperature: jax.Array
     top_k: jax.Array
@@ -42,11 +34,10 @@ class SamplingBatch:
 
 @flax.struct.dataclass
 class TokenTables:
-    """Per-request token state on the device, one row per slot plus the neutral last row ([S + 1, V] each). counts:
-    int32, each token's occurrences in the output; flags: int8, PROMPT | BANNED bits; bias: float32, logit_bias, -inf
-    in every row past the vocabulary limit: data, so that the programs do not depend on the tokenizer (a first start
-    compiles them before it has read it). allowed: [S + 1, ceil(V / 32)] int32, the tokens a constraint allows next
-    as bits (token t: bit t % 32 of word t // 32), all set in the neutral row."""
+    """Per-request token state on the device, [S + 1, V]: one row per slot and the neutral row, which rows using none
+    of it read (it stays in L2). counts: output occurrences; flags: PROMPT | BANNED; bias: logit_bias, -inf past the
+    vocabulary limit (as data: a first start compiles before reading the tokenizer); allowed [S + 1, ceil(V / 32)]:
+    the tokens a constraint allows next, as bits (all set in the neutral row)."""
 
     counts: jax.Array
     flags: jax.Array

@@ -12,9 +12,8 @@ _INT32_MAX = 2**31 - 1
 
 def _field(default, lo, hi, *, integer: bool = False, lo_open: bool = False, device=None, fill=None):
     """A field in [lo, hi] ((lo, hi] if lo_open; None if the default is); device, fill: its step dtype, a pad row's."""
-    check = dict(lo=lo, hi=hi, integer=integer, lo_open=lo_open, optional=default is None)
-    return dataclasses.field(default=default, metadata=dict(
-        check=check, device=None if device is None else (np.dtype(device), fill)))
+    device = None if device is None else (np.dtype(device), fill)
+    return dataclasses.field(default=default, metadata={"range": (lo, hi, integer, lo_open), "device": device})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,8 +48,8 @@ class SamplingParams:
         object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
         object.__setattr__(self, "structured_outputs", StructuredOutputs.of(self.structured_outputs))
         for f in dataclasses.fields(self):
-            if "check" in f.metadata:
-                _check_range(f.name, getattr(self, f.name), **f.metadata["check"])
+            if "range" in f.metadata and not (getattr(self, f.name) is None and f.default is None):
+                _check_range(f.name, getattr(self, f.name), *f.metadata["range"])
         checks = [
             (self.min_tokens <= self.max_tokens,
              f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"),
@@ -88,9 +87,7 @@ def _is_number(x) -> bool:
     return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def _check_range(name: str, value, lo, hi, integer: bool, lo_open: bool, optional: bool) -> None:
-    if value is None and optional:
-        return
+def _check_range(name: str, value, lo, hi, integer: bool, lo_open: bool) -> None:
     ok = _is_int(value) if integer else _is_number(value)
     if not (ok and (value > lo if lo_open else value >= lo) and value <= hi):
         kind = "an int" if integer else "a number"

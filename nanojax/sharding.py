@@ -1,13 +1,8 @@
 """Tensor parallelism: one model over the N devices of a 1-D mesh (axis "tp"), Megatron's layout on jax.sharding.
-
-Column-parallel projections (qkv, gate|up) are split by heads / columns, row-parallel ones (o, down) by rows: each
-device runs the whole layer under `shard_map` on its own heads, with an all-reduce after o and after down. Fused
-layouts are re-ordered at load so that device i holds [q_i | k_i | v_i] and [gate_i | up_i]; KV heads fewer than the
-devices are replicated (the KV pages have max(Hkv, N) heads). A MoE layer's experts are split whole: each device runs
-the rows routed to its E / N experts, and an all-reduce sums the outputs. The embedding and LM head are split by
-vocabulary (padded to a multiple of N) under `shard_map` too: left to XLA's SPMD partitioner, both all-gathered the
-weights every step (docs/perf_notes.md, "Tensor parallelism").
-"""
+Each layer runs under `shard_map` on its device's heads: qkv and gate|up split by columns (re-ordered at load so that
+device i holds [q_i | k_i | v_i] and [gate_i | up_i]), o and down by rows with an all-reduce after each; KV heads fewer
+than the devices are replicated, a MoE layer's experts split whole. The embedding and LM head run per vocabulary shard
+too: left to XLA's SPMD partitioner, both all-gathered the weights every step (docs/perf_notes.md)."""
 import dataclasses
 import functools
 
@@ -61,9 +56,9 @@ class TensorParallel:
     mesh: Mesh
 
     @classmethod
-    def create(cls, config: ModelConfig, size: int, devices=None) -> "TensorParallel":
-        """Over the first `size` of `devices` (default: every process's); ValueError where the model does not split."""
-        devices = jax.devices() if devices is None else devices
+    def create(cls, config: ModelConfig, size: int) -> "TensorParallel":
+        """Over the first `size` devices of the job; ValueError where the model does not split."""
+        devices = jax.devices()
         if not isinstance(size, int) or size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive int, got {size!r}")
         if size > len(devices):
@@ -161,19 +156,17 @@ class TensorParallel:
     def create_cache(self, num_pages: int, page_size: int, dtype, tokens: bool = False,
                      draft: ModelConfig | None = None) -> KVCache:
         """The KV page pools, each device holding its KV heads' pages; the slots' tokens and a draft's on every one."""
-        shape = (num_pages, self.kv_heads, page_size, self.config.head_dim)
-        zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=NamedSharding(self.mesh, _KV_PAGES))
-        layers = range(self.config.num_layers)
-        draft_cache = None if draft is None else jax.jit(
-            lambda: KVCache.create(draft, num_pages, page_size, dtype, True), out_shardings=self.replicated)()
-        return KVCache(k=tuple(zeros() for _ in layers), v=tuple(zeros() for _ in layers), tokens=jax.device_put(
-            jnp.full(num_pages * page_size, -1, jnp.int32), self.replicated) if tokens else None, draft=draft_cache)
+        pools = (NamedSharding(self.mesh, _KV_PAGES),) * self.config.num_layers
+        shardings = KVCache(pools, pools, self.replicated if tokens else None,
+                            None if draft is None else self.replicated)
+        config = dataclasses.replace(self.config, num_kv_heads=self.kv_heads)
+        return jax.jit(lambda: KVCache.create(config, num_pages, page_size, dtype, tokens, draft),
+                       out_shardings=shardings)()
 
 
 @dataclasses.dataclass(frozen=True)
 class TensorParallelOps(Ops):
-    """Ops whose decoder layers run per shard (`plan.local_config` on each device) under shard_map, with the two
-    all-reduces of the row-parallel projections, and whose embedding lookup and logits run per vocabulary shard."""
+    """Ops whose decoder layers (`plan.local_config` on each device), embedding lookup and logits run per shard."""
 
     plan: TensorParallel | None = None
 

@@ -1,17 +1,7 @@
 """Speculative decoding inside the compiled decode: proposals from n-grams of a row's own tokens or from a draft
-model's greedy decode, checked by one forward of the model over the row's last token and its k proposals.
-
-A dispatch still yields exactly row_steps[b] tokens per row, as the plain decode does, in fewer forwards: the
-scheduler, the pages and the chaining of dispatches are unchanged, and no KV is rolled back (a rejected position is
-overwritten by the next forward; attention never reads past seq_lens).
-
-Position i of a forward draws its token exactly as the plain decode draws the row's j-th token (the same adjustments,
-tables and noise), and position i + 1 counts only if that token equals proposal i: rejection sampling of a proposal of
-probability 1, its draws coupled to the plain decode's, so rows get the tokens they get with speculation off.
-
-The draft keeps its KV in the target's pages and slots (KVCache.draft), with the token it was fed at each slot: where
-that differs from the target's token (pages new to it, a rejected proposal) the draft is fed again from there.
-"""
+model's greedy decode, checked by one forward over the row's last token and its k proposals. A dispatch yields exactly
+the plain decode's tokens (each position drawn as the plain decode draws it; a rejected position's KV is overwritten
+by the next forward), in fewer forwards (docs/perf_notes.md, "Speculative decoding")."""
 from functools import partial
 
 import jax
@@ -59,9 +49,8 @@ CATCH_UP = 64
 
 
 def draft_proposals(params, cache, batch: Batch, hist, base, last, left, k: int, *, draft: ModelConfig, ops):
-    """The draft model's k greedy tokens after `last` -> (proposals [B, k], counts [B], cache). The draft is fed each
-    row's tokens from its first stale slot to `last` (at base), then its own k - 1 tokens (only into the row's slots:
-    those before base + left)."""
+    """The draft model's k greedy tokens after `last` -> (proposals [B, k], counts [B], cache): the draft is fed each
+    row's tokens from its first stale slot to `last` (at base), then its own k - 1 (only into slots before base + left)."""
     b, width = hist.shape
     pos = jnp.arange(width)[None, :]
     stale = (pos < base[:, None]) & (history(cache.draft, batch, base, last) != hist)

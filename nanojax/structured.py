@@ -81,9 +81,8 @@ class StructuredOutputs:
 
 
 class Grammars:
-    """Matchers for requests' constraints over one tokenizer: compiled on the caller's thread (not the engine loop's),
-    each grammar once (the last MAX_CACHED kept), then copied per request; and their next-token masks, filled in
-    parallel."""
+    """Matchers for requests' constraints over one tokenizer: each grammar compiled once on the caller's thread (not
+    the engine loop's; the last MAX_CACHED kept), then copied per request; their next-token masks filled in parallel."""
 
     MAX_CACHED = 256
 
