@@ -87,9 +87,7 @@ def sample(logits, s: SamplingBatch, tables: TokenTables, step, *, ops) -> Sampl
     allowed = (tables.allowed[s.slots][:, token // 32] >> (token % 32)) & 1
     logits = jnp.where((allowed == 0) & (step < s.mask_steps)[:, None], -jnp.inf, model)
     cut_key, cut_id, top_ids, top_logits = ops.sampling_filters(logits, s, num_top=MAX_LOGPROBS)
-    noisy = jnp.where(kept(logits, cut_key, cut_id), logits / jnp.maximum(s.temperature, 1e-6)[:, None]
-                      + _gumbel(s.seeds, s.counters + step, logits.shape[1]), -jnp.inf)
-    tokens = jnp.argmax(jnp.where(s.temperature[:, None] > 0, noisy, logits), axis=-1).astype(jnp.int32)
+    tokens = _draw(logits, s, step, kept(logits, cut_key, cut_id))
     chosen = jnp.take_along_axis(model, tokens[:, None], axis=1)[:, 0] - log_norm
     return Sampled(tokens, chosen, top_ids, top_logits - log_norm[:, None])
 
@@ -97,9 +95,16 @@ def sample(logits, s: SamplingBatch, tables: TokenTables, step, *, ops) -> Sampl
 def unmasked_tokens(logits, s: SamplingBatch, tables: TokenTables, step):
     """sample()'s draw with no constraint mask and no filters (the rows whose later draws a grammar may keep have
     none): the same noise, so where it equals sample()'s token, the model's own choice was allowed."""
-    model = _adjust(logits, s, tables, step)
-    noisy = model / jnp.maximum(s.temperature, 1e-6)[:, None] + _gumbel(s.seeds, s.counters + step, model.shape[1])
-    return jnp.argmax(jnp.where(s.temperature[:, None] > 0, noisy, model), axis=-1).astype(jnp.int32)
+    return _draw(_adjust(logits, s, tables, step), s, step)
+
+
+def _draw(logits, s: SamplingBatch, step, keep=None):
+    """-> [B] int32: the argmax of logits (greedy rows) or of logits / temperature plus the step's Gumbel noise, over
+    the tokens `keep` [B, V] allows (all if None)."""
+    noisy = logits / jnp.maximum(s.temperature, 1e-6)[:, None] + _gumbel(s.seeds, s.counters + step, logits.shape[1])
+    if keep is not None:
+        noisy = jnp.where(keep, noisy, -jnp.inf)
+    return jnp.argmax(jnp.where(s.temperature[:, None] > 0, noisy, logits), axis=-1).astype(jnp.int32)
 
 
 def _adjust(logits, s: SamplingBatch, tables: TokenTables, step):
