@@ -39,6 +39,7 @@ class _Step(NamedTuple):
     prompt: dict  # {seq_id: (runner.Pending, last row)} of those whose prompt logprobs are wanted
     chainable: bool  # the next step may be dispatched before this one is read back
     first_tokens_only: bool  # it samples prompts' last tokens only (new requests' first tokens)
+    constrained: bool  # a row's token mask came from the host
 
 
 class EngineCore:
@@ -150,10 +151,14 @@ class EngineCore:
             return not self._running
 
     def _step(self, inflight: _Step | None) -> _Step | None:
-        """Dispatches the next step, then reads back inflight (before, unless `chainable`). -> the step dispatched."""
-        after_first_tokens = False
+        """Dispatches the next step, then reads back inflight (before, unless `chainable`). A constrained step's tokens
+        are read before (the next masks need them), their texts and events after. -> the step dispatched."""
+        after_first_tokens, held = False, []  # held: sequences whose texts and events wait for the dispatch
         if inflight is not None and not inflight.chainable:
-            self._read_back(inflight)
+            held = self._complete(inflight)
+            if not inflight.constrained or inflight.first_tokens_only:  # (first tokens: their streams wait)
+                self._publish(held)
+                held = []
             after_first_tokens, inflight = inflight.first_tokens_only, None
         step = None
         try:
@@ -163,23 +168,36 @@ class EngineCore:
         except Exception as e:  # noqa: BLE001 -- a failed step ends its requests, not the engine
             self._step_failed(e)
         if inflight is not None:
-            self._read_back(inflight)
+            held = self._complete(inflight)
+        if held or inflight is not None:
+            self._publish(held)
         return step
 
-    def _read_back(self, step: _Step) -> None:
+    def _complete(self, step: _Step) -> list[Sequence]:
+        """The step's tokens in place of its placeholders; the requests they end, ended. -> the sequences that gained."""
         try:
-            seqs = self._complete(step)
+            seqs = self._accept(step)
         except Exception as e:  # noqa: BLE001
             self._step_failed(e)
-            return
+            return []
+        finally:
+            # Its results' device buffers go back to the pool before the next dispatch allocates: a program given the
+            # addresses of its last run reuses its CUDA graph as recorded (docs/perf_notes.md, "Dispatch and host
+            # overhead").
+            step.pending.clear()
+            step.prompt.clear()
         for seq in seqs:
+            self._finish_ended(seq)
+        return seqs
+
+    def _publish(self, seqs: list[Sequence]) -> None:
+        """Brings the sequences' texts up to their tokens (a stop string may end one) and streams their events."""
+        for seq in seqs:
+            self.output.update_text(seq.request)
+            self._finish_ended(seq)
             if (event := self.output.event(seq)) is not None:
                 seq.request.stream.put(event)
         self.events_out()
-        # Its results' device buffers go back to the pool before the next dispatch allocates: a program given the
-        # addresses of its last run reuses its CUDA graph as recorded (docs/perf_notes.md, "Dispatch and host overhead").
-        step.pending.clear()
-        step.prompt.clear()
 
     def _add(self, firsts: list[Sequence[Request]]) -> None:
         for seq in firsts:
@@ -228,7 +246,7 @@ class EngineCore:
         one_dispatch = len({id(out) for out, _ in pending.values()}) <= 1
         first_tokens_only = bool(pending) and not decodes
         return _Step(chunks, pending, prompt, one_dispatch and not first_tokens_only and not after_first_tokens
-                     and masks is None, first_tokens_only)
+                     and masks is None, first_tokens_only, masks is not None)
 
     def _prepare(self, chunks) -> tuple[list, dict]:
         """Slots, masks and sampling rows (a request whose row fails ends alone) -> (chunks kept, {seq_id: row})."""
@@ -270,7 +288,7 @@ class EngineCore:
             self._free_slots.append(req.slot)
             req.slot = None
 
-    def _complete(self, step: _Step) -> list[Sequence]:
+    def _accept(self, step: _Step) -> list[Sequence]:
         """The step's tokens in place of its placeholders, under the stop conditions. -> the sequences that gained."""
         for c in step.chunks:
             if c.seq.seq_id in step.prompt:
@@ -287,12 +305,15 @@ class EngineCore:
                 if sibling.status is not SequenceStatus.FINISHED:
                     self.scheduler.add(sibling)
             req.siblings = []
-            self.output.update_text(req)
-            if req.output.finish_reason is not None:
-                if req.pin:
-                    req.pin_handle = self.page_manager.pin_pages(seq, len(req.output.prompt_token_ids))
-                self._finish(seq)
         return seqs
+
+    def _finish_ended(self, seq: Sequence) -> None:
+        """Frees a sequence whose request has a finish reason (its prompt's pages pinned if asked), once."""
+        req: Request = seq.request
+        if req.output.finish_reason is not None and seq.status is not SequenceStatus.FINISHED:
+            if req.pin:
+                req.pin_handle = self.page_manager.pin_pages(seq, len(req.output.prompt_token_ids))
+            self._finish(seq)
 
     def _finish(self, seq: Sequence) -> None:
         """Frees a sequence's pages and slot (a sibling never admitted has none)."""
