@@ -29,9 +29,9 @@ def grouped_swiglu(x, weights, ids, up, down, matmul=expert_matmul_reference, gr
     n, k = ids.shape
     num_experts = up[0].shape[0]
     kept = (ids >= 0) & (ids < num_experts)
-    choices = jnp.where(kept, ids, num_experts).reshape(-1)
     # Few rows gather their experts (never more weights than the whole set); more are grouped by expert.
-    out = (_gathered(x, choices, up, down, matmul) if n * k <= num_experts else _grouped(x, choices, up, down, grouped))
+    out = (_gathered(x, ids.reshape(-1), up, down, matmul) if n * k <= num_experts else
+           _grouped(x, jnp.where(kept, ids, num_experts).reshape(-1), up, down, grouped))
     out = out.reshape(n, k, -1)
     return jnp.sum(jnp.where(kept[..., None], out * weights[..., None], 0), axis=1).astype(x.dtype)
 
@@ -42,11 +42,11 @@ def _swiglu(gate_up, dtype):
     return jax.nn.silu(gate) * up
 
 
-def _gathered(x, choices, up, down, matmul):
-    """x: [N, H]; choices: [N k] expert ids (E: none) -> [N k, H] f32: each choice through its expert's weights."""
-    e = jnp.minimum(choices, up[0].shape[0] - 1)  # none: computed with the last expert, then dropped
-    rows = jnp.repeat(x, choices.shape[0] // x.shape[0], axis=0)
-    return matmul(_swiglu(matmul(rows, *up, e), x.dtype), *down, e)
+def _gathered(x, ids, up, down, matmul):
+    """x: [N, H]; ids: [N k] -> [N k, H] f32: each choice through its expert's weights (one outside [0, E) through the
+    nearest expert's, for the caller to drop)."""
+    rows = jnp.repeat(x, ids.shape[0] // x.shape[0], axis=0)
+    return matmul(_swiglu(matmul(rows, *up, ids), x.dtype), *down, ids)
 
 
 def _grouped(x, choices, up, down, matmul):

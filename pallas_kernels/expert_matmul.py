@@ -33,9 +33,10 @@ def expert_shape(w, scale) -> tuple[int, int, int]:
 
 
 def expert_matmul_reference(x, w, scale, ids):
-    """x: [M, K]; w, scale: experts w [E, K, N] and None, or FP8 w_t [E, N, K] and scale [E, N]; ids: [M] int32 in
-    [0, E) -> [M, N] f32."""
+    """x: [M, K]; w, scale: experts w [E, K, N] and None, or FP8 w_t [E, N, K] and scale [E, N]; ids: [M] int32 ->
+    [M, N] f32. An id outside [0, E) (an expert another device holds) reads the nearest one: the caller drops its row."""
     kw = {"precision": lax.Precision.HIGHEST, "preferred_element_type": jnp.float32}
+    ids = jnp.clip(ids, 0, w.shape[0] - 1)
     if scale is None:
         return jnp.einsum("mk,mkn->mn", x, w[ids].astype(x.dtype), **kw)
     return jnp.einsum("mk,mnk->mn", x, w[ids].astype(x.dtype), **kw) * scale[ids]
@@ -46,7 +47,7 @@ def _kernel(ids_ref, x_ref, w_ref, *refs, block_k: int):
     # expert's column block, or FP8 [E, block_n, K / split_k] followed in refs by its scale_ref [E, block_n];
     # o_ref: [block_n] f32
     *scale_ref, o_ref = refs
-    expert, fp8 = load(ids_ref), bool(scale_ref)
+    expert, fp8 = jnp.clip(load(ids_ref), 0, w_ref.shape[0] - 1), bool(scale_ref)  # (in the kernel: no launch)
 
     def body(i, acc):  # elementwise: one reduction over K at the end, not one a slice
         ks = pl.ds(i * block_k, block_k)

@@ -30,6 +30,16 @@ def test_each_row_takes_its_experts_weights(rows, k, n, experts, dtype):
     np.testing.assert_allclose(expert_matmul(x, w, None, ids, config=small, interpret=True), want, **TOL)
 
 
+def test_ids_of_other_devices_experts_read_the_nearest_expert():
+    """Expert parallelism hands each device ids outside its [0, E): the kernel clamps them in place of a launch."""
+    rng = np.random.default_rng(7)
+    x, w = jnp.asarray(rng.normal(size=(6, 64)), jnp.float32), jnp.asarray(rng.normal(size=(3, 64, 32)), jnp.float32)
+    ids = jnp.asarray([-5, -1, 0, 2, 3, 9], jnp.int32)
+    want = np.stack([np.asarray(x[i]) @ np.asarray(w[min(max(e, 0), 2)]) for i, e in enumerate(ids.tolist())])
+    np.testing.assert_allclose(expert_matmul_reference(x, w, None, ids), want, **TOL)
+    np.testing.assert_allclose(expert_matmul(x, w, None, ids, interpret=True), want, **TOL)
+
+
 @pytest.mark.parametrize("rows,k,n,experts", [(3, 96, 48, 5), (8, 256, 64, 9)])
 def test_fp8_experts_are_read_as_stored_and_scaled_after_the_products(rows, k, n, experts):
     rng = np.random.default_rng(rows)
