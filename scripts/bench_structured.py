@@ -11,6 +11,7 @@ the tokens drawn after its masked one only where the grammar allows them (random
 unconstrained rows it gains about one token per dispatch, and alone it runs the one-step program.
 """
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -61,6 +62,7 @@ def main():
     ap.add_argument("--tokenizer", required=True)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=1, help="each batch's none / half / all rows, in turn, this often")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from random_model import loaded_model, random_hf_model
@@ -79,11 +81,13 @@ def main():
     for batch in args.batches:
         prompts = rng.integers(0, len(tokenizer) - 1000, (batch, 32)).tolist()
         row_speeds(llm, prompts, [free] * batch)  # warm
-        for kind, constrained in (("none", 0), ("half", batch // 2), ("all", batch)):
+        for repeat, (kind, constrained) in itertools.product(range(args.repeats),
+                                                             (("none", 0), ("half", batch // 2), ("all", batch))):
             if batch == 1 and kind == "half":
                 continue
             speeds = row_speeds(llm, prompts, [bound] * constrained + [free] * (batch - constrained))
-            row = {"batch": batch, "constrained": kind, "free_tok_s": np.mean(speeds[constrained:] or [np.nan]),
+            row = {"batch": batch, "constrained": kind, "repeat": repeat,
+                   "free_tok_s": np.mean(speeds[constrained:] or [np.nan]),
                    "constrained_tok_s": np.mean(speeds[:constrained] or [np.nan])}
             rows.append(row)
             print(json.dumps(row), flush=True)
