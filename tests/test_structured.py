@@ -86,6 +86,21 @@ def test_greedy_constrained_tokens_equal_hf_under_the_same_masks(tiny, tokenizer
     assert alone[2].text in ("red", "green", "blue") and alone[2].finish_reason == "stop"
 
 
+def test_a_stop_string_ends_a_constrained_row_alone(tiny, tokenizer):
+    """Alone, a constrained row's texts and events follow the next dispatch: a stop string still ends it where it
+    occurs, its streamed deltas add up to its text, and the engine goes on."""
+    folder, hf = tiny
+    prompt = tokenizer.encode("Answer:")
+    regex = StructuredOutputs(regex=r"(yes|no), [0-9]{1,3}")
+    want = tokenizer.decode(masked_greedy(hf, tokenizer, prompt, regex, 40)).split(",")[0]
+    params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=regex, stop=[","])
+    with LLM(str(folder), dtype="float32", page_size=4, max_model_len=128) as llm:
+        events = list(llm.stream([prompt], params))
+        again = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert (events[-1].text, events[-1].finish_reason) == (want, "stop")
+    assert "".join(e.delta for e in events) == want and again.text == want
+
+
 def test_constrained_rows_alone_running_ahead_keep_their_tokens(tiny, tokenizer, monkeypatch):
     """Alone, a row whose model has kept to its grammar takes the multi-step dispatch, its later draws kept while the
     grammar allows them: greedy, HF's tokens under the same masks; seeded sampling, the one-step path's tokens."""
