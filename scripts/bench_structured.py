@@ -80,7 +80,8 @@ def main():
     rows = []
     for batch in args.batches:
         prompts = rng.integers(0, len(tokenizer) - 1000, (batch, 32)).tolist()
-        row_speeds(llm, prompts, [free] * batch)  # warm
+        for constrained in sorted({0, batch // 2, batch}):  # warm: a program's first run in a process costs more
+            row_speeds(llm, prompts, [bound] * constrained + [free] * (batch - constrained))
         for repeat, (kind, constrained) in itertools.product(range(args.repeats),
                                                              (("none", 0), ("half", batch // 2), ("all", batch))):
             if batch == 1 and kind == "half":
