@@ -174,16 +174,26 @@ class EngineCore:
         return step
 
     def _complete(self, step: _Step) -> list[Sequence]:
-        """The step's tokens in place of its placeholders; the requests they end, ended. -> the sequences that gained."""
+        """The step's tokens in place of its placeholders, under the stop conditions; the requests they end, ended.
+        -> the sequences that gained."""
+        seqs = []
         try:
-            seqs = self._accept(step)
+            for c in step.chunks:
+                if c.seq.seq_id in step.prompt:
+                    self.output.accept_prompt_logprobs(c, *step.prompt[c.seq.seq_id])
+                if c.sample and c.seq.status is not SequenceStatus.FINISHED:
+                    out, row = step.pending[c.seq.seq_id]
+                    self.scheduler.fill(c.seq, self.output.accept(c.seq, out, row, c.num_steps), c.num_steps)
+                    seqs.append(c.seq)
+                    for sibling in c.seq.request.siblings:  # n > 1: the prompt's pages are committed, others hit them
+                        if sibling.status is not SequenceStatus.FINISHED:
+                            self.scheduler.add(sibling)
+                    c.seq.request.siblings = []
         except Exception as e:  # noqa: BLE001
             self._step_failed(e)
             return []
-        finally:
-            # Its results' device buffers go back to the pool before the next dispatch allocates: a program given the
-            # addresses of its last run reuses its CUDA graph as recorded (docs/perf_notes.md, "Dispatch and host
-            # overhead").
+        finally:  # its results' buffers back to the pool before the next dispatch: a program given the addresses of
+            # its last run reuses its CUDA graph as recorded (docs/perf_notes.md, "Dispatch and host overhead")
             step.pending.clear()
             step.prompt.clear()
         for seq in seqs:
@@ -287,25 +297,6 @@ class EngineCore:
         if req.slot is not None:
             self._free_slots.append(req.slot)
             req.slot = None
-
-    def _accept(self, step: _Step) -> list[Sequence]:
-        """The step's tokens in place of its placeholders, under the stop conditions. -> the sequences that gained."""
-        for c in step.chunks:
-            if c.seq.seq_id in step.prompt:
-                self.output.accept_prompt_logprobs(c, *step.prompt[c.seq.seq_id])
-        seqs = []
-        for c in step.chunks:
-            if c.sample and c.seq.status is not SequenceStatus.FINISHED:
-                out, row = step.pending[c.seq.seq_id]
-                self.scheduler.fill(c.seq, self.output.accept(c.seq, out, row, c.num_steps), c.num_steps)
-                seqs.append(c.seq)
-        for seq in seqs:
-            req: Request = seq.request
-            for sibling in req.siblings:  # n > 1: the prompt's pages are committed now, the other choices hit them
-                if sibling.status is not SequenceStatus.FINISHED:
-                    self.scheduler.add(sibling)
-            req.siblings = []
-        return seqs
 
     def _finish_ended(self, seq: Sequence) -> None:
         """Frees a sequence whose request has a finish reason (its prompt's pages pinned if asked), once."""
