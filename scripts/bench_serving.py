@@ -159,7 +159,9 @@ async def one_request(session, url: str, body: dict) -> dict:
                     error = chunk["error"]
                     return {"error": error["message"] if isinstance(error, dict) else str(error)}
                 usage = chunk.get("usage") or usage
-                gained = sum(len(c["token_ids"]) if "token_ids" in c else bool(c.get("text"))
+                # The peer sends text, each token one word of its tokenizer's (transformers_serve_peer), several a
+                # chunk at times (transformers 5.25).
+                gained = sum(len(c["token_ids"]) if "token_ids" in c else len(c.get("text", "").split())
                              for c in chunk["choices"])
                 if gained:
                     clock.tokens_came()
