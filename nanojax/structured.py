@@ -5,6 +5,7 @@ import collections
 import copy
 import dataclasses
 import json
+import os
 import threading
 
 import numpy as np
@@ -81,14 +82,18 @@ class StructuredOutputs:
 
 
 class Grammars:
-    """Matchers for requests' constraints over one tokenizer: each grammar compiled once on the caller's thread (not
-    the engine loop's; the last MAX_CACHED kept), then copied per request; their next-token masks filled in parallel."""
+    """Matchers for requests' constraints over one tokenizer, compiled on the caller's thread (not the engine loop's)
+    and copied per request; their next-token masks filled in parallel. Copies of one compiled matcher share its lexer
+    under one lock and fill their masks one at a time: a grammar is compiled up to `roots` times (the executor's
+    threads) and its requests dealt round-robin over them (docs/perf_notes.md, "Structured outputs: masks in the
+    engine"). The last MAX_CACHED compiled matchers are kept."""
 
     MAX_CACHED = 256
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, roots: int | None = None):
         self._tokenizer, self._ll_tokenizer, self._executor = tokenizer, None, None  # built at the first constraint
-        self._compiled: collections.OrderedDict[str, "llguidance.LLMatcher"] = collections.OrderedDict()
+        self.roots = roots or max(1, min(32, (os.cpu_count() or 1) * 4 // 5))  # (LLExecutor's default threads)
+        self._compiled: collections.OrderedDict[str, list["llguidance.LLMatcher"]] = collections.OrderedDict()
         self._lock = threading.Lock()
 
     def matcher(self, constraint: StructuredOutputs) -> "llguidance.LLMatcher":
@@ -101,14 +106,19 @@ class Grammars:
                 backend.no_padding()
                 backend.no_truncation()
                 self._ll_tokenizer = llguidance.LLTokenizer(backend.to_str(), eos_token=self._tokenizer.eos_token_id)
-                self._executor = llguidance.LLExecutor()
-            compiled = self._compiled.pop(text, None) or llguidance.LLMatcher(self._ll_tokenizer, text)
-            if compiled.is_error():
-                raise ValueError(f"structured_outputs cannot be compiled: {compiled.get_error()}")
+                self._executor = llguidance.LLExecutor(self.roots)
+            compiled = self._compiled.pop(text, [])
+            if len(compiled) < self.roots:
+                root = llguidance.LLMatcher(self._ll_tokenizer, text)
+                if root.is_error():
+                    raise ValueError(f"structured_outputs cannot be compiled: {root.get_error()}")
+                compiled.append(root)
+            else:  # the next one in turn
+                compiled.append(compiled.pop(0))
             self._compiled[text] = compiled
-            if len(self._compiled) > self.MAX_CACHED:
+            while sum(map(len, self._compiled.values())) > self.MAX_CACHED:
                 self._compiled.popitem(last=False)
-        return compiled.deep_copy()
+        return compiled[-1].deep_copy()
 
     def masks(self, matchers: list["llguidance.LLMatcher"]) -> np.ndarray:
         """-> [len(matchers), ceil(tokenizer vocabulary / 32)] int32: each one's next-token bitmask."""

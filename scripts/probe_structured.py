@@ -1,6 +1,6 @@
 """Where a constrained batch-1 request's time goes: the engine loop's functions timed (totals per token), against
 plain decoding with the default steps per dispatch and with one step per dispatch (the runner called directly).
---trace (a GPU): a constrained run and the masked one-step alone on a profiler timeline, per loop step (or call) the
+--batch N: N rows of each kind at once. --trace (a GPU): a constrained run and the masked one-step alone on a profiler timeline, per loop step (or call) the
 mean time of the host's events inside it and of the GPU kernels that start inside it.
 
     PYTHONPATH=$PWD python3 scripts/probe_structured.py --tokenizer DIR [--model qwen3-0.6b] [--trace]
@@ -68,6 +68,7 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--tiny", action="store_true", help="2 layers of width 64 (a CPU run: the host's share shows)")
     ap.add_argument("--trace", action="store_true", help="the profiler timeline (a GPU)")
+    ap.add_argument("--batch", type=int, default=1, help="rows of each kind at once (above 1: the loop's timers only)")
     args = ap.parse_args()
     from random_model import loaded_model, random_hf_model
     from transformers import PreTrainedTokenizerFast
@@ -85,10 +86,10 @@ def main():
     else:
         hf = random_hf_model(args.model, torch_dtype="bfloat16")
     loaded = loaded_model(hf)
-    llm = LLM(type(loaded)(loaded.config, loaded.params, tokenizer), dtype="bfloat16", max_num_seqs=8,
+    llm = LLM(type(loaded)(loaded.config, loaded.params, tokenizer), dtype="bfloat16", max_num_seqs=max(8, args.batch),
               max_model_len=1024)
-    for cls, names in ((engine_module.EngineCore, ["_step", "_dispatch", "_prepare", "_constrain", "_read_back",
-                                                   "_complete"]),
+    for cls, names in ((engine_module.EngineCore, ["_step", "_dispatch", "_prepare", "_constrain", "_complete",
+                                                   "_publish"]),
                        (runner_module.ModelRunner, ["decode", "set_masks", "_run", "_inputs"]),
                        (runner_module.Pending, ["tokens"]),
                        (structured.Grammars, ["masks"]),
@@ -97,22 +98,25 @@ def main():
                        (scheduler_module.Scheduler, ["schedule", "advance", "fill"])):
         for name in names:
             timed(cls, name)
-    prompt = np.random.default_rng(0).integers(0, len(tokenizer) - 1000, 32).tolist()
+    prompts = np.random.default_rng(0).integers(0, len(tokenizer) - 1000, (args.batch, 32)).tolist()
     free = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     bound = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True,
                            structured_outputs={"json": schema()})
     for params in (free, bound, free, bound):
         TIMES.clear(), CALLS.clear()
         start = time.perf_counter()
-        speed = row_speeds(llm, [prompt], [params])[0]
+        speed = np.mean(row_speeds(llm, prompts, [params] * args.batch))
         wall = time.perf_counter() - start
         host = TIMES["EngineCore._step"] - TIMES["Pending.tokens"]
         print(f"\n{'constrained' if params is bound else 'plain'}: {speed:.1f} tok/s a row, wall {wall * 1e3:.1f} ms, "
               f"{CALLS['EngineCore._step']} loop steps, host {host / max(CALLS['Scheduler.fill'], 1) * 1e6:.0f} us "
-              f"a dispatch besides waiting for tokens")
+              f"a dispatch besides waiting for tokens ({args.batch} rows)")
         for label in sorted(TIMES, key=TIMES.get, reverse=True):
             print(f"  {label:<28} {TIMES[label] * 1e3:9.2f} ms  {CALLS[label]:5d} calls  "
                   f"{TIMES[label] / max(CALLS[label], 1) * 1e6:8.1f} us/call")
+    if args.batch > 1:
+        return
+    prompt = prompts[0]
     # One step of a constrained row through the runner alone (dispatch, device, read back): its mask sent with the
     # step's inputs (the masked program), or written by set_masks first (two dispatches); then a plain step.
     r = llm.runner

@@ -15,7 +15,7 @@ from nanojax import LLM, SamplingParams
 from nanojax import output as output_module
 from nanojax.default_model import default_checkpoint
 from nanojax.loader import load_hf_tokenizer
-from nanojax.structured import StructuredOutputs
+from nanojax.structured import Grammars, StructuredOutputs
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120},
@@ -67,6 +67,24 @@ def test_bad_constraints_are_refused_naming_the_field():
             StructuredOutputs(**kw)
     with pytest.raises(ValueError, match="unknown keys"):
         SamplingParams(structured_outputs={"schema": {}})
+
+
+def test_a_grammars_requests_are_dealt_over_its_compiled_copies(tokenizer):
+    """A grammar is compiled up to `roots` times (copies of one compiled matcher fill their masks one at a time), its
+    requests dealt round-robin over them: every copy gives the same masks; the cache keeps MAX_CACHED compiled ones."""
+    grammars = Grammars(tokenizer, roots=2)
+    constraint = StructuredOutputs(json=PERSON)
+    matchers = [grammars.matcher(constraint) for _ in range(5)]
+    assert len(grammars._compiled[constraint.grammar_text]) == 2
+    for token in tokenizer.encode('{"name": "Ann", "age": 41}', add_special_tokens=False):
+        masks = grammars.masks(matchers)
+        assert (masks == masks[0]).all()
+        assert all(m.consume_token(token) for m in matchers)
+    assert all(m.is_accepting() for m in matchers)
+    grammars.MAX_CACHED = 3
+    for c in CONSTRAINTS[1:]:
+        grammars.matcher(c)
+    assert sum(map(len, grammars._compiled.values())) == 3 and constraint.grammar_text not in grammars._compiled
 
 
 def test_greedy_constrained_tokens_equal_hf_under_the_same_masks(tiny, tokenizer):
