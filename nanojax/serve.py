@@ -68,21 +68,16 @@ _PROMPT_ERRORS = ("prompt", "empty prompt", "token ids", "this checkpoint has no
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
 
-def _param_of(message: str, prompt_field: str, renames: dict[str, str]) -> str | None:
-    """The request field a ValueError of SamplingParams or the engine is about (their messages start with it)."""
-    if message.startswith(_PROMPT_ERRORS):
-        return prompt_field
-    word = re.match(r"[a-z_]*", message).group()
-    return renames.get(word, word) if word in _SAMPLING_FIELDS else None
-
-
 @contextlib.contextmanager
 def _engine_errors(prompt_field: str, renames: dict[str, str] | None = None):
-    """ValueErrors of the engine or SamplingParams as 400s naming the field; RuntimeErrors (it has died) as 503s."""
+    """ValueErrors of the engine or SamplingParams as 400s naming the field (their messages start with it, or with one
+    of _PROMPT_ERRORS); RuntimeErrors (it has died) as 503s."""
     try:
         yield
     except ValueError as e:
-        raise RequestError(400, str(e), _param_of(str(e), prompt_field, renames or {})) from None
+        word = re.match(r"[a-z_]*", str(e)).group()
+        param = (renames or {}).get(word, word) if word in _SAMPLING_FIELDS else None
+        raise RequestError(400, str(e), prompt_field if str(e).startswith(_PROMPT_ERRORS) else param) from None
     except RuntimeError as e:
         raise RequestError(503, str(e), kind="server_error") from None
 
@@ -165,9 +160,10 @@ class _MessageParser:
 class _Response:
     """Builds one HTTP request's choices (completions or chat) from the engine's events, whole or as chunks."""
 
-    def __init__(self, llm, chat: bool, body, model: str, prompts: list[list[int]], echo: list[str | None],
-                 arrival: float, message_parser=None):  # message_parser(): a new _MessageParser, for a chat
-        self.llm, self.chat, self.body, self.prompts, self.echo, self.arrival = llm, chat, body, prompts, echo, arrival
+    def __init__(self, llm, body, model: str, prompts: list[list[int]], arrival: float,
+                 echo: list[str | None] | None = None, message_parser=None):  # echo: a completion's prompts' text
+        self.llm, self.body, self.prompts, self.echo, self.arrival = llm, body, prompts, echo, arrival
+        self.chat = chat = message_parser is not None  # message_parser(): a new _MessageParser, for a chat
         self.message_parser, self.parsers = message_parser, {}  # parsers: choice -> its streamed text's parser
         self.logprobs = bool(body.logprobs) if chat else body.logprobs is not None
         self.head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{_ID_PREFIX}{next(_response_numbers):08x}",
@@ -353,7 +349,7 @@ class _Server:
             texts = [t if t is not None else self.llm.tokenizer.decode(ids) for ids, t in zip(prompts, texts)]
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
         prompt_logprobs = body.logprobs if body.echo else None  # the echoed prompt's
-        response = _Response(self.llm, False, body, self.model_name, prompts, texts, arrival)
+        response = _Response(self.llm, body, self.model_name, prompts, arrival, echo=texts)
         return await self.respond(request, response, max_tokens, body.logprobs, prompt_logprobs)
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
@@ -368,7 +364,7 @@ class _Server:
         if max_tokens is None:  # what is left of the context, within the server's limit
             max_tokens = min(max(1, self.llm.max_model_len - len(ids)), self.token_limit)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        response = _Response(self.llm, True, body, self.model_name, [ids], [None], arrival, parser)
+        response = _Response(self.llm, body, self.model_name, [ids], arrival, message_parser=parser)
         return await self.respond(request, response, max_tokens, logprobs)
 
     async def respond(self, request: Request, response: _Response, max_tokens: int, logprobs: int | None,
@@ -426,9 +422,8 @@ class _Server:
         # Body fields named as SamplingParams fields go through as given (SamplingParams checks them); these differ.
         given = {name: getattr(body, name) for name in _SAMPLING_FIELDS if getattr(body, name, None) is not None}
         return SamplingParams(**{**given, "top_k": 0 if body.top_k == -1 else body.top_k, "max_tokens": max_tokens,
-                                 "stop_token_ids": tuple(body.stop_token_ids or ()), "stop": body.stop or (),
-                                 "logit_bias": bias or None, "logprobs": logprobs, "prompt_logprobs": prompt_logprobs,
-                                 "structured_outputs": constraint})
+                                 "stop": body.stop or (), "logit_bias": bias or None, "logprobs": logprobs,
+                                 "prompt_logprobs": prompt_logprobs, "structured_outputs": constraint})
 
     def close(self, stream: RequestStream, request_ids: list[str]) -> None:
         """Aborts the requests unless all have finished; counted as aborted if the stream had not finished."""
@@ -439,16 +434,13 @@ class _Server:
                 self.llm.abort(request_id)
 
     # ----- the rest -----
-    def model_card(self) -> dict:
-        return {"id": self.model_name, "object": "model", "created": self.started, "owned_by": "nanojax",
-                "max_model_len": self.llm.max_model_len}
-
     async def models(self):
-        return {"object": "list", "data": [self.model_card()]}
+        return {"object": "list", "data": [await self.model(self.model_name)]}
 
     async def model(self, model: str):
         self.check_model(model)
-        return self.model_card()
+        return {"id": self.model_name, "object": "model", "created": self.started, "owned_by": "nanojax",
+                "max_model_len": self.llm.max_model_len}
 
     async def engine_state(self) -> tuple[EngineStats | None, str | None]:
         """(the engine's load or None; why it cannot serve, or None): it has stopped, it leaves a stats query
