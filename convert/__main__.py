@@ -2,7 +2,7 @@
 import argparse
 import sys
 
-from convert.checkpoint import DTYPES, convert
+from convert.checkpoint import DTYPES, QUANTIZATIONS, convert
 
 
 def main(argv=None) -> int:
@@ -11,7 +11,7 @@ def main(argv=None) -> int:
                                     "HF_HUB_OFFLINE=1: the cache only), or a .gguf file")
     parser.add_argument("dst", help="output folder (written atomically)")
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
-    parser.add_argument("--quantize", default=None, choices=["fp8"],
+    parser.add_argument("--quantize", default=None, choices=[q for q in QUANTIZATIONS if q],
                         help="projection weights in FP8 (E4M3, per-output-channel scales); the LM head stays in dtype")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing destination")
     args = parser.parse_args(argv)
