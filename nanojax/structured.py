@@ -17,12 +17,6 @@ except ImportError:  # a pip dependency; a machine without it runs everything bu
     llguidance = None
 
 _KINDS = ("json", "json_object", "regex", "choice", "grammar")
-# llguidance's token classes whose masks it precomputes (its general_slices, finer): a string of a bounded length, as
-# a schema's maxLength and the JSON whitespace cap make, takes them instead of a walk through every token
-# (docs/perf_notes.md, "Structured outputs: masks in the engine").
-_STRING_CHAR = r'[^"\\\x00-\x1F\x7F]'
-SLICES = ([rf"[\x20\x0A\x09]{{1,{n}}}" for n in (1, 2, 4, 8, 16, 32)] + [r"[\x20\x0A\x0D\x09]+"]
-          + [f"{_STRING_CHAR}{{1,{n}}}" for n in (1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 30)] + [f"{_STRING_CHAR}+"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,8 +105,7 @@ class Grammars:
                 backend = copy.copy(self._tokenizer.backend_tokenizer)
                 backend.no_padding()
                 backend.no_truncation()
-                self._ll_tokenizer = llguidance.LLTokenizer(backend.to_str(), eos_token=self._tokenizer.eos_token_id,
-                                                          slices=SLICES)
+                self._ll_tokenizer = llguidance.LLTokenizer(backend.to_str(), eos_token=self._tokenizer.eos_token_id)
                 self._executor = llguidance.LLExecutor(self.roots)
             compiled = self._compiled.pop(text, [])
             if len(compiled) < self.roots:

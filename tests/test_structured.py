@@ -87,25 +87,6 @@ def test_a_grammars_requests_are_dealt_over_its_compiled_copies(tokenizer):
     assert sum(map(len, grammars._compiled.values())) == 3 and constraint.grammar_text not in grammars._compiled
 
 
-def test_the_slices_change_no_mask(tokenizer):
-    """structured.SLICES only spare llguidance walks through the vocabulary: along random walks every mask equals the
-    one computed without slices."""
-    grammars, plain = Grammars(tokenizer), llguidance.hf.from_tokenizer(tokenizer, slices=[])
-    bounded = StructuredOutputs(json={"type": "object", "properties": {"s": {"type": "string", "maxLength": 9},
-                                                                      "t": {"type": "string"}}})
-    rng = np.random.default_rng(0)
-    for constraint in [*CONSTRAINTS, bounded, StructuredOutputs(json_object=True)]:
-        ours, theirs = grammars.matcher(constraint), llguidance.LLMatcher(plain, constraint.grammar_text)
-        for _ in range(40):
-            mask, words = grammars.masks([ours]), llguidance.numpy.allocate_token_bitmask(1, plain.vocab_size)
-            llguidance.numpy.fill_next_token_bitmask(theirs, words)
-            assert (mask == words).all()
-            if ours.is_stopped():
-                break
-            token = int(rng.choice(np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))))
-            assert ours.consume_token(token) and theirs.consume_token(token)
-
-
 def test_greedy_constrained_tokens_equal_hf_under_the_same_masks(tiny, tokenizer):
     folder, hf = tiny
     prompt = tokenizer.encode("Answer:")
