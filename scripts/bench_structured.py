@@ -21,7 +21,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from nanojax import LLM, SamplingParams  # noqa: E402
+from nanojax import SamplingParams  # noqa: E402
 
 # ~30 fields: strings, numbers, enums, arrays, nested objects (the time-to-first-token case).
 FIELDS = {**{f"name_{i}": {"type": "string", "maxLength": 16} for i in range(8)},
@@ -65,14 +65,10 @@ def main():
     ap.add_argument("--repeats", type=int, default=1, help="each batch's none / half / all rows, in turn, this often")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    from random_model import loaded_model, random_hf_model
-    from transformers import PreTrainedTokenizerFast
+    from random_model import random_llm, saved_tokenizer
 
-    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(Path(args.tokenizer) / "tokenizer.json"),
-                                        eos_token="<|im_end|>")
-    loaded = loaded_model(random_hf_model(args.model, torch_dtype="bfloat16"))
-    llm = LLM(type(loaded)(loaded.config, loaded.params, tokenizer), dtype="bfloat16", max_num_seqs=max(args.batches),
-              max_model_len=1024)
+    tokenizer = saved_tokenizer(args.tokenizer)
+    llm = random_llm(args.model, tokenizer, max_num_seqs=max(args.batches), max_model_len=1024)
     rng = np.random.default_rng(0)
     free = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     bound = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True,

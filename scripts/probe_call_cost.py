@@ -19,9 +19,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 sys.path.insert(0, str(Path(__file__).parent))
-from random_model import loaded_model, random_hf_model  # noqa: E402
+from random_model import random_llm, saved_tokenizer  # noqa: E402
 
-from nanojax import LLM  # noqa: E402
 from nanojax import runner as R  # noqa: E402
 from pallas_kernels._compat import triton_params  # noqa: E402
 
@@ -148,12 +147,7 @@ def main():
     ap.add_argument("--tokenizer", required=True)
     ap.add_argument("--calls", type=int, default=60)
     args = ap.parse_args()
-    from transformers import PreTrainedTokenizerFast
-    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(Path(args.tokenizer) / "tokenizer.json"),
-                                        eos_token="<|im_end|>")
-    loaded = loaded_model(random_hf_model(args.model, torch_dtype="bfloat16"))
-    llm = LLM(type(loaded)(loaded.config, loaded.params, tokenizer), dtype="bfloat16", max_num_seqs=8,
-              max_model_len=1024)
+    llm = random_llm(args.model, saved_tokenizer(args.tokenizer), max_num_seqs=8, max_model_len=1024)
     skip = min(10, args.calls // 2)
     cases = [(label + held, run, bool(held)) for held in ("", ", results held") for label, run in
              address_cases(llm.runner).items()] + [(label, run, False) for label, run in (

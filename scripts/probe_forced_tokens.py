@@ -15,6 +15,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 
 from bench_structured import schema
+from random_model import saved_tokenizer
 
 from nanojax.structured import StructuredOutputs
 
@@ -25,9 +26,7 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--runs", type=int, default=3)
     args = ap.parse_args()
-    from transformers import PreTrainedTokenizerFast
-
-    hf = PreTrainedTokenizerFast(tokenizer_file=str(Path(args.tokenizer) / "tokenizer.json"), eos_token="<|im_end|>")
+    hf = saved_tokenizer(args.tokenizer)
     tokenizer = llguidance.LLTokenizer(hf.backend_tokenizer.to_str(), eos_token=hf.eos_token_id)
     grammar, rng = StructuredOutputs.of({"json": schema()}).grammar_text, np.random.default_rng(0)
     mask = llguidance.numpy.allocate_token_bitmask(1, tokenizer.vocab_size)

@@ -20,9 +20,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_structured import schema  # noqa: E402
-from random_model import loaded_model, random_hf_model  # noqa: E402
+from random_model import random_llm, saved_tokenizer  # noqa: E402
 
-from nanojax import LLM  # noqa: E402
 from nanojax import runner as R  # noqa: E402
 from nanojax.kv_cache import Batch  # noqa: E402
 from nanojax.model import forward, lm_logits  # noqa: E402
@@ -133,12 +132,7 @@ def main():
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--runs", type=int, default=5)
     args = ap.parse_args()
-    from transformers import PreTrainedTokenizerFast
-    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(Path(args.tokenizer) / "tokenizer.json"),
-                                        eos_token="<|im_end|>")
-    loaded = loaded_model(random_hf_model(args.model, torch_dtype="bfloat16"))
-    llm = LLM(type(loaded)(loaded.config, loaded.params, tokenizer), dtype="bfloat16", max_num_seqs=8,
-              max_model_len=1024)
+    llm = random_llm(args.model, saved_tokenizer(args.tokenizer), max_num_seqs=8, max_model_len=1024)
     r, grammars = llm.runner, llm.core.output.grammars
     constraint = StructuredOutputs(json=schema())
     width = r.tables.allowed.shape[1]

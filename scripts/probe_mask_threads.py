@@ -15,6 +15,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_structured import schema  # noqa: E402
+from random_model import saved_tokenizer  # noqa: E402
 
 from nanojax.structured import Grammars, StructuredOutputs  # noqa: E402
 
@@ -48,9 +49,7 @@ def main():
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--steps", type=int, default=60)
     args = ap.parse_args()
-    from transformers import PreTrainedTokenizerFast
-    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(Path(args.tokenizer) / "tokenizer.json"),
-                                        eos_token="<|im_end|>")
+    tokenizer = saved_tokenizer(args.tokenizer)
     constraint = StructuredOutputs(json=schema())
     copies, independent = Grammars(tokenizer, roots=1), Grammars(tokenizer, roots=args.rows)
     cases = {"copies of one compiled matcher": [copies.matcher(constraint) for _ in range(args.rows)],

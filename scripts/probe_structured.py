@@ -70,11 +70,9 @@ def main():
     ap.add_argument("--trace", action="store_true", help="the profiler timeline (a GPU)")
     ap.add_argument("--batch", type=int, default=1, help="rows of each kind at once (above 1: the loop's timers only)")
     args = ap.parse_args()
-    from random_model import loaded_model, random_hf_model
-    from transformers import PreTrainedTokenizerFast
+    from random_model import loaded_model, random_hf_model, saved_tokenizer
 
-    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(Path(args.tokenizer) / "tokenizer.json"),
-                                        eos_token="<|im_end|>")
+    tokenizer = saved_tokenizer(args.tokenizer)
     if args.tiny:
         import torch
         from random_model import hf_config

@@ -125,3 +125,19 @@ def _draw(shape, sharding, dtype: str, scale: float, offset: float):
         return (offset + scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
 
     return jax.jit(draw, out_shardings=sharding)
+
+
+def saved_tokenizer(folder):
+    """The tokenizer.json in `folder` (e.g. Qwen3's, saved by scripts/bench_grammar.py's load_qwen3), <|im_end|> its
+    EOS."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_file=str(Path(folder) / "tokenizer.json"), eos_token="<|im_end|>")
+
+
+def random_llm(name: str, tokenizer, **llm_kwargs):
+    """An LLM of `name`'s architecture with random bf16 weights (transformers' init) and `tokenizer`."""
+    from nanojax import LLM
+
+    loaded = loaded_model(random_hf_model(name, torch_dtype="bfloat16"))
+    return LLM(type(loaded)(loaded.config, loaded.params, tokenizer), dtype="bfloat16", **llm_kwargs)
