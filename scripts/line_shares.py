@@ -10,8 +10,8 @@ import collections
 import re
 import subprocess
 
-CAPABILITIES = re.compile(r"speculat|draft model|structured|constrain|grammar|llguidance|tool call|tool_call|tools|"
-                          r"reasoning|response_format|moe|expert|mixtral|routing", re.I)
+CAPABILITIES = re.compile(r"speculat|draft model|structured|constrain|grammar|llguidance|tool call|tool_call|\btools\b|"
+                          r"reasoning|response_format|\bmoe\b|expert|mixtral|routing", re.IGNORECASE)
 
 
 def git(*args: str) -> str:
