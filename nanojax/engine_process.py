@@ -56,6 +56,9 @@ class EngineProcess(RequestFront):
     def stats(self) -> EngineStats:
         return self.call(LLM.stats, timeout=10.0)
 
+    def prepare_structured_outputs(self) -> None:
+        self.call(LLM.prepare_structured_outputs)
+
     def call(self, fn, *args, timeout: float | None = None):
         """fn(llm, *args) run in the child's command thread -> its result, or its exception raised here (picklable)."""
         token, reply = next(self._ids), Future()

@@ -125,6 +125,10 @@ class LLM(RequestFront):
         """Compiles every program the engine runs, so that no request compiles anything."""
         compilation.compile_all(self.runner, progress)
 
+    def prepare_structured_outputs(self) -> None:
+        """Builds what the first constrained request would otherwise wait for (the server calls it as it starts)."""
+        self.core.output.grammars.prepare()
+
     def follow(self) -> None:
         """On a process other than 0: runs the steps process 0 sends, until process 0 closes (or exits)."""
         if not isinstance(self.runner, DistributedRunner):

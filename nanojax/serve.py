@@ -652,6 +652,7 @@ def engine_options(args) -> EngineConfig:
 def main(argv=None) -> None:
     args = parse_args(argv)
     engine = (LLM if args.engine_in_process else EngineProcess)(args.model, config=engine_options(args))
+    engine.prepare_structured_outputs()
     limits = ServerLimits(args.max_body_bytes, args.max_n, args.max_tokens_limit, args.max_prompts)
     name, *aliases = served_names(args.model, args.served_model_name)
     app = build_app(engine, name, aliases=tuple(aliases), api_key=args.api_key, limits=limits,

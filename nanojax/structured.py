@@ -96,10 +96,12 @@ class Grammars:
         self._compiled: collections.OrderedDict[str, list["llguidance.LLMatcher"]] = collections.OrderedDict()
         self._lock = threading.Lock()
 
-    def matcher(self, constraint: StructuredOutputs) -> "llguidance.LLMatcher":
-        if self._tokenizer is None:
-            raise ValueError("structured_outputs needs the model's tokenizer; this LLM has none")
-        text = constraint.grammar_text
+    def prepare(self) -> None:
+        """Builds llguidance's view of the vocabulary, which the first constraint would otherwise wait for (seconds on
+        a large vocabulary: docs/perf_notes.md, "Structured outputs: masks in the engine"); without llguidance or a
+        tokenizer, nothing."""
+        if llguidance is None or self._tokenizer is None:
+            return
         with self._lock:
             if self._ll_tokenizer is None:  # the fast tokenizer's JSON as llguidance.hf.from_tokenizer reads it
                 backend = copy.copy(self._tokenizer.backend_tokenizer)
@@ -107,6 +109,13 @@ class Grammars:
                 backend.no_truncation()
                 self._ll_tokenizer = llguidance.LLTokenizer(backend.to_str(), eos_token=self._tokenizer.eos_token_id)
                 self._executor = llguidance.LLExecutor(self.roots)
+
+    def matcher(self, constraint: StructuredOutputs) -> "llguidance.LLMatcher":
+        if self._tokenizer is None:
+            raise ValueError("structured_outputs needs the model's tokenizer; this LLM has none")
+        text = constraint.grammar_text
+        self.prepare()
+        with self._lock:
             compiled = self._compiled.pop(text, [])
             if len(compiled) < self.roots:
                 root = llguidance.LLMatcher(self._ll_tokenizer, text)

@@ -1,5 +1,6 @@
 """Structured outputs on the GPU: decode speed with none, half or all rows constrained by a JSON schema, and the time
-to first token of a request with a new schema, a cached one, and none.
+to first token of a request with a new schema, a cached one, and none; before them, the first constrained request's
+(a new schema) after `LLM.prepare_structured_outputs`, as a server's first.
 
     PYTHONPATH=$PWD python3 scripts/bench_structured.py --model qwen3-8b --tokenizer DIR --out $OUT/structured.json
 
@@ -73,6 +74,15 @@ def main():
     free = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     bound = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True,
                            structured_outputs={"json": schema()})
+    prompt = rng.integers(0, len(tokenizer) - 1000, 32).tolist()
+    one = dict(temperature=0, max_tokens=1)
+    ttft(llm, prompt, SamplingParams(**one))
+    start = time.perf_counter()
+    llm.prepare_structured_outputs()  # as the server does when it starts
+    first = {"prepare_structured_outputs_ms": 1e3 * (time.perf_counter() - start),
+             "first_constrained_ttft_ms": 1e3 * ttft(llm, prompt, SamplingParams(**one, structured_outputs={
+                 "json": schema("_first")}))}
+    print(json.dumps(first), flush=True)
     rows = []
     for batch in args.batches:
         prompts = rng.integers(0, len(tokenizer) - 1000, (batch, 32)).tolist()
@@ -88,9 +98,6 @@ def main():
                    "constrained_tok_s": np.mean(speeds[:constrained] or [np.nan])}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    prompt = rng.integers(0, len(tokenizer) - 1000, 32).tolist()
-    one = dict(temperature=0, max_tokens=1)
-    ttft(llm, prompt, SamplingParams(**one))
     times = {"none": [], "cached schema": [], "new schema": []}
     for i in range(5):
         times["none"].append(ttft(llm, prompt, SamplingParams(**one)))
@@ -100,7 +107,8 @@ def main():
     ttft_ms = {k: 1e3 * float(np.median(v)) for k, v in times.items()}
     print(json.dumps({"ttft_ms": ttft_ms}), flush=True)
     if args.out:
-        Path(args.out).write_text(json.dumps({"model": args.model, "decode": rows, "ttft_ms": ttft_ms}, indent=1))
+        Path(args.out).write_text(json.dumps({"model": args.model, "decode": rows, "ttft_ms": ttft_ms, **first},
+                                             indent=1))
 
 
 if __name__ == "__main__":

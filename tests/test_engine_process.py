@@ -5,6 +5,7 @@ metrics asked of the child, a child that splits the model over two devices, and 
 import dataclasses
 import gc
 import os
+import re
 import signal
 import time
 
@@ -121,6 +122,20 @@ def _heap_frozen(llm) -> int:
 def test_the_child_freezes_its_start_up_heap(engine):
     # its full collections would otherwise walk JAX's and the model's objects, a pause of the loop each time
     assert engine.call(_heap_frozen) > 10_000
+
+
+def _grammars_ready(llm) -> bool:
+    return llm.core.output.grammars._ll_tokenizer is not None
+
+
+def test_the_child_prepares_structured_outputs_before_the_first_constraint(engine):
+    assert not engine.call(_grammars_ready)
+    engine.prepare_structured_outputs()  # (the server's start)
+    assert engine.call(_grammars_ready)
+    # (no bytes the grammar forces: llguidance tokenizes those, and this test tokenizer's words are whole words)
+    params = SamplingParams(temperature=0, max_tokens=8, structured_outputs={"regex": "[ab]{4}"})
+    final = [e for e in engine.add_request("x", params) if e.finish_reason is not None]
+    assert re.fullmatch("[ab]{4}", final[0].text) and final[0].finish_reason == "stop"
 
 
 def test_served_32_concurrent_clients_equal_offline_generate(llm, engine, server):
