@@ -74,7 +74,7 @@ def main():
     free = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     bound = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True,
                            structured_outputs={"json": schema()})
-    prompt = rng.integers(0, len(tokenizer) - 1000, 32).tolist()
+    prompt = np.random.default_rng(1).integers(0, len(tokenizer) - 1000, 32).tolist()  # (rng: the batches' prompts)
     one = dict(temperature=0, max_tokens=1)
     ttft(llm, prompt, SamplingParams(**one))
     start = time.perf_counter()
