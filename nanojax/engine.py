@@ -312,6 +312,7 @@ class EngineCore:
             self.scheduler.finish(seq)
         seq.status = SequenceStatus.FINISHED
         self._release_slot(seq.request)
+        self.output.grammars.release(seq.request.matcher)
         choices = self._requests.get(seq.request.output.request_id, [])
         if seq in choices:
             choices.remove(seq)

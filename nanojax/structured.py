@@ -85,15 +85,16 @@ class Grammars:
     """Matchers for requests' constraints over one tokenizer, compiled on the caller's thread (not the engine loop's)
     and copied per request; their next-token masks filled in parallel. Copies of one compiled matcher share its lexer
     under one lock and fill their masks one at a time: a grammar is compiled up to `roots` times (the executor's
-    threads) and its requests dealt round-robin over them (docs/perf_notes.md, "Structured outputs: masks in the
-    engine"). The last MAX_CACHED compiled matchers are kept."""
+    threads) for requests that run at once (docs/perf_notes.md, "Structured outputs: masks in the engine"). The last
+    MAX_CACHED compiled matchers are kept."""
 
     MAX_CACHED = 256
 
     def __init__(self, tokenizer, roots: int | None = None):
         self._tokenizer, self._ll_tokenizer, self._executor = tokenizer, None, None  # built at the first constraint
         self.roots = roots or max(1, min(32, (os.cpu_count() or 1) * 4 // 5))  # (LLExecutor's default threads)
-        self._compiled: collections.OrderedDict[str, list["llguidance.LLMatcher"]] = collections.OrderedDict()
+        self._compiled: collections.OrderedDict[str, list[list]] = collections.OrderedDict()
+        self._live: dict[int, tuple] = {}  # id(a request's matcher) -> (the matcher, its root's entry)
         self._lock = threading.Lock()
 
     def prepare(self) -> None:
@@ -111,23 +112,33 @@ class Grammars:
                 self._executor = llguidance.LLExecutor(self.roots)
 
     def matcher(self, constraint: StructuredOutputs) -> "llguidance.LLMatcher":
+        """A copy of the grammar's compiled matcher that fewest live requests use; another is compiled when each is
+        in use (up to `roots`), so requests one after another share one, whose lexer has warmed up."""
         if self._tokenizer is None:
             raise ValueError("structured_outputs needs the model's tokenizer; this LLM has none")
         text = constraint.grammar_text
         self.prepare()
         with self._lock:
-            compiled = self._compiled.pop(text, [])
-            if len(compiled) < self.roots:
-                root = llguidance.LLMatcher(self._ll_tokenizer, text)
-                if root.is_error():
-                    raise ValueError(f"structured_outputs cannot be compiled: {root.get_error()}")
-                compiled.append(root)
-            else:  # the next one in turn
-                compiled.append(compiled.pop(0))
-            self._compiled[text] = compiled
+            roots = self._compiled.pop(text, [])  # [compiled matcher, live copies]
+            least = min(roots, key=lambda r: r[1], default=None)
+            if least is None or (least[1] and len(roots) < self.roots):
+                least = [llguidance.LLMatcher(self._ll_tokenizer, text), 0]
+                if least[0].is_error():
+                    raise ValueError(f"structured_outputs cannot be compiled: {least[0].get_error()}")
+                roots.append(least)
+            self._compiled[text] = roots
             while sum(map(len, self._compiled.values())) > self.MAX_CACHED:
                 self._compiled.popitem(last=False)
-        return compiled[-1].deep_copy()
+            least[1] += 1
+            matcher = least[0].deep_copy()
+            self._live[id(matcher)] = (matcher, least)
+        return matcher
+
+    def release(self, matcher: "llguidance.LLMatcher | None") -> None:
+        """Its request has ended (None, or a matcher released before: nothing)."""
+        with self._lock:
+            if (live := self._live.pop(id(matcher), None)) is not None:
+                live[1][1] -= 1
 
     def masks(self, matchers: list["llguidance.LLMatcher"]) -> np.ndarray:
         """-> [len(matchers), ceil(tokenizer vocabulary / 32)] int32: each one's next-token bitmask."""

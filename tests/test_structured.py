@@ -69,13 +69,21 @@ def test_bad_constraints_are_refused_naming_the_field():
         SamplingParams(structured_outputs={"schema": {}})
 
 
-def test_a_grammars_requests_are_dealt_over_its_compiled_copies(tokenizer):
-    """A grammar is compiled up to `roots` times (copies of one compiled matcher fill their masks one at a time), its
-    requests dealt round-robin over them: every copy gives the same masks; the cache keeps MAX_CACHED compiled ones."""
+def test_a_grammars_live_requests_are_dealt_over_its_compiled_copies(tokenizer):
+    """A grammar is compiled up to `roots` times (copies of one compiled matcher fill their masks one at a time) for
+    requests that run at once, each new one given the copy fewest use: every copy gives the same masks; requests one
+    after another share one; the cache keeps MAX_CACHED compiled ones."""
     grammars = Grammars(tokenizer, roots=2)
     constraint = StructuredOutputs(json=PERSON)
+    for _ in range(3):  # one after another
+        grammars.release(grammars.matcher(constraint))
+    assert len(grammars._compiled[constraint.grammar_text]) == 1
     matchers = [grammars.matcher(constraint) for _ in range(5)]
-    assert len(grammars._compiled[constraint.grammar_text]) == 2
+    assert [live for _, live in grammars._compiled[constraint.grammar_text]] == [3, 2]
+    grammars.release(matchers[0]), grammars.release(matchers[0]), grammars.release(matchers[2])  # (twice: once)
+    assert [live for _, live in grammars._compiled[constraint.grammar_text]] == [1, 2]
+    matchers[0] = grammars.matcher(constraint)
+    assert [live for _, live in grammars._compiled[constraint.grammar_text]] == [2, 2]
     for token in tokenizer.encode('{"name": "Ann", "age": 41}', add_special_tokens=False):
         masks = grammars.masks(matchers)
         assert (masks == masks[0]).all()
@@ -106,7 +114,7 @@ def test_greedy_constrained_tokens_equal_hf_under_the_same_masks(tiny, tokenizer
 
 def test_a_stop_string_ends_a_constrained_row_alone(tiny, tokenizer):
     """Alone, a constrained row's texts and events follow the next dispatch: a stop string still ends it where it
-    occurs, its streamed deltas add up to its text, and the engine goes on."""
+    occurs, its streamed deltas add up to its text, the engine goes on, and the ended requests' matchers go back."""
     folder, hf = tiny
     prompt = tokenizer.encode("Answer:")
     regex = StructuredOutputs(regex=r"(yes|no), [0-9]{1,3}")
@@ -115,6 +123,8 @@ def test_a_stop_string_ends_a_constrained_row_alone(tiny, tokenizer):
     with LLM(str(folder), dtype="float32", page_size=4, max_model_len=128) as llm:
         events = list(llm.stream([prompt], params))
         again = llm.generate([prompt], params, use_tqdm=False)[0]
+        grammars = llm.core.output.grammars  # both requests gave their matchers back: one compiled copy served them
+        assert not grammars._live and [live for _, live in grammars._compiled[regex.grammar_text]] == [0]
     assert (events[-1].text, events[-1].finish_reason) == (want, "stop")
     assert "".join(e.delta for e in events) == want and again.text == want
 
