@@ -136,6 +136,8 @@ class Grammars:
 
     def release(self, matcher: "llguidance.LLMatcher | None") -> None:
         """Its request has ended (None, or a matcher released before: nothing)."""
+        if matcher is None:  # (every unconstrained request ends here too: no lock)
+            return
         with self._lock:
             if (live := self._live.pop(id(matcher), None)) is not None:
                 live[1][1] -= 1
