@@ -8,7 +8,8 @@ from nanojax.cascade import CascadeRules
 
 # (on a GPU, on a CPU) for the knobs left as None. decode_steps: the CPU streams text in bursts of this many tokens.
 _PLATFORM_DEFAULTS = {"dtype": ("bfloat16", "float32"), "max_num_seqs": (256, 64),
-                      "max_num_batched_tokens": (8192, 2048), "decode_steps": (32, 8), "warmup": (True, False)}
+                      "max_num_batched_tokens": (8192, 2048), "decode_steps": (32, 8), "warmup": (True, False),
+                      "hosted_masks": (True, False)}
 DEFAULT_MODEL_LEN = 4096  # when the model allows more
 
 
@@ -82,7 +83,9 @@ class EngineConfig:
     chunk_size tokens (None: the step's budget). decode_steps: steps per dispatch of a decode-only step. kernels:
     "interpret" runs the Pallas kernels interpreted (CPU tests), "auto" on a GPU where the shapes allow. quantization
     "fp8": the projections' weights, at load. tensor_parallel_size: None is one device, or every device of a
-    multi-process job. cascade: read a prefix that running requests share once per step, where the rules say so."""
+    multi-process job. cascade: read a prefix that running requests share once per step, where the rules say so.
+    hosted_masks: a constrained row alone takes several steps a dispatch, its masks from a host callback between them
+    (the program compiled in this process, on a thread, once a constraint is near)."""
 
     dtype: str | None = None
     max_model_len: int | None = None
@@ -101,6 +104,7 @@ class EngineConfig:
     quantization: str | None = None
     cascade: bool | CascadeRules = True
     speculative_config: SpeculativeConfig | dict | None = None
+    hosted_masks: bool | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "speculative_config", SpeculativeConfig.of(self.speculative_config))

@@ -48,14 +48,13 @@ class EngineCore:
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, page_manager: PageManager, tokenizer):
         self.runner, self.scheduler, self.page_manager = runner, scheduler, page_manager
         engine = runner.engine
-        self.output = OutputProcessor(tokenizer, engine.max_model_len, frozenset(runner.config.eos_token_ids),
-                                      engine.seed)
+        self.output = OutputProcessor(tokenizer, engine.max_model_len, runner.config.eos_token_ids, engine.seed)
         self._free_slots = list(range(engine.max_num_seqs))
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # functions the loop's thread runs
         self._lock = threading.Lock()  # orders the loop's decision to stop against a new request's start
         self._running, self.closed = False, False
-        self._thread: threading.Thread | None = None  # the loop's thread, while it runs
-        self._closing = threading.Event()  # set by close(): the loop ends as soon as it is idle
+        # The loop's thread while it runs; _closing, set by close(): the loop ends as soon as it is idle.
+        self._thread, self._closing = None, threading.Event()
         self._turned_at = time.monotonic()  # when the loop last began a turn (stats' stalled_s)
         self._requests: dict[str, list[Sequence[Request]]] = {}  # request id -> its unfinished choices
         self.dead: BaseException | None = None  # set when a step failed in a way that lost the device state
@@ -239,7 +238,7 @@ class EngineCore:
         if masks is not None and not masks_in_step:
             self.runner.set_masks(*masks)
         if not prefills:  # one dispatch of the decode program, 1..decode_steps a row (1 if all rows are constrained)
-            out = self.runner.decode(*rows, 1 if masks_in_step else self.runner.decode_steps,
+            out = self.runner.decode(*rows, masks_in_step or self.runner.decode_steps,
                                      [c.num_steps for c in decodes], sources, masks if masks_in_step else None)
             pending, prompt = {c.seq.seq_id: (out, i) for i, c in enumerate(decodes)}, {}
         else:
@@ -272,26 +271,27 @@ class EngineCore:
                     req.slot = self._free_slots.pop()
                     self.runner.set_slot(req.slot, *req.table_rows(self.runner.config.vocab_size))
                 if c.sample:
-                    fields[c.seq.seq_id] = req.sampling_row(c.seq.num_generated, self.runner.neutral_slot)
+                    fields[c.seq.seq_id] = req.sampling_row(c.seq.num_generated, self.runner.tables.neutral)
             except Exception as e:  # noqa: BLE001 -- this request's error, the step goes on
                 self._fail([c.seq], e)
         return [c for c in chunks if c.seq.status is not SequenceStatus.FINISHED], fields
 
-    def _constrain(self, chunks) -> tuple[list, tuple | None, bool]:
-        """-> (chunks, constrained rows' masks as set_masks's arguments or None, whether they are the step's only rows:
-        then the one-step decode carries them). Each constrained row takes one step, unless it may keep the later draws
-        its grammar allows (Request.speculative_constraint) beside plain rows, or alone once its model keeps to its
-        grammar (Request.run_ahead)."""
-        constrained = [c for c in chunks if c.sample and c.seq.request.matcher is not None]
-        if not constrained:
-            return chunks, None, False
-        reqs = [c.seq.request for c in constrained]
+    def _constrain(self, chunks) -> tuple[list, tuple | None, int]:
+        """-> (chunks, constrained rows' masks (set_masks's arguments) or None, the steps of the decode carrying them if
+        they are the step's only rows, else 0). A constrained row takes one step, unless beside plain rows it may keep
+        the later draws its grammar allows (Request.speculative_constraint), or alone its model keeps to its grammar
+        (Request.run_ahead) or, one row, a hosted decode runs it (ModelRunner.hosted)."""
+        reqs = [c.seq.request for c in chunks if c.sample and c.seq.request.matcher is not None]
+        if not reqs:
+            return chunks, None, 0
         masks = [r.slot for r in reqs], self.output.grammars.masks([r.matcher for r in reqs])
         decodes = [c for c in chunks if c.num_tokens == 1 and c.sample]
         one_step = all(c.seq.request.matcher is not None for c in decodes) and not all(r.run_ahead for r in reqs)
+        if one_step and len(decodes) == len(chunks) == 1 and (steps := self.runner.hosted(reqs[0].matcher)):
+            return chunks, masks, steps
         return [dataclasses.replace(c, num_steps=1) if c.sample and c.seq.request.matcher is not None and (
             one_step or not c.seq.request.speculative_constraint) else c for c in chunks], masks, \
-            one_step and len(decodes) == len(chunks)
+            int(one_step and len(decodes) == len(chunks))
 
     def _release_slot(self, req: Request) -> None:
         if req.slot is not None:

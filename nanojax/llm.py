@@ -24,6 +24,7 @@ from nanojax.page_manager import PageManager
 from nanojax.runner import PREFILL_ROW, ModelRunner, buffer_addresses
 from nanojax.sampling_params import SamplingParams
 from nanojax.scheduler import Scheduler, SchedulerConfig
+from nanojax.structured import MaskFeed
 from nanojax.sharding import TensorParallel
 
 
@@ -89,6 +90,8 @@ class LLM(RequestFront):
         compiled_at = time.perf_counter()
         self.tokenizer = loaded.resolved().tokenizer  # its load overlapped the steps above
         self.core = EngineCore(self.runner, self.scheduler, self.page_manager, self.tokenizer)
+        self.runner.feed = MaskFeed(self.core.output.grammars, self.runner.tables.allowed.shape[1]) if (
+            engine.hosted_masks) else None
         self._ids = itertools.count()
         # close(), or this LLM collected: the device memory is free when `del llm` (+ gc.collect) returns, before
         # another LLM sizes its pool. Not at exit: the loops stop on their own then (nanojax.engine).
@@ -128,6 +131,7 @@ class LLM(RequestFront):
     def prepare_structured_outputs(self) -> None:
         """Builds what the first constrained request would otherwise wait for (the server calls it as it starts)."""
         self.core.output.grammars.prepare()
+        self.runner.hosted_ready(wait=True)
 
     def follow(self) -> None:
         """On a process other than 0: runs the steps process 0 sends, until process 0 closes (or exits)."""

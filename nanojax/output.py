@@ -72,8 +72,8 @@ class Request:
 class OutputProcessor:
     """Builds requests and turns their sampled tokens into text and events (tokenizer None: token ids only)."""
 
-    def __init__(self, tokenizer, max_model_len: int, eos_ids: frozenset[int], seed: int):
-        self.tokenizer, self.max_model_len, self.eos_ids = tokenizer, max_model_len, eos_ids
+    def __init__(self, tokenizer, max_model_len: int, eos_ids, seed: int):
+        self.tokenizer, self.max_model_len, self.eos_ids = tokenizer, max_model_len, frozenset(eos_ids)
         self.grammars = Grammars(tokenizer)
         self._rng = np.random.default_rng(seed)  # draws the seeds of requests that bring none
 
@@ -109,9 +109,13 @@ class OutputProcessor:
         """The row's first num_steps tokens as far as the request keeps them; sets finish_reason at a stop."""
         req = seq.request
         out, known = req.output, seq.num_known
-        kept = []
-        for tok in pending.tokens()[:num_steps, row].tolist():
-            if req.matcher is not None and not req.matcher.try_consume_tokens([tok]):
+        kept, tokens = [], pending.tokens()[:num_steps, row].tolist()
+        hosted = pending.stops is not None  # its grammar took the tokens during the dispatch (MaskFeed)
+        grammar_end, refusal = pending.stops.get(row, (None, None)) if hosted else (None, None)
+        if refusal:
+            raise RuntimeError(f"request {out.request_id}: {refusal}")
+        for tok in tokens:
+            if req.matcher is not None and not hosted and not req.matcher.try_consume_tokens([tok]):
                 if kept:  # a draw after the masked one that the grammar does not allow: drawn again, masked
                     break
                 raise RuntimeError(f"request {out.request_id}: its grammar rejects token {tok}, which its mask "
@@ -120,8 +124,8 @@ class OutputProcessor:
             out.token_ids.append(tok)
             if out.time_to_first_token is None:
                 out.time_to_first_token = time.perf_counter() - req.start
-            if (tok in req.stop_ids and len(out.token_ids) > req.params.min_tokens) or (
-                    req.matcher is not None and req.matcher.is_stopped()):
+            if (tok in req.stop_ids and len(out.token_ids) > req.params.min_tokens) or (req.matcher is not None and (
+                    len(kept) == grammar_end if hosted else req.matcher.is_stopped())):
                 out.finish_reason = "stop"
             elif len(out.token_ids) >= req.params.max_tokens or known + len(kept) >= self.max_model_len:
                 out.finish_reason = "length"

@@ -7,11 +7,13 @@ row's last sampled token on the device, the next dispatch's `prev` (`chained`): 
 it has read the previous one back."""
 import dataclasses
 import functools
+import threading
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import io_callback
 
 from convert.config import ModelConfig
 from convert.quantize import is_quantized
@@ -98,18 +100,21 @@ def prompt_step(params, tables, hidden, targets, *, config, ops) -> "PromptLogpr
     return jax.lax.map(lambda args: jax.lax.cond(jnp.any(args[1] >= 0), row, none, args), (hidden, targets))
 
 
-@functools.partial(jax.jit, static_argnames=(*_STATIC, "num_steps", "spec", "draft"), donate_argnums=(1, 2))
+@functools.partial(jax.jit, static_argnames=(*_STATIC, "num_steps", "spec", "draft", "feed"), donate_argnums=(1, 2))
 def decode_step(params, cache, tables, prev, tokens, batch: Batch, sampling: SamplingBatch, row_steps, sources,
-                masks=None, *, config, ops, num_steps, spec=None, draft=None):
+                masks=None, *, config, ops, num_steps, spec=None, draft=None, feed=None):
     """num_steps decode steps in one dispatch. tokens: [B], or from prev [S] where sources [B] >= 0 (`chained`); batch:
     the first step's; row_steps: [B], the steps row b takes, after which it writes no KV and counts no token. ->
     (Sampled [num_steps, B], last tokens [S]: row b's step row_steps[b], cache, tables). spec: the same tokens in
     fewer forwards (nanojax.speculative), its stats [3] returned after Sampled. masks: set_masks's arguments, written
     first (constrained rows alone: one dispatch a token, not two); then after Sampled, [num_steps, B] whether each
-    draw is the one the row would make unmasked (`unmasked_tokens`: whether its model keeps to its grammar)."""
+    draw is the one the row would make unmasked (`unmasked_tokens`: whether its model keeps to its grammar). feed: the
+    later steps' masks from the host between steps (nanojax.structured.MaskFeed: a hosted decode)."""
     tokens = chained(prev, tokens, sources)
     if masks is not None:
         tables = set_masks(tables, *masks)
+    if feed is not None:  # every step masked, each by the mask the feed gave after the step before
+        sampling = sampling.replace(mask_steps=jnp.where(sampling.mask_steps > 0, num_steps, 0))
     shape = (num_steps, tokens.shape[0])
     out = Sampled(jnp.zeros(shape, jnp.int32), jnp.zeros(shape), jnp.zeros((*shape, MAX_LOGPROBS), jnp.int32),
                   jnp.zeros((*shape, MAX_LOGPROBS)))
@@ -129,8 +134,11 @@ def decode_step(params, cache, tables, prev, tokens, batch: Batch, sampling: Sam
         out = jax.tree.map(lambda o, n: o.at[i].set(n), out, new)
         if masks is not None:
             agrees = agrees.at[i].set(unmasked_tokens(logits, sampling, tables, i) == new.tokens)
-        counted = jnp.where(active > 0, sampling.slots, tables.neutral)
-        return new.tokens, cache, tables.count(counted, new.tokens), seq_lens + active, out, agrees
+        tables = tables.count(jnp.where(active > 0, sampling.slots, tables.neutral), new.tokens)
+        if feed is not None:
+            tables = set_masks(tables, masks[0], io_callback(  # (a side effect: the grammars advance)
+                feed, jax.ShapeDtypeStruct(masks[1].shape, jnp.int32), new.tokens, i))
+        return new.tokens, cache, tables, seq_lens + active, out, agrees
 
     _, cache, tables, _, out, agrees = jax.lax.fori_loop(0, num_steps, body,
                                                          (tokens, cache, tables, batch.seq_lens, out, agrees))
@@ -240,13 +248,15 @@ class PromptLogprobs(NamedTuple):
 class Program:
     """One compiled shape: `rows` rows of decode (num_steps steps) or of packed prefill (num_steps 0); cascade: a
     decode reading shared prefixes once (nanojax.cascade); decode_rows: a mixed step's one-token decode rows;
-    speculative: a decode through nanojax.speculative; masked: a decode that writes its rows' constraint masks first."""
+    speculative: a decode through nanojax.speculative; masked: a decode that writes its rows' constraint masks first;
+    hosted: a masked decode of several steps, the later masks from the host (compiled in-process: `hosted_ready`)."""
     rows: int
     num_steps: int
     cascade: bool = False
     decode_rows: int = 0
     speculative: bool = False
     masked: bool = False
+    hosted: bool = False
 
 
 class ModelRunner:
@@ -295,13 +305,12 @@ class ModelRunner:
         self.cascade_dispatches = self.cascade_saved_tokens = 0  # saved: KV tokens per layer and KV head, all steps
         # The decode buckets that speculate, and the sum of their dispatches' stats (`speculation_stats`).
         self.spec_rows = () if self.spec is None else tuple(b for b in self.decode_rows if b <= SPECULATIVE_MAX_ROWS)
-        self.spec_stats = np.zeros(3, np.int64)
-        self._spec_pending: list = []
+        self.spec_stats, self._spec_pending = np.zeros(3, np.int64), []
         self._compiled: dict[Program, object] = {}
+        self.feed, self._hosting = None, None  # a MaskFeed (EngineConfig.hosted_masks); the hosted decode's compile
         self._layouts: dict[Program, tuple] = {}  # the host arrays each program was lowered for (pack's layout)
         self.compiles = self.loaded = 0  # programs compiled, and loaded from the executable cache (`install`)
-        self.compile_seconds: dict[str, float] = {}  # where compile_all's time went, and each worker's
-        self.worker_seconds: list[dict] = []
+        self.compile_seconds, self.worker_seconds = {}, []  # where compile_all's time went, and each worker's
 
     # ----- programs -----
     def programs(self) -> list:
@@ -347,6 +356,7 @@ class ModelRunner:
         if p.num_steps:
             spec = dict(spec=self.spec, draft=self.draft) if p.speculative else {}
             masks = [(rows, _shape((p.rows, self.tables.allowed.shape[1])))] if p.masked else []
+            spec |= {"feed": self.feed} if p.hosted else {}
             fn, kw, host = decode_step, {**kw, "num_steps": p.num_steps, **spec}, (*host, rows, rows, *masks)
         else:
             decode = self._decode_segment(p, [], [], [], []) if p.decode_rows else None
@@ -383,6 +393,27 @@ class ModelRunner:
             return dict(COST_MODEL_TILING)
         return {} if quantized else decode_tiling(p.rows)
 
+    def hosted(self, matcher) -> int:
+        """The steps of a hosted decode of one constrained row, its feed started; 0 while it is not compiled."""
+        if not self.hosted_ready():
+            return 0
+        self.feed.start([matcher], self.decode_steps)
+        return self.decode_steps
+
+    def hosted_ready(self, wait: bool = False) -> bool:
+        """Whether the hosted decode is compiled (after its compile, if `wait`); if not, starts its compile on a thread.
+        It compiles in this process: XLA bakes the host callback in, so no worker or executable cache holds it. One
+        row only: more rows' masks cost more than the steps they save (docs/perf_notes.md, "Structured outputs")."""
+        p = Program(1, self.decode_steps, masked=True, hosted=True)
+        if self.feed is None or self.sharded or p in self._compiled:
+            return p in self._compiled
+        if self._hosting is None:
+            self._hosting = threading.Thread(target=self._program, args=(p,), name="nanojax-hosted", daemon=True)
+            self._hosting.start()
+        if wait:
+            self._hosting.join()
+        return p in self._compiled
+
     def _program(self, p):
         if p not in self._compiled:  # lazily, when nanojax.compilation did not compile it ahead (CPU tests)
             self.install(p, self.lower(p).compile(compiler_options=self.compiler_options(p)))
@@ -405,7 +436,7 @@ class ModelRunner:
                 plan: CascadePlan | None = None) -> tuple[Batch, SamplingBatch]:
         """Host arrays of a step, padded to the program's rows (padding rows: q_len 0, greedy, neutral slot)."""
         batch = Batch(table, _padded(seq_lens, p.rows), _padded(q_lens, p.rows), plan and plan.arrays())
-        return batch, sampling_batch(sampling, p.rows + p.decode_rows, self.neutral_slot)
+        return batch, sampling_batch(sampling, p.rows + p.decode_rows, self.tables.neutral)
 
     def _decode_segment(self, p: Program, last_tokens, page_tables, seq_lens, sources) -> tuple:
         """A mixed step's decode rows, padded to p.decode_rows: (tokens [D], sources [D], Batch of one token each)."""
@@ -418,10 +449,6 @@ class ModelRunner:
                             members_per_item=self.cascade_members, rules=self.cascade_rules,
                             wave_items=self.cascade_wave)
 
-    @property
-    def neutral_slot(self) -> int:
-        return self.tables.neutral
-
     # ----- steps -----
     def decode(self, last_tokens: list[int], page_tables: list[list[int]], seq_lens: list[int],
                sampling: dict[str, list], num_steps: int = 1, row_steps: list[int] | None = None,
@@ -431,7 +458,8 @@ class ModelRunner:
         sampled token it takes on the device. Rows sharing prefix pages read them once where the cascade rules say.
         masks: set_masks's arguments for one step of constrained rows, sent with the step's inputs."""
         n = len(last_tokens)
-        p = Program(bucket(n, self.decode_rows), num_steps, masked=masks is not None)
+        p = Program(bucket(n, self.decode_rows), num_steps, masked=masks is not None,
+                    hosted=masks is not None and num_steps > 1)
         table = _stacked(page_tables, p.rows, self.pages_per_seq)
         plan, mask_inputs = None, ()
         if p.masked:
@@ -452,7 +480,7 @@ class ModelRunner:
             if len(self._spec_pending) >= 256:  # folded in now and then: a server never asks
                 self.speculation_stats()
         out, *agrees = outs
-        return Pending(out, agrees=agrees[0] if agrees else None)
+        return Pending(out, agrees=agrees[0] if agrees else None, stops=self.feed.stops if p.hosted else None)
 
     def speculation_stats(self) -> np.ndarray:
         """[3] int64 since the start: speculative forwards, row-forwards verifying proposals, the tokens those gave."""
@@ -487,7 +515,7 @@ class ModelRunner:
                 lens.append(seq_len - len(ids) + r + len(tokens[-1]))
                 row_fields.append((fields or {}) if r + PREFILL_ROW >= len(ids) else {})  # the chunk's last row samples
             last_rows.append(len(tokens) - 1)
-        fills = _sampling_fill(self.neutral_slot)
+        fills = _sampling_fill(self.tables.neutral)
         sampling = {name: [f.get(name, fill) for f in row_fields] for name, fill in fills.items()}
         p = Program(bucket(max(len(tokens), 1), self.prefill_rows), 0, decode_rows=decodes and self.mixed_rows or 0)
         segment = None
@@ -542,8 +570,9 @@ def buffer_addresses(tree) -> frozenset[int]:
 class Pending:
     """A dispatched step's results on device: the host goes on while the GPU computes, and waits when it reads them."""
 
-    def __init__(self, out: Sampled, prompt: PromptLogprobs | None = None, agrees=None):
+    def __init__(self, out: Sampled, prompt: PromptLogprobs | None = None, agrees=None, stops=None):
         self._out, self._prompt, self._tokens, self._logprobs, self._agrees = out, prompt, None, None, agrees
+        self.stops = stops  # a hosted decode's MaskFeed.stops (complete once its tokens are read)
 
     def tokens(self) -> np.ndarray:
         """-> [num_steps, rows] int32 (waits for the step; copied to the host once)."""

@@ -142,8 +142,48 @@ class Grammars:
             if (live := self._live.pop(id(matcher), None)) is not None:
                 live[1][1] -= 1
 
+    def consume(self, pairs: list[tuple["llguidance.LLMatcher", int]]) -> list[bool]:
+        """Each matcher takes its token, in parallel; -> whether each grammar allowed it."""
+        return self._executor.consume_token_par(pairs) if pairs else []
+
     def masks(self, matchers: list["llguidance.LLMatcher"]) -> np.ndarray:
         """-> [len(matchers), ceil(tokenizer vocabulary / 32)] int32: each one's next-token bitmask."""
         masks = llguidance.numpy.allocate_token_bitmask(len(matchers), self._ll_tokenizer.vocab_size)
         llguidance.numpy.fill_next_token_bitmask_par(self._executor, list(zip(matchers, range(len(matchers)))), masks)
+        return masks
+
+
+class MaskFeed:
+    """The host side of a hosted decode (constrained rows alone, `EngineConfig.hosted_masks`): after each step, each
+    row's grammar takes the row's token and, but after the last step, gives its next mask. `start` sets a dispatch's
+    matchers (row order); `stops`: row -> (the tokens its grammar took before it completed or refused one, the
+    refusal or None), read back by OutputProcessor.accept once the dispatch is done."""
+
+    def __init__(self, grammars: Grammars, width: int):
+        self.grammars, self.width, self.matchers, self.num_steps, self.stops = grammars, width, [], 0, {}
+
+    def start(self, matchers: list, num_steps: int) -> dict:
+        self.matchers, self.num_steps, self.stops = matchers, num_steps, {}
+        return self.stops
+
+    def __call__(self, tokens: np.ndarray, step: np.ndarray) -> np.ndarray:
+        """tokens [rows], the step's draws -> [rows, ceil(vocab / 32)] int32, the next step's masks (no exception:
+        it would fail the whole program)."""
+        step, live, masks = int(step), [], np.zeros((len(tokens), self.width), np.int32)
+        rows = [row for row in range(len(self.matchers)) if row not in self.stops]
+        taken = self.grammars.consume([(self.matchers[row], int(tokens[row])) for row in rows])
+        for row, ok in zip(rows, taken):
+            if not ok:
+                self.stops[row] = (step, f"its grammar rejects token {int(tokens[row])}: "
+                                         f"{self.matchers[row].get_error()}")
+            elif self.matchers[row].is_stopped():
+                self.stops[row] = (step + 1, None)
+            else:
+                live.append(row)
+        if live and step + 1 < self.num_steps:
+            try:
+                filled = self.grammars.masks([self.matchers[row] for row in live])
+                masks[live, :filled.shape[1]] = filled
+            except Exception as e:  # noqa: BLE001 -- (ends these rows, not the program)
+                self.stops.update({row: (step + 1, f"its mask failed: {e}") for row in live})
         return masks

@@ -95,7 +95,7 @@ def bench_point(runner: ModelRunner, batch: int, context: int, steps: int) -> di
     tables = [list(range(b * pps, (b + 1) * pps)) for b in range(batch)]
     tokens = np.random.default_rng(batch).integers(0, 1000, batch).tolist()
     lens = [context] * batch
-    samp = greedy_sampling(batch, runner.neutral_slot)
+    samp = greedy_sampling(batch, runner.tables.neutral)
     t0 = time.perf_counter()
     runner.decode(tokens, tables, lens, samp, num_steps=steps).tokens()
     compile_s = time.perf_counter() - t0
@@ -120,7 +120,7 @@ def random_cache(runner: ModelRunner, key) -> None:
 def ttft(runner: ModelRunner, prompt_len: int) -> float:
     table = list(range(runner.pages_per_seq))
     tokens = np.random.default_rng(prompt_len).integers(0, 1000, prompt_len).tolist()
-    fields = {k: v[0] for k, v in greedy_sampling(1, runner.neutral_slot).items()}
+    fields = {k: v[0] for k, v in greedy_sampling(1, runner.tables.neutral).items()}
     run = lambda: runner.prefill([(tokens, table, prompt_len, fields)])[0][0].tokens()  # noqa: E731
     run()
     return time_call(run, iters=5)
@@ -162,7 +162,7 @@ def shared_point(runner: ModelRunner, batch: int, prefix: int, levels: int, own:
     """One shared-prefix point: ms/step and the KV tokens per layer and KV head the cascade path did not read."""
     tables, lens = shared_tables(runner, batch, prefix, levels, own, steps)
     tokens = np.random.default_rng(batch).integers(0, 1000, batch).tolist()
-    samp = greedy_sampling(batch, runner.neutral_slot)
+    samp = greedy_sampling(batch, runner.tables.neutral)
     runner.decode(tokens, tables, lens, samp, num_steps=steps).tokens()
     saved = runner.cascade_saved_tokens
     seconds = time_call(lambda: runner.decode(tokens, tables, lens, samp, num_steps=steps).tokens(), iters=5)

@@ -64,12 +64,14 @@ def main():
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=1, help="each batch's none / half / all rows, in turn, this often")
+    ap.add_argument("--one-step-masks", action="store_true", help="EngineConfig.hosted_masks=False")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from random_model import random_llm, saved_tokenizer
 
     tokenizer = saved_tokenizer(args.tokenizer)
-    llm = random_llm(args.model, tokenizer, max_num_seqs=max(args.batches), max_model_len=1024)
+    llm = random_llm(args.model, tokenizer, max_num_seqs=max(args.batches), max_model_len=1024,
+                     hosted_masks=not args.one_step_masks)
     rng = np.random.default_rng(0)
     free = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     bound = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True,

@@ -42,7 +42,7 @@ def timed(fn, calls=60, skip=10, hold=False) -> tuple[float, float]:
 
 def _masked_step(r) -> tuple:
     """(the masked one-step Program of one row, runner.decode's arguments for it, a function packing its inputs)."""
-    table, sampling = [list(range(4))], R.greedy_sampling(1, r.neutral_slot)
+    table, sampling = [list(range(4))], R.greedy_sampling(1, r.tables.neutral)
     masks = ([0], np.full((1, r.tables.allowed.shape[1]), -1, np.int32))
     p = R.Program(1, 1, masked=True)
 

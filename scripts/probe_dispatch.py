@@ -62,7 +62,7 @@ def main():
     inputs, program = runner_module.ModelRunner._inputs, runner_module.ModelRunner._program
     runner_module.ModelRunner._inputs = timed("inputs", inputs)
     runner_module.ModelRunner._program = lambda self, p: timed("call", program(self, p))
-    sampling = greedy_sampling(BATCH, r.neutral_slot)
+    sampling = greedy_sampling(BATCH, r.tables.neutral)
     tokens = np.random.default_rng(0).integers(0, 1000, BATCH).tolist()
     prompt = np.random.default_rng(1).integers(0, 1000, PROMPT).tolist()
     chunk = (prompt, tables[0][:-(-PROMPT // PAGE)], PROMPT, {k: v[0] for k, v in sampling.items()})

@@ -87,8 +87,8 @@ _COMPILED = {}
 def run_callback(r, feed, steps, total, options, unroll=False):
     """ms a token for `total` tokens in dispatches of `steps`, and the compile seconds."""
     table = R._stacked([list(range(16))], 1, r.pages_per_seq)
-    sampling = R.sampling_batch({**R.greedy_sampling(1, r.neutral_slot), "slots": [0], "mask_steps": [steps]}, 1,
-                                r.neutral_slot)
+    sampling = R.sampling_batch({**R.greedy_sampling(1, r.tables.neutral), "slots": [0], "mask_steps": [steps]}, 1,
+                                r.tables.neutral)
     batch = Batch(table, np.array([40], np.int32), np.array([1], np.int32), None)
     key = (steps, feed, tuple(options.items()), unroll)
     if key not in _COMPILED:
@@ -130,7 +130,7 @@ def run_one_step(r, grammars, constraint, total):
     token, seq_len, begin = 5, 40, time.perf_counter()
     for _ in range(total):
         masks = ([0], grammars.masks([matcher]))
-        sampling = {**R.greedy_sampling(1, r.neutral_slot), "slots": [0], "mask_steps": [1], "counters": [seq_len]}
+        sampling = {**R.greedy_sampling(1, r.tables.neutral), "slots": [0], "mask_steps": [1], "counters": [seq_len]}
         token = int(r.decode([token], [list(range(16))], [seq_len], sampling, 1, masks=masks).tokens()[0, 0])
         matcher.consume_token(token)
         seq_len += 1

@@ -118,7 +118,7 @@ def main():
     # One step of a constrained row through the runner alone (dispatch, device, read back): its mask sent with the
     # step's inputs (the masked program), or written by set_masks first (two dispatches); then a plain step.
     r = llm.runner
-    table, sampling = [list(range(4))], runner_module.greedy_sampling(1, r.neutral_slot)
+    table, sampling = [list(range(4))], runner_module.greedy_sampling(1, r.tables.neutral)
     masks = ([0], np.full((1, r.tables.allowed.shape[1]), -1, np.int32))
     cases = {"masked one-step": lambda: r.decode([5], table, [40], sampling, 1, masks=masks),
              "set_masks + one-step": lambda: (r.set_masks(*masks), r.decode([5], table, [40], sampling, 1))[1],

@@ -85,7 +85,7 @@ def steps(runner, context: int = 512, reps: int = 5) -> list[dict]:
     from nanojax.runner import PREFILL_ROW, Program, greedy_sampling
 
     pages = itertools.cycle(range(1, runner.cache.num_pages))
-    slot = runner.neutral_slot
+    slot = runner.tables.neutral
 
     def table(tokens):
         return [next(pages) for _ in range(-(-tokens // runner.page_size))]

@@ -80,7 +80,7 @@ def main():
     random_cache(runner, jax.random.key(0))
     tables, _ = shared_tables(runner, args.batch, shared, 1, own, args.steps)
     tokens = np.random.default_rng(0).integers(0, 1000, args.batch).tolist()
-    samp = greedy_sampling(args.batch, runner.neutral_slot)
+    samp = greedy_sampling(args.batch, runner.tables.neutral)
     if args.prefill:  # one call is one "step": TTFT
         prompt = np.random.default_rng(1).integers(0, 1000, args.prefill).tolist()
         args.steps = 1

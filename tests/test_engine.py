@@ -193,9 +193,9 @@ def test_a_row_fed_from_the_previous_dispatch_equals_its_token_sent_from_the_hos
     chained, host = (llm.runner for llm in llms)  # (an LLM collected frees its runner's arrays)
     tables = [list(range(12)), list(range(12, 24)), list(range(24, 36))]
     # sampled with seeds: the tokens fed differ from row to row and step to step (greedy ones on this model repeat)
-    one = {**{name: values[0] for name, values in greedy_sampling(1, host.neutral_slot).items()}, "logprobs": 5,
+    one = {**{name: values[0] for name, values in greedy_sampling(1, host.tables.neutral).items()}, "logprobs": 5,
            "temperature": 1.0}
-    two = {**greedy_sampling(2, host.neutral_slot), "logprobs": [5, 5], "temperature": [1.0, 1.0], "seeds": [5, 6]}
+    two = {**greedy_sampling(2, host.tables.neutral), "logprobs": [5, 5], "temperature": [1.0, 1.0], "seeds": [5, 6]}
     lens = [len(prompts[0]) + 1, len(prompts[1]) + 1]
 
     def prefill(runner):

@@ -237,7 +237,7 @@ def test_a_runner_program_loads_bit_identical_and_donates(hf_model_dir, tmp_path
         batch = Batch(page_table=np.array([[0, 1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15]], np.int32),
                       seq_lens=np.array([13, 5], np.int32), q_lens=np.array([1, 1], np.int32))
         tokens = rng.integers(0, runner.config.vocab_size, 2).astype(np.int32)
-        sampling = sampling_batch(greedy_sampling(2, runner.neutral_slot), 2, runner.neutral_slot)
+        sampling = sampling_batch(greedy_sampling(2, runner.tables.neutral), 2, runner.tables.neutral)
         prev = jnp.asarray(rng.integers(0, runner.config.vocab_size, 4), jnp.int32)  # the previous dispatch's
         sources = np.array([-1, 2], np.int32)  # row 1 feeds prev[2]
         return runner.params, cache, tables, prev, tokens, batch, sampling, np.array([3, 2], np.int32), sources

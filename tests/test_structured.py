@@ -167,6 +167,33 @@ def test_run_ahead_follows_the_models_agreement(tiny, tokenizer):
     jsonschema.validate(json.loads(out.text), PERSON)
 
 
+def test_hosted_masks_give_the_one_step_tokens(tiny, tokenizer):
+    """EngineConfig.hosted_masks: a constrained row alone takes several steps a dispatch, each step's mask from the host
+    between steps (its program compiled on a thread meanwhile): greedy, HF's tokens under the same masks; sampled
+    (filters, penalties), the one-step path's tokens, alone and (one step a dispatch) three at once."""
+    folder, hf = tiny
+    prompt = tokenizer.encode("Answer:")
+    refs = [masked_greedy(hf, tokenizer, prompt, c, 40) for c in CONSTRAINTS]
+    greedy = [SamplingParams(temperature=0, max_tokens=40, structured_outputs=c) for c in CONSTRAINTS]
+    person = StructuredOutputs(json=PERSON)
+    sampled = [SamplingParams(temperature=1.0, seed=s, max_tokens=30, structured_outputs=person, **filters)
+               for s, filters in ((1, {}), (2, {"top_p": 0.9}), (3, {"presence_penalty": 1.0}))]
+    with LLM(str(folder), dtype="float32", page_size=4, max_model_len=128) as llm:
+        one_step = [llm.generate([prompt], p, use_tqdm=False)[0].token_ids for p in sampled]
+    with LLM(str(folder), dtype="float32", page_size=4, max_model_len=128, hosted_masks=True) as llm:
+        llm.prepare_structured_outputs()  # (the hosted decode compiled)
+        steps = []
+        decode = llm.runner.decode
+        llm.runner.decode = lambda *a, **k: steps.append(a[4]) or decode(*a, **k)
+        alone = [llm.generate([prompt], p, use_tqdm=False)[0].token_ids for p in greedy]
+        sampled_alone = [llm.generate([prompt], p, use_tqdm=False)[0].token_ids for p in sampled]
+        assert set(steps) == {llm.runner.decode_steps}
+        together = [o.token_ids for o in llm.generate([prompt] * 3, sampled, use_tqdm=False)]
+        assert not llm.core.output.grammars._live
+    assert alone == refs
+    assert sampled_alone == one_step and together == one_step
+
+
 @pytest.mark.parametrize("speculation", [None, {"method": "ngram", "num_speculative_tokens": 3}])
 def test_sampled_constrained_tokens_equal_alone_and_in_a_batch(tiny, tokenizer, speculation):
     folder, _ = tiny
