@@ -133,8 +133,9 @@ class OutputProcessor:
                 break
         if req.matcher is not None:
             agrees = pending.agrees()
-            if agrees is not None:  # a masked one-step dispatch
-                req.agreed = req.agreed + 1 if agrees[0, row] else 0
+            if agrees is not None:  # a masked dispatch (one step, or hosted: its draws in turn)
+                for agreed in agrees[:len(kept), row]:
+                    req.agreed = req.agreed + 1 if agreed else 0
             elif len(kept) < num_steps and not out.finish_reason:  # its grammar cut the draws after the masked one
                 req.agreed = 0
         if req.params.logprobs is not None:

@@ -1,7 +1,8 @@
-"""A JSON-constrained request alone, on the default model (real weights): unconstrained, one masked step a dispatch,
-the engine's policy (one step until the model has kept to its grammar for RUN_AHEAD_AFTER draws, then the multi-step
-dispatch), and the multi-step dispatch always (its first draw masked, the later ones kept while the grammar allows
-them): tok/s, the tokens each dispatch kept, and whether the constrained texts agree.
+"""A JSON-constrained request alone, on the default model (real weights): unconstrained, every step masked (one step a
+dispatch, or on a GPU the hosted decode), the engine's policy (masked steps until the model has kept to its grammar for
+RUN_AHEAD_AFTER draws, then the multi-step dispatch), and the multi-step dispatch always (its first draw masked, the
+later ones kept while the grammar allows them): tok/s, the tokens each dispatch kept, and whether the constrained texts
+agree.
 
     PYTHONPATH=$PWD python3 scripts/probe_run_ahead.py [--model PATH_OR_GGUF]
 """
@@ -40,7 +41,7 @@ def main():
                                                  tokenize=False) for who in PEOPLE]
     bound = SamplingParams(temperature=0, max_tokens=args.max_tokens, structured_outputs={"json": SCHEMA})
     free = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    cases = (("unconstrained", free, None), ("one step a dispatch", bound, 10**9),
+    cases = (("unconstrained", free, None), ("masks every step", bound, 10**9),
              ("the engine's policy", bound, output_module.RUN_AHEAD_AFTER), ("run ahead always", bound, 0))
     texts = {}
     for rep in range(2):  # the first round compiles

@@ -150,19 +150,23 @@ def test_constrained_rows_alone_running_ahead_keep_their_tokens(tiny, tokenizer,
     assert max(dispatches) == llm.runner.decode_steps  # (a random model seldom keeps a run: no fewer dispatches)
 
 
-def test_run_ahead_follows_the_models_agreement(tiny, tokenizer):
-    """A request's agreement: masked draws its model would have made unmasked, counted from the masked program; the
-    default model, answering in JSON, runs ahead after RUN_AHEAD_AFTER of them and keeps its tokens."""
-    with LLM(max_model_len=512, max_num_seqs=2) as llm:
+@pytest.mark.parametrize("hosted", [False, True])
+def test_run_ahead_follows_the_models_agreement(tiny, tokenizer, hosted):
+    """A request's agreement: masked draws its model would have made unmasked, counted from the masked program (one
+    step a dispatch, or the hosted decode's steps); the default model, answering in JSON, runs ahead after
+    RUN_AHEAD_AFTER of them and keeps its tokens."""
+    with LLM(max_model_len=512, max_num_seqs=2, hosted_masks=hosted) as llm:
+        llm.prepare_structured_outputs()
         chat = llm.apply_chat_template([{"role": "user", "content": "Describe a person as JSON with a name and an age."}])
         params = SamplingParams(temperature=0, max_tokens=60, structured_outputs={"json": PERSON})
-        steps = []
+        steps = []  # (steps, masks in the dispatch)
         decode = llm.runner.decode
-        llm.runner.decode = lambda *a, **k: steps.append(a[4]) or decode(*a, **k)
+        llm.runner.decode = lambda *a, **k: steps.append((a[4], a[7] is not None)) or decode(*a, **k)
         out = llm.generate([chat], params, use_tqdm=False)[0]
+        alone, n = list(steps), llm.runner.decode_steps
         mixed = llm.generate([chat, chat], [params, SamplingParams(temperature=0, max_tokens=60)], use_tqdm=False)
-    assert steps[:output_module.RUN_AHEAD_AFTER] == [1] * output_module.RUN_AHEAD_AFTER
-    assert max(steps) == llm.runner.decode_steps
+    first = [(n, True)] if hosted else [(1, True)] * output_module.RUN_AHEAD_AFTER
+    assert alone[:len(first) + 1] == [*first, (n, False)]  # masked, then ran ahead
     assert out.token_ids == mixed[0].token_ids
     jsonschema.validate(json.loads(out.text), PERSON)
 
