@@ -397,7 +397,7 @@ class ModelRunner:
         """The steps of a hosted decode of one constrained row, its feed started; 0 while it is not compiled."""
         if not self.hosted_ready():
             return 0
-        self.feed.start([matcher], self.decode_steps)
+        self.feed.start(matcher, self.decode_steps)
         return self.decode_steps
 
     def hosted_ready(self, wait: bool = False) -> bool:

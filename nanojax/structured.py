@@ -142,9 +142,9 @@ class Grammars:
             if (live := self._live.pop(id(matcher), None)) is not None:
                 live[1][1] -= 1
 
-    def consume(self, pairs: list[tuple["llguidance.LLMatcher", int]]) -> list[bool]:
-        """Each matcher takes its token, in parallel; -> whether each grammar allowed it."""
-        return self._executor.consume_token_par(pairs) if pairs else []
+    def fill(self, matcher: "llguidance.LLMatcher", out: np.ndarray) -> None:
+        """Writes the matcher's next-token bitmask into out [1, >= ceil(vocabulary / 32)] int32 (zeros after)."""
+        llguidance.numpy.fill_next_token_bitmask(matcher, out[:, :-(-self._ll_tokenizer.vocab_size // 32)])
 
     def masks(self, matchers: list["llguidance.LLMatcher"]) -> np.ndarray:
         """-> [len(matchers), ceil(tokenizer vocabulary / 32)] int32: each one's next-token bitmask."""
@@ -154,36 +154,30 @@ class Grammars:
 
 
 class MaskFeed:
-    """The host side of a hosted decode (constrained rows alone, `EngineConfig.hosted_masks`): after each step, each
-    row's grammar takes the row's token and, but after the last step, gives its next mask. `start` sets a dispatch's
-    matchers (row order); `stops`: row -> (the tokens its grammar took before it completed or refused one, the
-    refusal or None), read back by OutputProcessor.accept once the dispatch is done."""
+    """The host side of a hosted decode (a constrained row alone, `EngineConfig.hosted_masks`): after each step, the
+    row's grammar takes its token and, but after the last step, gives its next mask. `start` sets a dispatch's matcher;
+    `stops`: {0: (the tokens its grammar took before it completed or refused one, the refusal or None)} once it did,
+    read back by OutputProcessor.accept once the dispatch is done."""
 
     def __init__(self, grammars: Grammars, width: int):
-        self.grammars, self.width, self.matchers, self.num_steps, self.stops = grammars, width, [], 0, {}
+        self.grammars, self.width, self.matcher, self.num_steps, self.stops = grammars, width, None, 0, {}
 
-    def start(self, matchers: list, num_steps: int) -> dict:
-        self.matchers, self.num_steps, self.stops = matchers, num_steps, {}
-        return self.stops
+    def start(self, matcher: "llguidance.LLMatcher", num_steps: int) -> None:
+        self.matcher, self.num_steps, self.stops = matcher, num_steps, {}
 
     def __call__(self, tokens: np.ndarray, step: np.ndarray) -> np.ndarray:
-        """tokens [rows], the step's draws -> [rows, ceil(vocab / 32)] int32, the next step's masks (no exception:
-        it would fail the whole program)."""
-        step, live, masks = int(step), [], np.zeros((len(tokens), self.width), np.int32)
-        rows = [row for row in range(len(self.matchers)) if row not in self.stops]
-        taken = self.grammars.consume([(self.matchers[row], int(tokens[row])) for row in rows])
-        for row, ok in zip(rows, taken):
-            if not ok:
-                self.stops[row] = (step, f"its grammar rejects token {int(tokens[row])}: "
-                                         f"{self.matchers[row].get_error()}")
-            elif self.matchers[row].is_stopped():
-                self.stops[row] = (step + 1, None)
-            else:
-                live.append(row)
-        if live and step + 1 < self.num_steps:
+        """tokens [1], the step's draw -> [1, width] int32, the next step's mask (no exception: it would fail the whole
+        program)."""
+        step, token, mask = int(step), int(tokens[0]), np.zeros((1, self.width), np.int32)
+        if self.stops:
+            return mask
+        if not self.matcher.consume_token(token):
+            self.stops[0] = (step, f"its grammar rejects token {token}: {self.matcher.get_error()}")
+        elif self.matcher.is_stopped():
+            self.stops[0] = (step + 1, None)
+        elif step + 1 < self.num_steps:
             try:
-                filled = self.grammars.masks([self.matchers[row] for row in live])
-                masks[live, :filled.shape[1]] = filled
-            except Exception as e:  # noqa: BLE001 -- (ends these rows, not the program)
-                self.stops.update({row: (step + 1, f"its mask failed: {e}") for row in live})
-        return masks
+                self.grammars.fill(self.matcher, mask)
+            except Exception as e:  # noqa: BLE001 -- (ends the row, not the program)
+                self.stops[0] = (step + 1, f"its mask failed: {e}")
+        return mask

@@ -15,7 +15,7 @@ from nanojax import LLM, SamplingParams
 from nanojax import output as output_module
 from nanojax.default_model import default_checkpoint
 from nanojax.loader import load_hf_tokenizer
-from nanojax.structured import Grammars, StructuredOutputs
+from nanojax.structured import Grammars, MaskFeed, StructuredOutputs
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120},
@@ -148,6 +148,24 @@ def test_constrained_rows_alone_running_ahead_keep_their_tokens(tiny, tokenizer,
     assert [o.token_ids for o in ahead] == refs
     assert ahead_sampled.token_ids == one_step.token_ids
     assert max(dispatches) == llm.runner.decode_steps  # (a random model seldom keeps a run: no fewer dispatches)
+
+
+def test_mask_feed_takes_each_token_and_gives_the_next_mask(tokenizer):
+    """MaskFeed (a hosted decode's host side): each step's token taken and the next step's mask given, but after the
+    dispatch's last step; a grammar that completes, or refuses a token, recorded in `stops`, zeros after."""
+    grammars, text = Grammars(tokenizer), "yes, certainly"
+    grammars.prepare()
+    feed, ids, choice = MaskFeed(grammars, 3 + -(-len(tokenizer) // 32)), tokenizer.encode(text), [text, "no"]
+    allowed = lambda mask, token: bool(mask[0, token // 32] >> (token % 32) & 1)  # noqa: E731
+    feed.start(grammars.matcher(StructuredOutputs(choice=choice)), len(ids))
+    masks = [feed(np.array([t]), np.int32(i)) for i, t in enumerate(ids)]
+    assert len(ids) > 2 and all(allowed(m, t) for m, t in zip(masks, ids[1:])) and not masks[-1].any()
+    assert feed.stops == {0: (len(ids), None)}
+    feed.start(grammars.matcher(StructuredOutputs(choice=choice)), 1)
+    assert not feed(np.array([ids[0]]), np.int32(0)).any() and feed.stops == {}  # (the dispatch's last step)
+    feed.start(grammars.matcher(StructuredOutputs(choice=choice)), 4)
+    assert not feed(np.array([tokenizer.encode(" maybe")[0]]), np.int32(0)).any()
+    assert feed.stops[0][0] == 0 and "rejects token" in feed.stops[0][1]
 
 
 @pytest.mark.parametrize("hosted", [False, True])
