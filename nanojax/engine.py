@@ -287,11 +287,11 @@ class EngineCore:
         masks = [r.slot for r in reqs], self.output.grammars.masks([r.matcher for r in reqs])
         decodes = [c for c in chunks if c.num_tokens == 1 and c.sample]
         one_step = all(c.seq.request.matcher is not None for c in decodes) and not all(r.run_ahead for r in reqs)
-        if one_step and len(decodes) == len(chunks) == 1 and (steps := self.runner.hosted(reqs[0].matcher)):
+        alone = one_step and len(decodes) == len(chunks)
+        if alone and len(chunks) == 1 and (steps := self.runner.hosted(reqs[0].matcher, chunks[0].num_steps)):
             return chunks, masks, steps
         return [dataclasses.replace(c, num_steps=1) if c.sample and c.seq.request.matcher is not None and (
-            one_step or not c.seq.request.speculative_constraint) else c for c in chunks], masks, \
-            int(one_step and len(decodes) == len(chunks))
+            one_step or not c.seq.request.speculative_constraint) else c for c in chunks], masks, int(alone)
 
     def _release_slot(self, req: Request) -> None:
         if req.slot is not None:

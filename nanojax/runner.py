@@ -393,11 +393,11 @@ class ModelRunner:
             return dict(COST_MODEL_TILING)
         return {} if quantized else decode_tiling(p.rows)
 
-    def hosted(self, matcher) -> int:
-        """The steps of a hosted decode of one constrained row, its feed started; 0 while it is not compiled."""
+    def hosted(self, matcher, row_steps: int) -> int:
+        """Starts a hosted decode's feed for one constrained row (row_steps: its own) -> its steps; 0 if not compiled."""
         if not self.hosted_ready():
             return 0
-        self.feed.start(matcher, self.decode_steps)
+        self.feed.start(matcher, row_steps)
         return self.decode_steps
 
     def hosted_ready(self, wait: bool = False) -> bool:

@@ -155,9 +155,10 @@ class Grammars:
 
 class MaskFeed:
     """The host side of a hosted decode (a constrained row alone, `EngineConfig.hosted_masks`): after each step, the
-    row's grammar takes its token and, but after the last step, gives its next mask. `start` sets a dispatch's matcher;
-    `stops`: {0: (the tokens its grammar took before it completed or refused one, the refusal or None)} once it did,
-    read back by OutputProcessor.accept once the dispatch is done."""
+    row's grammar takes its token and, but after its last step, gives its next mask. `start` sets a dispatch's
+    matcher and the row's steps (the program's may be more: their draws are not the row's); `stops`: {0: (the tokens
+    its grammar took before it completed or refused one, the refusal or None)} once it did, read back by
+    OutputProcessor.accept once the dispatch is done."""
 
     def __init__(self, grammars: Grammars, width: int):
         self.grammars, self.width, self.matcher, self.num_steps, self.stops = grammars, width, None, 0, {}
@@ -169,7 +170,7 @@ class MaskFeed:
         """tokens [1], the step's draw -> [1, width] int32, the next step's mask (no exception: it would fail the whole
         program)."""
         step, token, mask = int(step), int(tokens[0]), np.zeros((1, self.width), np.int32)
-        if self.stops:
+        if self.stops or step >= self.num_steps:
             return mask
         if not self.matcher.consume_token(token):
             self.stops[0] = (step, f"its grammar rejects token {token}: {self.matcher.get_error()}")
