@@ -9,7 +9,9 @@ import llguidance.hf
 import numpy as np
 import pytest
 import torch
-from conftest import TINY, build_hf_model
+from conftest import TINY, build_hf_model, requires_gpu
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
 
 from nanojax import LLM, SamplingParams
 from nanojax import output as output_module
@@ -156,7 +158,7 @@ def test_mask_feed_takes_each_token_and_gives_the_next_mask(tokenizer):
     grammars, text = Grammars(tokenizer), "yes, certainly"
     grammars.prepare()
     feed, ids, choice = MaskFeed(grammars, 3 + -(-len(tokenizer) // 32)), tokenizer.encode(text), [text, "no"]
-    allowed = lambda mask, token: bool(mask[0, token // 32] >> (token % 32) & 1)  # noqa: E731
+    allowed = lambda mask, token: bool(mask[0, token // 32] >> (token % 32) & 1)
     feed.start(grammars.matcher(StructuredOutputs(choice=choice)), len(ids))
     masks = [feed(np.array([t]), np.int32(i)) for i, t in enumerate(ids)]
     assert len(ids) > 2 and all(allowed(m, t) for m, t in zip(masks, ids[1:])) and not masks[-1].any()
@@ -215,6 +217,31 @@ def test_hosted_masks_give_the_one_step_tokens(tiny, tokenizer):
         assert not llm.core.output.grammars._live
     assert alone == refs
     assert sampled_alone == one_step and together == one_step
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level tokenizer of 256 byte tokens and an EOS, built here (a machine without any model's)."""
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))} | {"<eos>": 256}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer, backend.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>")
+
+
+@requires_gpu
+def test_hosted_decode_gives_hf_masked_greedy_tokens_on_the_gpu(tmp_path):
+    """On a GPU (hosted masks on by default, the kernels where shapes allow): a constrained row alone takes HF's
+    greedy tokens under the same masks, for each kind of constraint."""
+    tokenizer = byte_tokenizer()
+    hf = build_hf_model({**TINY["llama"], "vocab_size": len(tokenizer)})
+    hf.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    prompt = tokenizer.encode("Answer:")
+    with LLM(str(tmp_path), dtype="float32") as llm:
+        llm.prepare_structured_outputs()
+        assert llm.runner.hosted_ready()
+        outs = [llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, structured_outputs=c),
+                             use_tqdm=False)[0].token_ids for c in CONSTRAINTS]
+    assert outs == [masked_greedy(hf, tokenizer, prompt, c, 40) for c in CONSTRAINTS]
 
 
 @pytest.mark.parametrize("speculation", [None, {"method": "ngram", "num_speculative_tokens": 3}])
