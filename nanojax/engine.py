@@ -237,7 +237,7 @@ class EngineCore:
         sources = [inflight.pending[c.seq.seq_id][1] if c.seq.num_pending else -1 for c in decodes]
         if masks is not None and not masks_in_step:
             self.runner.set_masks(*masks)
-        if not prefills:  # one dispatch of the decode program, 1..decode_steps a row (1 if all rows are constrained)
+        if not prefills:  # one dispatch of the decode program, 1..decode_steps a row (constrained alone: 1, or hosted)
             out = self.runner.decode(*rows, masks_in_step or self.runner.decode_steps,
                                      [c.num_steps for c in decodes], sources, masks if masks_in_step else None)
             pending, prompt = {c.seq.seq_id: (out, i) for i, c in enumerate(decodes)}, {}

@@ -24,8 +24,8 @@ from nanojax.page_manager import PageManager
 from nanojax.runner import PREFILL_ROW, ModelRunner, buffer_addresses
 from nanojax.sampling_params import SamplingParams
 from nanojax.scheduler import Scheduler, SchedulerConfig
-from nanojax.structured import MaskFeed
 from nanojax.sharding import TensorParallel
+from nanojax.structured import MaskFeed
 
 
 class LLM(RequestFront):
