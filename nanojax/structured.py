@@ -167,18 +167,18 @@ class MaskFeed:
         self.matcher, self.num_steps, self.stops = matcher, num_steps, {}
 
     def __call__(self, tokens: np.ndarray, step: np.ndarray) -> np.ndarray:
-        """tokens [1], the step's draw -> [1, width] int32, the next step's mask (no exception: it would fail the whole
-        program)."""
+        """tokens [1], the step's draw -> [1, width] int32, the next step's mask. It never raises: an error would fail
+        the program, which holds the donated KV cache."""
         step, token, mask = int(step), int(tokens[0]), np.zeros((1, self.width), np.int32)
         if self.stops or step >= self.num_steps:
             return mask
-        if not self.matcher.consume_token(token):
-            self.stops[0] = (step, f"its grammar rejects token {token}: {self.matcher.get_error()}")
-        elif self.matcher.is_stopped():
-            self.stops[0] = (step + 1, None)
-        elif step + 1 < self.num_steps:
-            try:
+        try:
+            if not self.matcher.consume_token(token):
+                self.stops[0] = (step, f"its grammar rejects token {token}: {self.matcher.get_error()}")
+            elif self.matcher.is_stopped():
+                self.stops[0] = (step + 1, None)
+            elif step + 1 < self.num_steps:
                 self.grammars.fill(self.matcher, mask)
-            except Exception as e:  # noqa: BLE001 -- (ends the row, not the program)
-                self.stops[0] = (step + 1, f"its mask failed: {e}")
+        except Exception as e:  # noqa: BLE001 -- (ends the row's request, not the program)
+            self.stops[0] = (step + 1, f"its grammar failed: {e!r}")
         return mask

@@ -154,7 +154,7 @@ def test_constrained_rows_alone_running_ahead_keep_their_tokens(tiny, tokenizer,
 
 def test_mask_feed_takes_each_token_and_gives_the_next_mask(tokenizer):
     """MaskFeed (a hosted decode's host side): each step's token taken and the next step's mask given, but after the
-    dispatch's last step; a grammar that completes, or refuses a token, recorded in `stops`, zeros after."""
+    dispatch's last step; a grammar that completes, refuses a token or fails, recorded in `stops`, zeros after."""
     grammars, text = Grammars(tokenizer), "yes, certainly"
     grammars.prepare()
     feed, ids, choice = MaskFeed(grammars, 3 + -(-len(tokenizer) // 32)), tokenizer.encode(text), [text, "no"]
@@ -169,6 +169,8 @@ def test_mask_feed_takes_each_token_and_gives_the_next_mask(tokenizer):
     feed.start(grammars.matcher(StructuredOutputs(choice=choice)), 4)
     assert not feed(np.array([tokenizer.encode(" maybe")[0]]), np.int32(0)).any()
     assert feed.stops[0][0] == 0 and "rejects token" in feed.stops[0][1]
+    feed.start(None, 4)  # a grammar that raises: recorded, not raised (it would fail the program)
+    assert not feed(np.array([ids[0]]), np.int32(0)).any() and "AttributeError" in feed.stops[0][1]
 
 
 @pytest.mark.parametrize("hosted", [False, True])
