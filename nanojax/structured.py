@@ -169,7 +169,8 @@ class MaskFeed:
     def __call__(self, tokens: np.ndarray, step: np.ndarray) -> np.ndarray:
         """tokens [1], the step's draw -> [1, width] int32, the next step's mask. It never raises: an error would fail
         the program, which holds the donated KV cache."""
-        step, token, mask = int(step), int(tokens[0]), np.zeros((1, self.width), np.int32)
+        # (io_callback hands over jax.Arrays on the CPU: indexing one would dispatch an op)
+        step, token, mask = int(np.asarray(step)), int(np.asarray(tokens)[0]), np.zeros((1, self.width), np.int32)
         if self.stops or step >= self.num_steps:
             return mask
         try:
