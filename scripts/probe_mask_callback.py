@@ -45,9 +45,10 @@ class Feed:
     def __call__(self, tokens, step):
         start = time.perf_counter()
         if not self.trivial:
-            if int(step) > 0:
-                self.matcher.consume_token(int(tokens[0]))
-                self.consumed.append(int(tokens[0]))
+            if int(np.asarray(step)) > 0:  # (numpy: indexing the callback's jax.Arrays dispatches an op)
+                token = int(np.asarray(tokens)[0])
+                self.matcher.consume_token(token)
+                self.consumed.append(token)
             llguidance.numpy.fill_next_token_bitmask(self.matcher, self.words, 0)
             self.mask[:, :self.words.shape[1]] = self.words
         self.seconds += time.perf_counter() - start
