@@ -22,6 +22,7 @@ class ExpertMatmulConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    unroll: bool = False  # the K slices unrolled: every slice's loads in flight at once, not a load's latency a slice
 
     def __post_init__(self):
         check_pow2(self, ("block_n", "block_k", "split_k"))
@@ -42,7 +43,7 @@ def expert_matmul_reference(x, w, scale, ids):
     return jnp.einsum("mk,mnk->mn", x, w[ids].astype(x.dtype), **kw) * scale[ids]
 
 
-def _kernel(ids_ref, x_ref, w_ref, *refs, block_k: int):
+def _kernel(ids_ref, x_ref, w_ref, *refs, block_k: int, unroll: bool):
     # ids_ref: [] the row's expert; x_ref: [K / split_k] the row's share of K; w_ref: [E, K / split_k, block_n] every
     # expert's column block, or FP8 [E, block_n, K / split_k] followed in refs by its scale_ref [E, block_n];
     # o_ref: [block_n] f32
@@ -57,15 +58,25 @@ def _kernel(ids_ref, x_ref, w_ref, *refs, block_k: int):
         return acc + x[:, None] * load(w_ref.at[expert, ks, :]).astype(jnp.float32)
 
     shape = (o_ref.shape[0], block_k) if fp8 else (block_k, o_ref.shape[0])
-    acc = lax.fori_loop(0, x_ref.shape[0] // block_k, body, jnp.zeros(shape, jnp.float32))
+    acc, slices = jnp.zeros(shape, jnp.float32), x_ref.shape[0] // block_k
+    if unroll:
+        for i in range(slices):
+            acc = body(i, acc)
+    else:
+        acc = lax.fori_loop(0, slices, body, acc)
     store(o_ref, jnp.sum(acc, axis=1) * load(scale_ref[0].at[expert, :]) if fp8 else jnp.sum(acc, axis=0))
 
 
+MAX_UNROLLED = 16  # K slices a program unrolls at most (more: a longer compile for a loop's last few loads)
+
+
 def _default_config(k: int, n: int, fp8: bool) -> ExpertMatmulConfig:
-    """bf16: 64 x 64 tiles, K split in 4 where it divides (more programs in flight). FP8 (w_t [N, K]): 16 columns of
-    256 contiguous bytes each, K whole (scripts/tune_experts.py)."""
+    """bf16: 64 x 64 tiles, K split in 4 where it divides (more programs in flight). FP8 (w_t [N, K]): 32 columns of
+    256 contiguous bytes each, K whole, its slices unrolled up to MAX_UNROLLED (scripts/tune_experts.py)."""
     if fp8:
-        return ExpertMatmulConfig(block_n=pow2_divisor(n, 16), block_k=pow2_divisor(k, 256))
+        block_k = pow2_divisor(k, 256)
+        return ExpertMatmulConfig(block_n=pow2_divisor(n, 32), block_k=block_k, num_warps=8,
+                                  unroll=k // block_k <= MAX_UNROLLED)
     config = ExpertMatmulConfig(block_n=pow2_divisor(n, 64), block_k=pow2_divisor(k, 64))
     return dataclasses.replace(config, split_k=next(s for s in (4, 2, 1) if k % (s * config.block_k) == 0))
 
@@ -85,7 +96,7 @@ def expert_matmul(x, w, scale, ids, *, config: ExpertMatmulConfig | None = None,
     w_spec = (pl.BlockSpec((num_experts, bn, k_split), lambda r, c, s: (0, c, s)) if scales else
               pl.BlockSpec((num_experts, k_split, bn), lambda r, c, s: (0, s, c)))
     return pl.pallas_call(
-        functools.partial(_kernel, block_k=config.block_k),
+        functools.partial(_kernel, block_k=config.block_k, unroll=config.unroll),
         grid=(m, n // bn, config.split_k),
         in_specs=[pl.BlockSpec((None,), lambda r, c, s: (r,)), pl.BlockSpec((None, k_split), lambda r, c, s: (r, s)),
                   w_spec] + [pl.BlockSpec((num_experts, bn), lambda r, c, s: (0, c))] * len(scales),

@@ -26,8 +26,9 @@ def test_each_row_takes_its_experts_weights(rows, k, n, experts, dtype):
     ids = jnp.asarray(rng.integers(0, experts, rows), jnp.int32)
     want = expert_matmul_reference(x, w, None, ids)
     np.testing.assert_allclose(expert_matmul(x, w, None, ids, interpret=True), want, **TOL)
-    small = ExpertMatmulConfig(block_n=16, block_k=32)  # several K slices and column blocks a row
-    np.testing.assert_allclose(expert_matmul(x, w, None, ids, config=small, interpret=True), want, **TOL)
+    for small in (ExpertMatmulConfig(block_n=16, block_k=32), ExpertMatmulConfig(block_n=16, block_k=32, unroll=True)):
+        # several K slices and column blocks a row, looped over or unrolled
+        np.testing.assert_allclose(expert_matmul(x, w, None, ids, config=small, interpret=True), want, **TOL)
 
 
 def test_ids_of_other_devices_experts_read_the_nearest_expert():
