@@ -71,12 +71,14 @@ MAX_UNROLLED = 16  # K slices a program unrolls at most (more: a longer compile 
 
 
 def _default_config(k: int, n: int, fp8: bool) -> ExpertMatmulConfig:
-    """bf16: 64 x 64 tiles, K split in 4 where it divides (more programs in flight). FP8 (w_t [N, K]): 32 columns of
-    256 contiguous bytes each, K whole, its slices unrolled up to MAX_UNROLLED (scripts/tune_experts.py)."""
+    """bf16: 64 x 64 tiles, K split in 4 where it divides (more programs in flight). FP8 (w_t [N, K]): 256 contiguous
+    bytes a column, K whole: 32 columns, its slices unrolled, up to MAX_UNROLLED slices, else 16 in a loop
+    (scripts/tune_experts.py)."""
     if fp8:
         block_k = pow2_divisor(k, 256)
-        return ExpertMatmulConfig(block_n=pow2_divisor(n, 32), block_k=block_k, num_warps=8,
-                                  unroll=k // block_k <= MAX_UNROLLED)
+        if k // block_k > MAX_UNROLLED:
+            return ExpertMatmulConfig(block_n=pow2_divisor(n, 16), block_k=block_k)
+        return ExpertMatmulConfig(block_n=pow2_divisor(n, 32), block_k=block_k, num_warps=8, unroll=True)
     config = ExpertMatmulConfig(block_n=pow2_divisor(n, 64), block_k=pow2_divisor(k, 64))
     return dataclasses.replace(config, split_k=next(s for s in (4, 2, 1) if k % (s * config.block_k) == 0))
 
