@@ -6,6 +6,7 @@ scaling comes back from the rope_freqs tensor; scalings in metadata (linear, yar
 """
 import contextlib
 import functools
+import importlib.util
 import math
 import os
 import struct
@@ -463,8 +464,6 @@ def _byte_level_tokenizer(reader, tokens: list[str], pre: str | None, special: d
 
 def _transformers_tokenizer(path: Path, model: str, pre: str | None):
     """Any other tokenizer through transformers' GGUF loader, which imports torch."""
-    import importlib.util
-
     from transformers import AutoTokenizer
 
     if importlib.util.find_spec("torch") is None:

@@ -56,23 +56,22 @@ def interleaved_to_halves(w: np.ndarray, heads: int, head_dim: int) -> np.ndarra
 
 
 def _llama_layer(r: _Reader, c: ModelConfig, i: int, model_type: str) -> dict:
-    p, h, d, ernie = f"model.layers.{i}.", c.hidden_size, c.head_dim, model_type == "ernie4_5"
+    p, h, d = f"model.layers.{i}.", c.hidden_size, c.head_dim
 
-    def halves(w, heads):  # the shared decoder's RoPE layout
-        return interleaved_to_halves(w, heads, d) if ernie else w
+    def qkv(kind: str, *in_dims: int) -> np.ndarray:  # q, k, v concatenated; q, k rows in the decoder's RoPE layout
+        q, k, v = (r.get(f"{p}self_attn.{name}_proj.{kind}", (size, *in_dims))
+                   for name, size in (("q", c.q_size), ("k", c.kv_size), ("v", c.kv_size)))
+        if model_type == "ernie4_5":
+            q, k = interleaved_to_halves(q, c.num_heads, d), interleaved_to_halves(k, c.num_kv_heads, d)
+        return np.concatenate([q, k, v])
 
-    q = halves(r.get(p + "self_attn.q_proj.weight", (c.q_size, h)), c.num_heads)
-    k = halves(r.get(p + "self_attn.k_proj.weight", (c.kv_size, h)), c.num_kv_heads)
-    v = r.get(p + "self_attn.v_proj.weight", (c.kv_size, h))
     layer = {
-        "qkv": {"w": fold_norm_scale(r.get(p + "input_layernorm.weight", (h,)), np.concatenate([q, k, v]).T)},
+        "qkv": {"w": fold_norm_scale(r.get(p + "input_layernorm.weight", (h,)), qkv("weight", h).T)},
         "o": {"w": r.get(p + "self_attn.o_proj.weight", (h, c.q_size)).T},
         **(_experts(r, c, p, model_type == "mixtral") if c.moe else _mlp(r, c, p)),
     }
     if c.qkv_bias:
-        qb = halves(r.get(p + "self_attn.q_proj.bias", (c.q_size,)), c.num_heads)
-        kb = halves(r.get(p + "self_attn.k_proj.bias", (c.kv_size,)), c.num_kv_heads)
-        layer["qkv"]["b"] = np.concatenate([qb, kb, r.get(p + "self_attn.v_proj.bias", (c.kv_size,))])
+        layer["qkv"]["b"] = qkv("bias")
     if c.o_bias:
         layer["o"]["b"] = r.get(p + "self_attn.o_proj.bias", (h,))
     if c.qk_norm:

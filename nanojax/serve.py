@@ -83,11 +83,9 @@ def _engine_errors(prompt_field: str, renames: dict[str, str] | None = None):
 
 
 def _completion_prompts(llm, prompt, limits: ServerLimits) -> tuple[list[list[int]], list[str | None]]:
-    """-> (token ids, the text as given or None) per prompt."""
-    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+    """-> (token ids, the text as given or None) per prompt (no token ids: one empty prompt, which encode refuses)."""
+    if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
         prompt = [prompt]
-    if not prompt:
-        raise RequestError(400, "prompt is empty", "prompt")
     if len(prompt) > limits.max_prompts:
         raise RequestError(400, f"{len(prompt)} prompts in one request; this server allows {limits.max_prompts}",
                            "prompt")
@@ -377,19 +375,18 @@ class _Server:
                 renames["max_tokens"] = "max_completion_tokens"
         # StructuredOutputs' errors name the field that asked for the constraint
         renames["structured_outputs"], constraint = self.constraint(body, response.chat)
-        with _engine_errors(prompt_field, renames):
-            params = self.sampling_params(body, max_tokens, logprobs, prompt_logprobs, constraint)
         stream = RequestStream(loop=asyncio.get_running_loop())
         request_ids = [f"{response.head['id']}-{i}" for i in range(len(response.prompts))]
         close = functools.partial(self.close, stream, request_ids)
-        try:  # a refused prompt aborts those added before it
-            with _engine_errors(prompt_field, renames):
+        with _engine_errors(prompt_field, renames):
+            params = self.sampling_params(body, max_tokens, logprobs, prompt_logprobs, constraint)
+            try:  # a refused prompt aborts those added before it
                 for i, (ids, request_id) in enumerate(zip(response.prompts, request_ids)):
                     self.llm.add_request(ids, params, request_id=request_id, index=i, stream=stream,
                                          stream_text=body.stream)
-        except RequestError:
-            close()
-            raise
+            except (ValueError, RuntimeError):
+                close()
+                raise
         events = _events(stream, response, self.metrics)
         if body.stream:
             return _AbortOnClose(_sse(events, response), close)
@@ -415,15 +412,11 @@ class _Server:
                                "max_tokens")
         if body.n > self.limits.max_n:
             raise RequestError(400, f"n={body.n} is more than this server allows ({self.limits.max_n})", "n")
-        try:
-            bias = {int(t): b for t, b in (body.logit_bias or {}).items()}
-        except ValueError:
-            raise RequestError(400, "logit_bias keys must be token ids (integers as strings)", "logit_bias") from None
         # Body fields named as SamplingParams fields go through as given (SamplingParams checks them); these differ.
         given = {name: getattr(body, name) for name in _SAMPLING_FIELDS if getattr(body, name, None) is not None}
         return SamplingParams(**{**given, "top_k": 0 if body.top_k == -1 else body.top_k, "max_tokens": max_tokens,
-                                 "stop": body.stop or (), "logit_bias": bias or None, "logprobs": logprobs,
-                                 "prompt_logprobs": prompt_logprobs, "structured_outputs": constraint})
+                                 "stop": body.stop or (), "logprobs": logprobs, "prompt_logprobs": prompt_logprobs,
+                                 "structured_outputs": constraint})
 
     def close(self, stream: RequestStream, request_ids: list[str]) -> None:
         """Aborts the requests unless all have finished; counted as aborted if the stream had not finished."""

@@ -6,7 +6,7 @@ ignored or guessed at: a client that sends a field this server does not do learn
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, model_validator
 
 
 def _valid_unicode(text: str) -> str:
@@ -72,7 +72,7 @@ class _Sampling(_Body):
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[Annotated[int, Strict(False)], float] | None = None  # token ids, parsed from JSON's string keys
     user: str | None = None  # accepted and ignored
     stream: bool = False
     stream_options: StreamOptions | None = None
