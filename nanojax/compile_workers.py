@@ -26,8 +26,7 @@ WORKERS = 4  # on a GPU; more processes compile each kernel again (docs/perf_not
 
 @dataclass(frozen=True)
 class Job:
-    """What one worker compiles; `work` names the function that does it, so this module imports neither the runner
-    nor nanojax.compilation."""
+    """What one worker compiles; `work` does it, so this module imports neither the runner nor nanojax.compilation."""
     work: Callable  # work(config, params, runner_kwargs, {program: key}) -> the seconds it spent lowering
     config: object
     params: object  # the params' pytree of jax.ShapeDtypeStruct

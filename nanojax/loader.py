@@ -1,5 +1,4 @@
-"""What the user named as (config, params, tokenizer): a nanojax checkpoint, or a source convert/ reads converted in
-memory."""
+"""What the user named, as (config, params, tokenizer): a nanojax checkpoint, or a source converted in memory."""
 import dataclasses
 import tempfile
 from concurrent.futures import Future, ThreadPoolExecutor

@@ -294,6 +294,9 @@ class ModelRunner:
         self.decode_rows = pow2_buckets(engine.max_num_seqs)
         self.prefill_rows = pow2_buckets(-(-engine.max_num_batched_tokens // PREFILL_ROW))
         self.decode_steps = engine.decode_steps
+        # A mixed step's decode rows: one bucket, the largest, so that mixed steps add one program per prefill bucket
+        # (padding rows cost their share of the projections, nothing in attention).
+        self.mixed_rows = self.decode_rows[-1]
         # The last tokens a dispatch returns (`last_tokens`): a prefill's R rows and mixed_rows decode rows at most.
         self.last = build(lambda: jax.device_put(np.zeros(self.prefill_rows[-1] + self.mixed_rows, np.int32),
                                                  self._inputs_sharding))
@@ -322,12 +325,6 @@ class ModelRunner:
             Program(r, 0, decode_rows=d) for r in self.prefill_rows for d in (0, self.mixed_rows)] + [
             "prompt", "set_slot"] + [("set_masks", b) for b in self.decode_rows]
 
-    @property
-    def mixed_rows(self) -> int:
-        """The decode rows of a mixed step's program: one bucket, the largest, so that mixed steps add one program
-        per prefill bucket (padding rows cost their share of the projections, nothing in attention)."""
-        return self.decode_rows[-1]
-
     def missing(self, programs) -> list:
         return [p for p in programs if p not in self._compiled]
 
@@ -344,7 +341,7 @@ class ModelRunner:
             v = (self.config.vocab_size,)
             return _set_slot, (self.tables, np.int32(0), _shape(v), _shape(v, jnp.int8), _shape(v, jnp.float32)), {}
         if isinstance(p, tuple):  # ("set_masks", rows)
-            return set_masks, (self.tables, _shape((p[1],)), _shape((p[1], self.tables.allowed.shape[1]))), {}
+            return set_masks, (self.tables, *self._mask_rows(p[1], [], [])), {}
         if p == "prompt":
             r = self.prefill_rows[-1]
             hidden = _shape((r, PREFILL_ROW, self.config.hidden_size), self.params["embed"].dtype)
@@ -355,7 +352,7 @@ class ModelRunner:
         host, rows = (tokens, *self._inputs(p, table, [], [], {}, plan)), _shape((p.rows,))
         if p.num_steps:
             spec = dict(spec=self.spec, draft=self.draft) if p.speculative else {}
-            masks = [(rows, _shape((p.rows, self.tables.allowed.shape[1])))] if p.masked else []
+            masks = [self._mask_rows(p.rows, [], [])] if p.masked else []
             spec |= {"feed": self.feed} if p.hosted else {}
             fn, kw, host = decode_step, {**kw, "num_steps": p.num_steps, **spec}, (*host, rows, rows, *masks)
         else:
@@ -394,7 +391,7 @@ class ModelRunner:
         return {} if quantized else decode_tiling(p.rows)
 
     def hosted(self, matcher, row_steps: int) -> int:
-        """Starts a hosted decode's feed for one constrained row (row_steps: its own) -> its steps; 0 if not compiled."""
+        """Starts a hosted decode's feed for one constrained row (row_steps: its own) -> its steps (0: not compiled)."""
         if not self.hosted_ready():
             return 0
         self.feed.start(matcher, row_steps)
@@ -484,8 +481,7 @@ class ModelRunner:
 
     def speculation_stats(self) -> np.ndarray:
         """[3] int64 since the start: speculative forwards, row-forwards verifying proposals, the tokens those gave."""
-        for stats in jax.device_get(self._spec_pending):
-            self.spec_stats += stats
+        self.spec_stats += np.sum(jax.device_get(self._spec_pending), axis=0, dtype=np.int64)
         self._spec_pending.clear()
         return self.spec_stats.copy()
 
@@ -594,7 +590,7 @@ class Pending:
     def prompt_logprobs(self, last_row: int, num_tokens: int) -> PromptLogprobs:
         """The PromptLogprobs [num_tokens](, MAX_LOGPROBS) of the chunk packed up to row last_row, fetched once."""
         if not isinstance(self._prompt.logprobs, np.ndarray):
-            self._prompt = PromptLogprobs(*jax.device_get(tuple(self._prompt)))
+            self._prompt = jax.device_get(self._prompt)
         rows = slice(last_row + 1 - -(-num_tokens // PREFILL_ROW), last_row + 1)
         return PromptLogprobs(*(x[rows].reshape(-1, *x.shape[2:])[:num_tokens] for x in self._prompt))
 
