@@ -19,11 +19,12 @@ class RopeLlama3:
 
 @dataclasses.dataclass(frozen=True)
 class MoE:
-    """Top-k routed SwiGLU experts in place of every layer's MLP (Qwen3-MoE, Mixtral)."""
+    """Top-k routed SwiGLU experts in place of every layer's MLP (Qwen3-MoE, Mixtral, Qwen2-MoE)."""
 
     num_experts: int
     top_k: int  # HF num_experts_per_tok
     norm_topk_prob: bool  # the top k routing weights renormalized to sum 1 (always for Mixtral)
+    shared_size: int = 0  # Qwen2-MoE: a SwiGLU expert of this width that every row takes, sigmoid-gated; 0: none
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +103,7 @@ def _decoder(hf: dict) -> dict:
     if _get(hf, "hidden_act") != "silu":
         raise ConfigError(f"hidden_act={hf['hidden_act']!r} is not supported (silu)")
     model_type, heads = hf["model_type"], _get(hf, "num_attention_heads")
+    qwen2 = model_type in ("qwen2", "qwen2_moe")
     bias = bool(hf.get("use_bias" if model_type == "ernie4_5" else "attention_bias", False))
     # ERNIE 4.5 rotates interleaved (x0, x1) pairs; convert/ permutes its q/k rows to the half-split layout the
     # shared decoder uses, which leaves every q.k product unchanged.
@@ -111,15 +113,15 @@ def _decoder(hf: dict) -> dict:
                 head_dim=hf.get("head_dim") or _get(hf, "hidden_size") // heads,
                 max_position_embeddings=_get(hf, "max_position_embeddings"),
                 norm="rms", norm_eps=float(_get(hf, "rms_norm_eps")), mlp="swiglu",
-                qkv_bias=bias or model_type == "qwen2", o_bias=bias and model_type != "qwen2",  # Qwen2: q/k/v only
+                qkv_bias=bias or qwen2, o_bias=bias and not qwen2,  # Qwen2: q/k/v only
                 mlp_bias={"llama": bool(hf.get("mlp_bias", False)), "ernie4_5": bias}.get(model_type, False),
                 qk_norm=model_type in ("qwen3", "qwen3_moe"),
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)), moe=None, **_rope(hf))
 
 
 def _moe(hf: dict) -> dict:
-    """Qwen3-MoE and Mixtral: _decoder's attention, every layer's MLP a set of routed experts."""
-    qwen = hf["model_type"] == "qwen3_moe"
+    """Qwen3-MoE, Qwen2-MoE and Mixtral: _decoder's attention, every layer's MLP a set of routed experts."""
+    qwen, shared = hf["model_type"] in ("qwen3_moe", "qwen2_moe"), hf["model_type"] == "qwen2_moe"
     if qwen and (hf.get("mlp_only_layers") or _get(hf, "decoder_sparse_step") != 1):
         raise ConfigError(f"mlp_only_layers={hf.get('mlp_only_layers')}, decoder_sparse_step="
                           f"{hf.get('decoder_sparse_step')}: dense MLP layers between the MoE ones are not supported")
@@ -127,7 +129,8 @@ def _moe(hf: dict) -> dict:
         raise ConfigError(f"sliding_window={hf['sliding_window']} is not supported (attention sees the whole context)")
     # Qwen3-MoE's num_experts: transformers 5.2x writes it as Mixtral's num_local_experts
     moe = MoE(num_experts=_get(hf, "num_local_experts" if "num_local_experts" in hf else "num_experts"),
-              top_k=_get(hf, "num_experts_per_tok"), norm_topk_prob=bool(_get(hf, "norm_topk_prob")) if qwen else True)
+              top_k=_get(hf, "num_experts_per_tok"), norm_topk_prob=bool(_get(hf, "norm_topk_prob")) if qwen else True,
+              shared_size=_get(hf, "shared_expert_intermediate_size") if shared else 0)
     size = _get(hf, "moe_intermediate_size" if qwen else "intermediate_size")
     return {**_decoder(hf), "intermediate_size": size, "moe": moe}
 
@@ -150,4 +153,4 @@ def _gpt2(hf):
 
 
 _BUILDERS = {"llama": _decoder, "qwen2": _decoder, "qwen3": _decoder, "ernie4_5": _decoder, "gpt2": _gpt2,
-             "qwen3_moe": _moe, "mixtral": _moe}
+             "qwen3_moe": _moe, "qwen2_moe": _moe, "mixtral": _moe}

@@ -2,7 +2,8 @@
     embed [V, H]; pos_embed [P, H] (learned positions only); final_norm; lm_head [H, V] (untied only);
     layers: tuple of {attn_norm?, qkv {w [H, q+2kv], b?}, q_norm [D]?, k_norm [D]?, o {w [q, H], b?},
                       mlp_norm?, up {w [H, 2I] (gate|up, swiglu) or [H, I] (gelu), b?}, down {w [I, H], b?}}
-                   or, MoE, up and down replaced by router {w [H, E]}, experts {up {w [E, H, 2I]}, down {w [E, I, H]}}
+                   or, MoE, router {w [H, E]}, experts {up {w [E, H, 2I]}, down {w [E, I, H]}}, and up, down only
+                   for a shared expert (Qwen2-MoE: [H, 2S], [S, H]) with its gate, shared_gate [H]
     a norm is {scale [H], bias [H]?}; attn_norm and mlp_norm for LayerNorm (GPT-2) and before a MoE router only:
     convert/ folds an RMSNorm's scale into the projection after it, which computes the norm's statistic.
 
@@ -84,7 +85,8 @@ class DecoderLayer(nnx.Module):
         self.mlp_norm = Norm(lp["mlp_norm"], config) if "mlp_norm" in lp else None
         moe = "experts" in lp
         self.router, self.experts = (Projection(lp["router"]), Experts(lp["experts"])) if moe else (None, None)
-        self.up, self.down = (None, None) if moe else (Projection(lp["up"]), Projection(lp["down"]))
+        self.up, self.down = (Projection(lp["up"]), Projection(lp["down"])) if "up" in lp else (None, None)
+        self.shared_gate = _param(lp.get("shared_gate"))
 
     def __call__(self, ops: Ops, x, positions, cos_sin, slots, k_pages, v_pages, batch, config: ModelConfig):
         """x [N, H], positions, slots [N], cos_sin [N, D] or None; batch: `attention`'s -> (x, k_pages, v_pages)."""
@@ -94,13 +96,19 @@ class DecoderLayer(nnx.Module):
                                                  value(self.q_norm), value(self.k_norm), eps=config.norm_eps)
         x = ops.row_project(attention(ops, q, k_pages, v_pages, batch, config), self.o, residual=x)
         h, norm_eps = self._pre_norm(self.mlp_norm, x, config)
+        gate = None
         if self.experts is not None:  # h is normalized: the router reads it too
-            return x + ops.experts(self.experts, h, *ops.route(h, self.router.w[...], config.moe)), k_pages, v_pages
+            x = x + ops.experts(self.experts, h, *ops.route(h, self.router.w[...], config.moe))
+            if self.up is None:
+                return x, k_pages, v_pages
+            # the shared expert's sigmoid gate, one scalar a row: on its activations, before the down projection
+            gate = jax.nn.sigmoid(jnp.dot(h, self.shared_gate[...], precision=jax.lax.Precision.HIGHEST,
+                                          preferred_element_type=jnp.float32).astype(h.dtype))[:, None]
         if config.mlp == "swiglu":
             h = ops.project(h, self.up, norm_eps=norm_eps, activation="silu_mul")
         else:  # GELU runs beside the projection
             h = jax.nn.gelu(ops.project(h, self.up, norm_eps=norm_eps), approximate=True)
-        return ops.row_project(h, self.down, residual=x), k_pages, v_pages
+        return ops.row_project(h if gate is None else gate * h, self.down, residual=x), k_pages, v_pages
 
     @staticmethod
     def _pre_norm(norm: Norm | None, x, config: ModelConfig):

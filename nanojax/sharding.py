@@ -72,10 +72,12 @@ class TensorParallel:
         if max(kv, size) % min(kv, size):
             raise ValueError(f"num_kv_heads={kv} and tensor_parallel_size={size}: one must divide the other "
                              "(KV heads are split, or replicated when fewer than the devices)")
-        name = "num_experts" if config.moe else "intermediate_size"  # what each device holds a share of
-        split = config.moe.num_experts if config.moe else config.intermediate_size
-        if split % size:
-            raise ValueError(f"{name}={split} is not divisible by tensor_parallel_size={size}")
+        moe = config.moe  # what each device holds a share of
+        splits = ({"num_experts": moe.num_experts, "shared_expert_intermediate_size": moe.shared_size} if moe else
+                  {"intermediate_size": config.intermediate_size})
+        for name, split in splits.items():
+            if split % size:
+                raise ValueError(f"{name}={split} is not divisible by tensor_parallel_size={size}")
         return cls(config, Mesh(np.array(devices[:size]), (AXIS,)))
 
     @property
@@ -91,8 +93,9 @@ class TensorParallel:
     def local_config(self) -> ModelConfig:
         """The model one device runs: its share of the heads and of the intermediate columns, or of the experts."""
         c, n = self.config, self.size
-        mlp = ({"moe": dataclasses.replace(c.moe, num_experts=c.moe.num_experts // n)} if c.moe else
-               {"intermediate_size": c.intermediate_size // n})
+        moe = c.moe and dataclasses.replace(c.moe, num_experts=c.moe.num_experts // n,
+                                            shared_size=c.moe.shared_size // n)
+        mlp = {"moe": moe} if moe else {"intermediate_size": c.intermediate_size // n}
         return dataclasses.replace(c, num_heads=c.num_heads // n, num_kv_heads=self.kv_heads // n, **mlp)
 
     @property
@@ -149,8 +152,8 @@ class TensorParallel:
                       ((np.arange(c.num_heads), 0), (kv_heads, c.q_size), (kv_heads, c.q_size + c.kv_size))]
             return np.concatenate([b.reshape(n, -1) for b in blocks], axis=1).ravel()
         if "up" in names and "experts" not in names and c.mlp == "swiglu":  # gate | up: device i gets [gate_i | up_i]
-            cols = np.arange(c.intermediate_size).reshape(n, -1)
-            return np.concatenate([cols, cols + c.intermediate_size], axis=1).ravel()
+            cols = np.arange(length // 2).reshape(n, -1)
+            return np.concatenate([cols, cols + length // 2], axis=1).ravel()
         return None
 
     def create_cache(self, num_pages: int, page_size: int, dtype, tokens: bool = False,

@@ -22,7 +22,7 @@ import torch  # noqa: E402
 
 # Small configs covering each architecture's flags: GQA ratios 1..4, head_dim from config or hidden/heads,
 # tied and untied embeddings, odd vocabulary sizes, biases, Llama 3 rope scaling, top-2 of 8 experts with and without
-# the top-k weights renormalized.
+# the top-k weights renormalized, a shared expert (Qwen2-MoE).
 TINY = {
     "llama": dict(model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, vocab_size=101, tie_word_embeddings=False,
@@ -46,6 +46,10 @@ TINY = {
     "qwen3_moe": dict(model_type="qwen3_moe", hidden_size=64, moe_intermediate_size=32, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=89, num_experts=8,
                       num_experts_per_tok=2, norm_topk_prob=False, tie_word_embeddings=False,
+                      max_position_embeddings=256),
+    "qwen2_moe": dict(model_type="qwen2_moe", hidden_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+                      shared_expert_intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, vocab_size=79,
+                      num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, tie_word_embeddings=False,
                       max_position_embeddings=256),
     "mixtral": dict(model_type="mixtral", hidden_size=64, intermediate_size=48, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, vocab_size=83, num_local_experts=8,

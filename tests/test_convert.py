@@ -228,7 +228,8 @@ def test_transposed_weights_copy_as_numpy_does(shape, src, dst):
     np.testing.assert_array_equal(got.view(f"u{got.itemsize}"), want.view(f"u{want.itemsize}"))
 
 
-@pytest.mark.parametrize("name", ["llama", "llama3", "qwen2", "qwen3", "ernie4_5", "gpt2", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("name", ["llama", "llama3", "qwen2", "qwen3", "ernie4_5", "gpt2", "qwen3_moe", "qwen2_moe",
+                                  "mixtral"])
 def test_param_shapes_are_the_conversions(hf_model_dir, name):
     """param_shapes, known from the config alone, is the tree and the shapes the conversion gives."""
     import jax
@@ -242,7 +243,8 @@ def test_param_shapes_are_the_conversions(hf_model_dir, name):
 
 
 @pytest.mark.parametrize("name,expert", [("qwen3_moe", "mlp.experts.7.up_proj"),
-                                         ("mixtral", "block_sparse_moe.experts.7.w3")])
+                                         ("mixtral", "block_sparse_moe.experts.7.w3"),
+                                         ("qwen2_moe", "mlp.shared_expert.up_proj")])
 def test_experts_stacked_or_one_tensor_each(hf_model_dir, tmp_path, name, expert):
     """A MoE model's experts convert alike from one tensor per expert (as save_pretrained writes them) and stacked
     [E, ...] as transformers 5 holds them (its state_dict, which scripts/random_model.py converts); a missing expert's

@@ -1,5 +1,6 @@
 """On the GPU: the model with the Pallas kernels gives HF's greedy tokens (float32, random weights of the real
-Qwen3-0.6B and Llama-3.2-1B architectures and a small Qwen3-MoE), as does the reference path. Run with `pytest -m gpu`."""
+Qwen3-0.6B and Llama-3.2-1B architectures, a small Qwen3-MoE and a small Qwen2-MoE), as does the reference path. Run
+with `pytest -m gpu`."""
 import sys
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from nanojax.runner import CUBLAS_GEMMS, CUBLAS_MIN_ROWS, Program, decode_tiling
 
 
 @requires_gpu
-@pytest.mark.parametrize("name", ["qwen3-0.6b", "llama-3.2-1b", "tiny-qwen3-moe"])
+@pytest.mark.parametrize("name", ["qwen3-0.6b", "llama-3.2-1b", "tiny-qwen3-moe", "tiny-qwen2-moe"])
 def test_kernels_and_reference_give_hf_greedy_tokens(name):
     import torch
 

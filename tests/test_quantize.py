@@ -173,7 +173,7 @@ def run_model(params, config, ops):
 MODELS = ["llama", "llama3", "qwen3", "gpt2"]  # untied, tied with biases, q/k norms, LayerNorm + GELU
 
 
-@pytest.mark.parametrize("name", [*MODELS, "qwen3_moe"])  # and FP8 experts, one scale per expert and column
+@pytest.mark.parametrize("name", [*MODELS, "qwen3_moe", "qwen2_moe"])  # and FP8 experts, a scale per expert and column
 def test_fp8_model_is_the_dequantized_model(hf_model_dir, name):
     """The FP8 forward (reference ops: dequantize-then-dot, scales after the dot) equals the f32 forward on the
     dequantized weights up to f32 rounding, and stays near the unquantized model. E4M3 rounds each weight by up to

@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
 from random_model import loaded_model, random_hf_model, random_params  # noqa: E402
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3-moe"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3-moe", "tiny-qwen2-moe"])
 def test_random_params_have_the_converted_tree(name):
     drawn = random_params(name)
     converted = loaded_model(random_hf_model(name, "bfloat16", device="cpu"), "bfloat16")

@@ -32,6 +32,7 @@ TP_TINY = {
     "ernie4_5": dict(TINY["ernie4_5"], num_attention_heads=8),
     "gpt2": dict(TINY["gpt2"], n_head=8),
     "qwen3_moe": dict(TINY["qwen3_moe"], num_attention_heads=8),  # 8 experts: 1 to 8 per device
+    "qwen2_moe": dict(TINY["qwen2_moe"], num_attention_heads=8),  # and a shared expert split as a dense MLP
 }
 # For the kernels' tests: qwen3 (a head_dim the kernels take) in one layer, since every layer's kernels, interpreted,
 # lengthen each compile, and a second layer checks nothing more of them.
@@ -41,7 +42,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
 _GREEDY = "test_greedy_tokens_match_hf_at_every_size"
 PARTS = {"greedy-1": [f"::{_GREEDY}[{name}]" for name in ("ernie4_5", "gpt2", "llama", "qwen3_moe")],
-         "greedy-2": [f"::{_GREEDY}[{name}]" for name in ("llama3", "qwen2", "qwen3")],
+         "greedy-2": [f"::{_GREEDY}[{name}]" for name in ("llama3", "qwen2", "qwen3", "qwen2_moe")],
          "rest": ["", "-k", f"not {_GREEDY} and not test_on_8_host_devices"]}
 
 
