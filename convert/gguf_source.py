@@ -1,9 +1,9 @@
-"""A llama.cpp GGUF file (llama, qwen2, qwen3, qwen3moe; Mixtral is llama with experts) as a source: its metadata as
-an HF config, its tensors by HF name, read when asked for (one without an HF name keeps its GGUF name: convert/keys.py
-reports it unmapped). GGUF dims run fastest-first: its [in, out] is HF's [out, in]. llama.cpp permutes the llama
-arch's q/k rows (its RoPE rotates adjacent pairs, HF's the halves of each head); reading undoes that. Llama 3's RoPE
-scaling comes back from the rope_freqs tensor; scalings in metadata (linear, yarn) are refused, as in config.py.
-"""
+"""A llama.cpp GGUF file (llama, qwen2, qwen3, qwen3moe, qwen2moe; Mixtral is llama with experts) as a source: its
+metadata as an HF config, its tensors by HF name, read when asked for (one without an HF name keeps its GGUF name:
+convert/keys.py reports it unmapped). GGUF dims run fastest-first: its [in, out] is HF's [out, in]. llama.cpp permutes
+the llama arch's q/k rows (its RoPE rotates adjacent pairs, HF's the halves of each head); reading undoes that. Llama
+3's RoPE scaling comes back from the rope_freqs tensor; scalings in metadata (linear, yarn) are refused, as in
+config.py."""
 import contextlib
 import functools
 import importlib.util
@@ -30,7 +30,8 @@ class GGUFError(ValueError):
 
 # GGUF architecture -> (HF model_type, architecture); llama.cpp writes Mixtral as llama with experts.
 _ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
-                  "qwen3": ("qwen3", "Qwen3ForCausalLM"), "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM")}
+                  "qwen3": ("qwen3", "Qwen3ForCausalLM"), "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+                  "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM")}
 SUPPORTED_TYPES = frozenset(GGMLQuantizationType[name] for name in "F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q4_K Q6_K".split())
 
 # GGUF tensor name -> HF name, outside the layers and (after "blk.{i}." -> "model.layers.{i}.") inside them.
@@ -44,6 +45,8 @@ _LAYER_NAMES = {
     **{f"ffn_{name}.weight": f"mlp.{name}_proj.weight" for name in ("gate", "up", "down")},
     "ffn_gate_inp.weight": "mlp.gate.weight",  # the router
     **{f"ffn_{name}_exps.weight": f"mlp.experts.{name}_proj" for name in ("gate", "up", "down")},
+    **{f"ffn_{name}_shexp.weight": f"mlp.shared_expert.{name}_proj.weight" for name in ("gate", "up", "down")},
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",  # Qwen2-MoE's shared expert and its gate
 }
 _TOP_FROM_HF = {hf: name for name, hf in _TOP_NAMES.items()}
 _LAYER_FROM_HF = {hf: name for name, hf in _LAYER_NAMES.items()}
@@ -319,12 +322,13 @@ def _build_config(reader, arch: str, tinfo: dict, path: Path) -> dict:
 
 
 def _moe_fields(reader, arch: str, tinfo: dict) -> dict:
-    """HF's MoE fields ({} if dense): Qwen3-MoE's, or Mixtral's for llama with experts (sized feed_forward_length)."""
+    """HF's MoE fields ({} if dense): Qwen3-MoE's or Qwen2-MoE's, or Mixtral's for llama with experts (sized
+    feed_forward_length)."""
     count_key = f"{arch}.expert_count"
-    experts = _meta_pos_int(reader, count_key) if arch == "qwen3moe" else _meta(reader, count_key, int, 0)
+    experts = _meta_pos_int(reader, count_key) if arch.endswith("moe") else _meta(reader, count_key, int, 0)
     if not experts:
         return {}
-    if arch not in ("llama", "qwen3moe"):
+    if arch not in ("llama", "qwen3moe", "qwen2moe"):
         raise GGUFError(f"metadata field {count_key!r} = {experts}: mixture-of-experts is not supported for {arch!r}")
     if "blk.0.ffn_gate.0.weight" in tinfo:
         raise GGUFError("tensors 'blk.N.ffn_gate.E.weight' hold one expert each, an older llama.cpp's Mixtral layout: "
@@ -332,11 +336,14 @@ def _moe_fields(reader, arch: str, tinfo: dict) -> dict:
     top_k = _meta_pos_int(reader, f"{arch}.expert_used_count")
     if arch == "llama":
         return {"num_local_experts": experts, "num_experts_per_tok": top_k}
-    # llama.cpp's converter writes no expert_weights_norm for qwen3moe and its graph always renormalizes the top-k
-    # weights (as every Qwen3-MoE's norm_topk_prob asks): True unless the file says otherwise.
-    return {"num_experts": experts, "num_experts_per_tok": top_k,
-            "moe_intermediate_size": _meta_pos_int(reader, f"{arch}.expert_feed_forward_length"),
-            "norm_topk_prob": _meta(reader, f"{arch}.expert_weights_norm", bool, True)}
+    # llama.cpp's converter writes no expert_weights_norm for qwen3moe and qwen2moe; its graph renormalizes the top-k
+    # weights for qwen3moe (as every Qwen3-MoE's norm_topk_prob asks), not for qwen2moe: unless the file says otherwise.
+    fields = {"num_experts": experts, "num_experts_per_tok": top_k,
+              "moe_intermediate_size": _meta_pos_int(reader, f"{arch}.expert_feed_forward_length"),
+              "norm_topk_prob": _meta(reader, f"{arch}.expert_weights_norm", bool, arch == "qwen3moe")}
+    if arch == "qwen2moe":
+        fields["shared_expert_intermediate_size"] = _meta_pos_int(reader, f"{arch}.expert_shared_feed_forward_length")
+    return fields
 
 
 def _torch_dtype(tinfo: dict) -> str:

@@ -258,6 +258,10 @@ _HF_TO_GGUF = {
     "mlp.experts.gate_proj": "ffn_gate_exps.weight",
     "mlp.experts.up_proj": "ffn_up_exps.weight",
     "mlp.experts.down_proj": "ffn_down_exps.weight",
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
 }
 
 
@@ -373,10 +377,12 @@ def write_gguf(path, arch: str, cfg, sd: dict, qtype_of=lambda name, w: QT.F32, 
         kv[f"{arch}.attention.key_length"] = hd
         kv[f"{arch}.attention.value_length"] = hd
     if getattr(cfg, "num_experts_per_tok", None):  # Mixtral: llama with these
-        kv[f"{arch}.expert_count"] = cfg.num_local_experts
+        kv[f"{arch}.expert_count"] = getattr(cfg, "num_local_experts", None) or cfg.num_experts
         kv[f"{arch}.expert_used_count"] = cfg.num_experts_per_tok
-    if arch == "qwen3moe":
+    if arch in ("qwen3moe", "qwen2moe"):
         kv[f"{arch}.expert_feed_forward_length"] = cfg.moe_intermediate_size
+    if arch == "qwen2moe":
+        kv[f"{arch}.expert_shared_feed_forward_length"] = cfg.shared_expert_intermediate_size
     kv.update(meta or {})
     for key, value in kv.items():
         if value is None:
@@ -535,10 +541,10 @@ def test_rope_scaling_metadata_is_refused(tmp_path, meta):
 
 
 # ==================================================================================================
-# (a) mixture-of-experts: Qwen3-MoE (qwen3moe) and Mixtral (llama with experts)
+# (a) mixture-of-experts: Qwen3-MoE (qwen3moe), Qwen2-MoE (qwen2moe) and Mixtral (llama with experts)
 # ==================================================================================================
 
-MOE = {"qwen3moe": "qwen3_moe", "llama": "mixtral"}  # GGUF arch -> conftest.TINY model
+MOE = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "llama": "mixtral"}  # GGUF arch -> conftest.TINY model
 
 
 def moe_model(arch: str, folder=None, **overrides):
@@ -563,11 +569,11 @@ def llamacpp_moe_state_dict(model) -> dict:
     return sd
 
 
-@pytest.mark.parametrize("arch, qtype", [("qwen3moe", QT.F32), ("llama", QT.F16)])
+@pytest.mark.parametrize("arch, qtype", [("qwen3moe", QT.F32), ("qwen2moe", QT.F16), ("llama", QT.F16)])
 def test_moe_roundtrip_conversion_and_greedy_tokens(tmp_path, arch, qtype):
     """Read back == the state dict (Mixtral's q/k permutation undone), converted == the safetensors' conversion, and
     Mixtral's greedy tokens == HF's (the engine's compile costs seconds; tests/test_parity.py runs Qwen3-MoE through
-    it). Qwen3-MoE renormalizes its top-k weights: llama.cpp runs qwen3moe so."""
+    it). Qwen3-MoE renormalizes its top-k weights and Qwen2-MoE does not: llama.cpp runs them so."""
     model = moe_model(arch, tmp_path / "hf", **({"norm_topk_prob": True} if arch == "qwen3moe" else {}))
     sd = llamacpp_moe_state_dict(model)
     write_gguf(tmp_path / "m.gguf", arch, model.config, sd, lambda n, w: qtype)
