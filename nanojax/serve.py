@@ -407,9 +407,8 @@ class _Server:
 
     def sampling_params(self, body, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None,
                         constraint: dict | None) -> SamplingParams:
-        if max_tokens > self.token_limit:
-            raise RequestError(400, f"max_tokens={max_tokens} is more than this server allows ({self.token_limit})",
-                               "max_tokens")
+        if max_tokens > self.token_limit:  # a ValueError: _engine_errors names a chat request's field
+            raise ValueError(f"max_tokens={max_tokens} is more than this server allows ({self.token_limit})")
         if body.n > self.limits.max_n:
             raise RequestError(400, f"n={body.n} is more than this server allows ({self.limits.max_n})", "n")
         # Body fields named as SamplingParams fields go through as given (SamplingParams checks them); these differ.

@@ -210,6 +210,9 @@ def test_bad_chat_requests_and_bodies(server, client):
               "top_logprobs"),
              ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
               "max_completion_tokens"),
+             ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 201},  # past the limit
+              "max_completion_tokens"),
+             ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 201}, "max_tokens"),
              ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "web_search"}]}, "tools")]
     for body, param in cases:
         r = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=auth)
