@@ -1,7 +1,8 @@
-"""The mixture-of-experts MLP (Qwen3-MoE, Mixtral) in plain jnp: a router picks each row's top-k experts, each choice
-runs through its expert's SwiGLU, and each row's k outputs are summed with its routing weights. A step of few rows
-(decode) takes each choice through its expert's weights (pallas_kernels/expert_matmul.py); more rows are sorted by
-expert into blocks of one expert each (pallas_kernels/grouped_matmul.py). Both read only the chosen experts' weights."""
+"""The mixture-of-experts MLP (Qwen3-MoE, Qwen2-MoE, Mixtral) in plain jnp: a router picks each row's top-k experts,
+each choice runs through its expert's SwiGLU, and each row's k outputs are summed with its routing weights. A step of
+few rows (decode) takes each choice through its expert's weights (pallas_kernels/expert_matmul.py); more rows are sorted
+by expert into blocks of one expert each (pallas_kernels/grouped_matmul.py). Both read only the chosen experts' weights
+(Qwen2-MoE's shared expert is the layer's dense MLP: nanojax/model.py)."""
 import jax
 import jax.numpy as jnp
 
