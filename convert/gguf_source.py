@@ -32,6 +32,7 @@ class GGUFError(ValueError):
 _ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
                   "qwen3": ("qwen3", "Qwen3ForCausalLM"), "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
                   "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM")}
+_MOE_ARCHITECTURES = ("qwen3moe", "qwen2moe")  # mixture-of-experts by name; llama is Mixtral where it has experts
 SUPPORTED_TYPES = frozenset(GGMLQuantizationType[name] for name in "F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q4_K Q6_K".split())
 
 # GGUF tensor name -> HF name, outside the layers and (after "blk.{i}." -> "model.layers.{i}.") inside them.
@@ -325,10 +326,10 @@ def _moe_fields(reader, arch: str, tinfo: dict) -> dict:
     """HF's MoE fields ({} if dense): Qwen3-MoE's or Qwen2-MoE's, or Mixtral's for llama with experts (sized
     feed_forward_length)."""
     count_key = f"{arch}.expert_count"
-    experts = _meta_pos_int(reader, count_key) if arch.endswith("moe") else _meta(reader, count_key, int, 0)
+    experts = _meta_pos_int(reader, count_key) if arch in _MOE_ARCHITECTURES else _meta(reader, count_key, int, 0)
     if not experts:
         return {}
-    if arch not in ("llama", "qwen3moe", "qwen2moe"):
+    if arch not in ("llama", *_MOE_ARCHITECTURES):
         raise GGUFError(f"metadata field {count_key!r} = {experts}: mixture-of-experts is not supported for {arch!r}")
     if "blk.0.ffn_gate.0.weight" in tinfo:
         raise GGUFError("tensors 'blk.N.ffn_gate.E.weight' hold one expert each, an older llama.cpp's Mixtral layout: "
