@@ -30,6 +30,9 @@ QUANTIZATIONS = (None, "fp8")
 # The FP8 layout this code reads. 2: {w_t [N, K], scale [N]}. 1 (no "fp8_format" in the manifest): {w [K, N],
 # scale [N]}, which this code would misread.
 FP8_FORMAT = 2
+# The mixture-of-experts layout this code reads. 2: router [E, H], experts [E, N, K]. 1 (no "moe_format" in a MoE
+# model's manifest): [H, E] and [E, K, N], which this code would misread.
+MOE_FORMAT = 2
 
 
 def params_from_source(source: Source, dtype: str,
@@ -74,6 +77,7 @@ def convert(src, dst, dtype: str = "bfloat16", overwrite: bool = False, progress
         manifest = {"source": source.description, "format": source.format, "architecture": config.architecture,
                     "dtype": dtype, "quantization": quantization,
                     **({"fp8_format": FP8_FORMAT} if quantization == "fp8" else {}),
+                    **({"moe_format": MOE_FORMAT} if config.moe else {}),
                     "params_format": PARAMS_FORMAT, "num_parameters": num_parameters, "tokenizer": has_tokenizer}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
         move_into_place(tmp, dst)
@@ -106,6 +110,10 @@ def load_checkpoint(path) -> tuple[ModelConfig, dict, dict]:
             f"{path} holds FP8 weights in layout {fp8_layout} (written by another nanojax version), "
             f"this nanojax reads layout {FP8_FORMAT}; convert its source again: {convert_command(path)}")
     config = ModelConfig.from_hf_config(read_json(path / "config.json"))
+    if config.moe and manifest.get("moe_format", 1) != MOE_FORMAT:
+        raise CheckpointError(
+            f"{path} holds experts in layout {manifest.get('moe_format', 1)} (written by another nanojax version), "
+            f"this nanojax reads layout {MOE_FORMAT}; convert its source again: {convert_command(path)}")
     return config, _load_params(path, config), manifest
 
 

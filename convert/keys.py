@@ -93,10 +93,11 @@ def _mlp(r: _Reader, c: ModelConfig, p: str) -> dict:
 
 
 def _experts(r: _Reader, c: ModelConfig, p: str, mixtral: bool) -> dict:
-    """The routed experts: {mlp_norm {scale [H]}, router {w [H, E]}, experts {up {w [E, H, 2I]}, down {w [E, I, H]}}},
-    from one tensor per expert (Mixtral's w1 / w3 / w2 under block_sparse_moe), stacked [E, ...] as transformers 5
-    holds them, or stacked with gate and up apart as a GGUF does; a shared expert adds up {w [H, 2S]}, down {w [S, H]}
-    and shared_gate [H]. The norm stays apart: the router reads its output."""
+    """The routed experts: {mlp_norm {scale [H]}, router {w [E, H]}, experts {up {w [E, 2I, H]}, down {w [E, H, I]}}}
+    ([N, K] as HF holds them: the kernels read a column's K contiguous), from one tensor per expert (Mixtral's w1 / w3
+    / w2 under block_sparse_moe), stacked [E, ...] as transformers 5 holds them, or stacked with gate and up apart as a
+    GGUF does; a shared expert adds up {w [H, 2S]}, down {w [S, H]} and shared_gate [H]. The norm stays apart: the
+    router reads its output."""
     e, h, i = c.moe.num_experts, c.hidden_size, c.intermediate_size
     gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
     # Stacked unless expert 0 has tensors of its own: a stacked tensor missing is then named as such.
@@ -115,8 +116,8 @@ def _experts(r: _Reader, c: ModelConfig, p: str, mixtral: bool) -> dict:
         gate_up = np.concatenate([stack(gate, (i, h)), stack(up, (i, h))], axis=1)
         down = stack(down, (h, i))
     layer = {"mlp_norm": {"scale": r.get(p + "post_attention_layernorm.weight", (h,))},
-             "router": {"w": r.get(mlp + "gate.weight", (e, h)).T},
-             "experts": {"up": {"w": gate_up.swapaxes(1, 2)}, "down": {"w": down.swapaxes(1, 2)}}}
+             "router": {"w": r.get(mlp + "gate.weight", (e, h))},
+             "experts": {"up": {"w": gate_up}, "down": {"w": down}}}
     if s := c.moe.shared_size:  # Qwen2-MoE's shared expert: up and down as a dense MLP's, the norm not folded in
         shared_up = np.concatenate([r.get(f"{mlp}shared_expert.{n}_proj.weight", (s, h)) for n in ("gate", "up")])
         layer.update(up={"w": shared_up.T}, down={"w": r.get(mlp + "shared_expert.down_proj.weight", (h, s)).T},
@@ -198,8 +199,8 @@ def param_shapes(config: ModelConfig, dtype) -> dict:
     mlp = {"up": projection(h, up, c.mlp_bias), "down": projection(i, h, c.mlp_bias)}
     if c.moe:
         e = c.moe.num_experts
-        mlp = {"mlp_norm": norm, "router": projection(h, e, False),
-               "experts": {"up": {"w": ((e, h, up), d)}, "down": {"w": ((e, i, h), d)}}}
+        mlp = {"mlp_norm": norm, "router": {"w": ((e, h), d)},
+               "experts": {"up": {"w": ((e, up, h), d)}, "down": {"w": ((e, h, i), d)}}}
         if s := c.moe.shared_size:
             mlp.update(up=projection(h, 2 * s, False), down=projection(s, h, False), shared_gate=((h,), d))
     layer = {"qkv": projection(h, q + 2 * kv, c.qkv_bias), "o": projection(q, h, c.o_bias), **mlp}

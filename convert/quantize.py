@@ -4,7 +4,7 @@ weight once, and E4M3 halves bf16's bytes. Each projection {w [K, N], b [N]?} be
     {w_t: float8_e4m3fn [N, K], scale: float32 [N], b [N]?}    w[:, n] ~= w_t[n, :] * scale[n]
 
 HF's [out, in] layout, which XLA's dot reads faster than [K, N] (docs/perf_notes.md, "FP8 weights"). The RMSNorm
-scales folded into the qkv / up weights are quantized with them. A MoE layer's experts {w [E, K, N]} become {w_t
+scales folded into the qkv / up weights are quantized with them. A MoE layer's experts {w [E, N, K]} become {w_t
 [E, N, K], scale [E, N]}, each expert's columns scaled apart; its router, embedding rows and norms keep their dtype.
 """
 import jax
@@ -65,10 +65,10 @@ def quantize_layer(lp: dict) -> dict:
 
 
 def _quantized(p: dict) -> dict:
-    """{w [K, N] or [E, K, N], b?} -> {w_t, scale, b?}; experts one at a time, in one expert's memory."""
+    """{w [K, N] or experts [E, N, K], b?} -> {w_t, scale, b?}; experts one at a time, in one expert's memory."""
     w = p["w"]
     return {k: v for k, v in p.items() if k != "w"} | (quantize_weight(w) if w.ndim == 2 else
-                                                       jax.lax.map(quantize_weight, jnp.asarray(w)))
+                                                       jax.lax.map(lambda e: quantize_weight(e.T), jnp.asarray(w)))
 
 
 def quantize_params(params, config, *, lm_head: bool = True) -> dict:

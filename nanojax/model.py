@@ -2,8 +2,8 @@
     embed [V, H]; pos_embed [P, H] (learned positions only); final_norm; lm_head [H, V] (untied only);
     layers: tuple of {attn_norm?, qkv {w [H, q+2kv], b?}, q_norm [D]?, k_norm [D]?, o {w [q, H], b?},
                       mlp_norm?, up {w [H, 2I] (gate|up, swiglu) or [H, I] (gelu), b?}, down {w [I, H], b?}}
-                   or, MoE, router {w [H, E]}, experts {up {w [E, H, 2I]}, down {w [E, I, H]}}, and up, down only
-                   for a shared expert (Qwen2-MoE: [H, 2S], [S, H]) with its gate, shared_gate [H]
+                   or, MoE, router {w [E, H]}, experts {up {w [E, 2I, H]}, down {w [E, H, I]}} (as HF holds them),
+                   and up, down only for a shared expert (Qwen2-MoE: [H, 2S], [S, H]) with its gate, shared_gate [H]
     a norm is {scale [H], bias [H]?}; attn_norm and mlp_norm for LayerNorm (GPT-2) and before a MoE router only:
     convert/ folds an RMSNorm's scale into the projection after it, which computes the norm's statistic.
 
@@ -60,12 +60,12 @@ class Projection(nnx.Module):
         return self.w_t is not None
 
     def experts(self) -> tuple:
-        """(w [E, K, N], None), or FP8 (w_t [E, N, K], scale [E, N]): pallas_kernels.expert_matmul's operands."""
+        """(w [E, N, K], None), or FP8 (w_t [E, N, K], scale [E, N]): pallas_kernels.expert_matmul's operands."""
         return (self.w_t[...], self.scale[...]) if self.quantized else (self.w[...], None)
 
 
 class Experts(nnx.Module):
-    """A MoE layer's experts: {up, down} Projections of [E, H, 2I] (gate | up) and [E, I, H] (FP8: per expert)."""
+    """A MoE layer's experts: {up, down} Projections of [E, 2I, H] (gate | up) and [E, H, I] (FP8: per expert)."""
 
     def __init__(self, p: dict):
         self.up, self.down = Projection(p["up"]), Projection(p["down"])
@@ -95,10 +95,11 @@ class DecoderLayer(nnx.Module):
         q, k_pages, v_pages = ops.qkv_rope_cache(qkv, positions, slots, k_pages, v_pages, cos_sin,
                                                  value(self.q_norm), value(self.k_norm), eps=config.norm_eps)
         x = ops.row_project(attention(ops, q, k_pages, v_pages, batch, config), self.o, residual=x)
-        h, norm_eps = self._pre_norm(self.mlp_norm, x, config)
-        gate = None
-        if self.experts is not None:  # h is normalized: the router reads it too
-            x = x + ops.experts(self.experts, h, *ops.route(h, self.router.w[...], config.moe))
+        if self.experts is None:
+            (h, norm_eps), gate = self._pre_norm(self.mlp_norm, x, config), None
+        else:  # the normalized rows h feed the router, the experts and a shared expert
+            h, weights, ids = ops.route(x, self.mlp_norm.scale[...], self.router.w[...], config.moe, config.norm_eps)
+            x, norm_eps = ops.experts(self.experts, h, weights, ids, residual=x), None
             if self.up is None:
                 return x, k_pages, v_pages
             # the shared expert's sigmoid gate, one scalar a row: on its activations, before the down projection

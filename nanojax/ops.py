@@ -7,15 +7,16 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from nanojax.moe import grouped_swiglu, route
+from nanojax.moe import moe_mlp, route
 from pallas_kernels.cascade_attention import cascade_decode_attention, cascade_decode_attention_reference
-from pallas_kernels.expert_matmul import expert_matmul, expert_matmul_reference
+from pallas_kernels.expert_matmul import (expert_combine, expert_combine_reference, expert_swiglu,
+                                          expert_swiglu_reference)
 from pallas_kernels.grouped_matmul import grouped_matmul, grouped_matmul_reference
 from pallas_kernels.paged_attention import paged_attention_reference, paged_decode_attention, paged_prefill_attention
 from pallas_kernels.qkv_rope_cache import qkv_rope_cache, qkv_rope_cache_reference
 from pallas_kernels.rmsnorm_matmul import rmsnorm_matmul, rmsnorm_matmul_reference
 from pallas_kernels.sampling_filters import is_filtered, no_filters, sampling_filters, sampling_filters_reference
-from pallas_kernels.topk_routing import topk_routing, topk_routing_reference
+from pallas_kernels.topk_routing import rmsnorm_router, rmsnorm_router_reference, topk_routing, topk_routing_reference
 
 NAMES = ("auto", "reference", "pallas", "interpret")
 # Rows up to which a projection takes the fused kernel (docs/perf_notes.md, "Fused projections: which rows take the
@@ -65,15 +66,20 @@ class Ops:
     def _kernel(self, kernel, reference):
         return functools.partial(kernel, interpret=self.interpret) if self.pallas else reference
 
-    def route(self, h, router, moe):
-        """h: [N, H] normalized rows, router: [H, E] -> their top-k experts (weights, ids); see nanojax.moe.route."""
-        return route(h, router, moe, self._kernel(topk_routing, topk_routing_reference))
+    def route(self, x, scale, router, moe, eps):
+        """x: [N, H] rows before the RMSNorm of weight scale, router: [E, H] -> (the normalized rows, their top-k
+        experts' weights and ids); see nanojax.moe.route. Rows past the few of a decode take XLA's norm and GEMM."""
+        router_logits = (self._kernel(rmsnorm_router, rmsnorm_router_reference)
+                         if x.shape[0] * moe.top_k <= moe.num_experts else rmsnorm_router_reference)
+        return route(x, scale, router, moe, eps, router_logits, self._kernel(topk_routing, topk_routing_reference))
 
-    def experts(self, experts, x, weights, ids):
-        """experts (a nanojax.model.Experts) on x [N, H], each row's k experts -> [N, H]; see moe.grouped_swiglu."""
-        return grouped_swiglu(x, weights, ids, experts.up.experts(), experts.down.experts(),
-                              self._kernel(expert_matmul, expert_matmul_reference),
-                              self._kernel(grouped_matmul, grouped_matmul_reference))
+    def experts(self, experts, x, weights, ids, residual):
+        """residual + experts (a nanojax.model.Experts) on x [N, H], each row's k experts -> [N, H]; see
+        moe.moe_mlp (residual None: the experts' sum alone)."""
+        kernels = (self._kernel(expert_swiglu, expert_swiglu_reference),
+                   self._kernel(expert_combine, expert_combine_reference),
+                   self._kernel(grouped_matmul, grouped_matmul_reference))
+        return moe_mlp(x, weights, ids, experts.up.experts(), experts.down.experts(), residual, kernels)
 
     def run_layer(self, layer, x, positions, cos_sin, slots, k_pages, v_pages, batch, config):
         """Runs layer (a nanojax.model.DecoderLayer) on x; a tensor-parallel Ops runs it per shard."""

@@ -188,10 +188,10 @@ class TensorParallelOps(Ops):
             out = out + p.b[...].astype(out.dtype)
         return out + residual
 
-    def experts(self, experts, x, weights, ids):
+    def experts(self, experts, x, weights, ids, residual):
         """Device i runs the rows routed to its experts (i E / size onwards); an all-reduce sums the outputs."""
         first = jax.lax.axis_index(AXIS) * experts.num_experts
-        return jax.lax.psum(super().experts(experts, x, weights, ids - first), AXIS)
+        return residual + jax.lax.psum(super().experts(experts, x, weights, ids - first, None), AXIS)
 
     def run_layer(self, layer, x, positions, cos_sin, slots, k_pages, v_pages, batch, config):
         graphdef, state = nnx.split(layer)

@@ -1,6 +1,7 @@
-"""A mixture-of-experts router's choices in one kernel: the softmax over each row's expert logits, its top k (k rounds
-of max, the lowest index winning ties as lax.top_k's), renormalized; XLA takes a softmax, a sort and a division, each a
-launch a layer (docs/perf_notes.md, "Mixture of experts")."""
+"""A mixture-of-experts router in two kernels: `rmsnorm_router`, the norm before it and its logits, and `topk_routing`,
+the softmax over each row's expert logits, its top k (k rounds of max, the lowest index winning ties as lax.top_k's),
+renormalized; XLA takes a launch for each of the norm's statistic, the norm, the product, the softmax, a sort and a
+division (docs/perf_notes.md, "Mixture of experts")."""
 import dataclasses
 import functools
 
@@ -8,7 +9,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels._compat import check_pow2, load, store, triton_params
+from pallas_kernels._compat import check_pow2, load, pow2_divisor, store, triton_params
+from pallas_kernels.rms_norm import rms_norm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,3 +72,69 @@ def topk_routing(logits, top_k: int, normalize: bool, *, config: TopkRoutingConf
         interpret=interpret,
     )(logits)
     return weights[:n, :top_k], ids[:n, :top_k]
+
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterConfig:
+    """A program takes one row and block_e experts, streaming H in block_k slices."""
+    block_e: int = 2
+    block_k: int = 512
+    num_warps: int = 2
+
+    def __post_init__(self):
+        check_pow2(self, ("block_e", "block_k"))
+
+
+def rmsnorm_router_reference(x, scale, router, *, eps: float):
+    """x: [T, H]; scale: [H] the RMSNorm's weight; router: [E, H] -> (h = rms_norm(x) [T, H], logits [T, E]): the
+    logits in x's dtype, as HF's linear rounds them (from h in x's dtype)."""
+    h = rms_norm(x, scale, eps)
+    logits = jnp.einsum("th,eh->te", h, router, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    return h, logits.astype(x.dtype)
+
+
+def _router_kernel(x_ref, scale_ref, router_ref, h_ref, logits_ref, *, eps: float, block_k: int):
+    # x_ref: [H] a row; scale_ref: [H] the norm's weight; router_ref: [block_e, H] a block of experts; h_ref: [H] the
+    # normalized row (program 0 of the row writes it); logits_ref: [block_e]
+    dtype, hdim = h_ref.dtype, x_ref.shape[0]
+    xf = load(x_ref).astype(jnp.float32)
+    rstd = jax.lax.rsqrt(jnp.sum(xf * xf) / hdim + eps)
+
+    def normed(ks):  # rms_norm's rounding: normalized in f32, rounded, times the weight in x's dtype
+        x = (load(x_ref.at[ks]).astype(jnp.float32) * rstd).astype(dtype).astype(jnp.float32)
+        return (load(scale_ref.at[ks]).astype(dtype).astype(jnp.float32) * x).astype(dtype)
+
+    acc = jnp.zeros((router_ref.shape[0], block_k), jnp.float32)
+    for i in range(hdim // block_k):
+        ks = pl.ds(i * block_k, block_k)
+        acc += load(router_ref.at[:, ks]).astype(jnp.float32) * normed(ks).astype(jnp.float32)[None, :]
+    store(logits_ref, jnp.sum(acc, axis=1).astype(logits_ref.dtype))
+
+    @pl.when(pl.program_id(1) == 0)
+    def _():
+        store(h_ref, normed(pl.ds(0, hdim)))
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "config", "interpret"))
+def rmsnorm_router(x, scale, router, *, eps: float, config: RouterConfig | None = None, interpret: bool = False):
+    """rmsnorm_router_reference's contract, a program per (row, block of experts): many programs read the router at
+    once, each normalizing its row (a few KiB) in place of a launch for the norm."""
+    (t, hdim), num_experts = x.shape, router.shape[0]
+    config = config or RouterConfig(block_e=pow2_divisor(num_experts, RouterConfig.block_e),
+                                    block_k=pow2_divisor(hdim, RouterConfig.block_k))
+    if router.shape != (num_experts, hdim) or scale.shape != (hdim,) or num_experts % config.block_e or (
+            hdim % config.block_k):
+        raise ValueError(f"x [T, H], scale [H] and router [E, H] with E by block_e and H by block_k: x {x.shape}, "
+                         f"scale {scale.shape}, router {router.shape}, {config}")
+    return pl.pallas_call(
+        functools.partial(_router_kernel, eps=eps, block_k=config.block_k),
+        grid=(t, num_experts // config.block_e),
+        in_specs=[pl.BlockSpec((None, hdim), lambda r, j: (r, 0)), pl.BlockSpec((hdim,), lambda r, j: (0,)),
+                  pl.BlockSpec((config.block_e, hdim), lambda r, j: (j, 0))],
+        out_specs=[pl.BlockSpec((None, hdim), lambda r, j: (r, 0)), pl.BlockSpec((None, config.block_e),
+                                                                                lambda r, j: (r, j))],
+        out_shape=[jax.ShapeDtypeStruct((t, hdim), x.dtype), jax.ShapeDtypeStruct((t, num_experts), x.dtype)],
+        compiler_params=triton_params(config.num_warps, 1),
+        interpret=interpret,
+    )(x, scale, router)

@@ -1,6 +1,6 @@
-"""Times a mixture-of-experts layer's experts (up, SwiGLU, down and the weighted sum; nanojax.moe.grouped_swiglu) on
-the GPU over tilings of pallas_kernels/grouped_matmul.py, beside the per-row kernel and XLA, at decode and prefill
-sizes of Qwen3-30B-A3B (128 experts, top 8, hidden 2048, expert width 768, bf16).
+"""Times a mixture-of-experts layer's experts (up, SwiGLU, down, the weighted sum and the residual; nanojax.moe.moe_mlp)
+on the GPU over tilings of pallas_kernels/expert_matmul.py (decode sizes) and grouped_matmul.py (more rows), beside
+XLA, at decode and prefill sizes of Qwen3-30B-A3B (128 experts, top 8, hidden 2048, expert width 768, bf16 or FP8).
 
     python scripts/tune_experts.py                 # on the GPU; a table of microseconds a layer and TB/s
     python scripts/tune_experts.py --tiny          # CPU smoke test (interpret mode)
@@ -21,25 +21,24 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from convert.quantize import quantize_weight
-from nanojax.moe import grouped_swiglu
-from pallas_kernels.expert_matmul import ExpertMatmulConfig, expert_matmul, expert_matmul_reference
+from nanojax.moe import moe_mlp
+from pallas_kernels.expert_matmul import (ExpertMatmulConfig, expert_combine, expert_combine_reference, expert_swiglu,
+                                          expert_swiglu_reference)
 from pallas_kernels.grouped_matmul import GroupedMatmulConfig, grouped_matmul, grouped_matmul_reference
 
 QWEN3_30B_A3B = dict(experts=128, top_k=8, hidden=2048, width=768)
 TINY = dict(experts=8, top_k=2, hidden=64, width=32)
-# (block_n, block_k, split_k, num_warps, num_stages) of expert_matmul, for rows <= experts
-# and unroll (the K slices unrolled); None: its default, timed first and last (the spread between the two: noise)
-ROW_TILINGS = [None, (64, 128, 1, 4, 3), (64, 64, 4, 2, 3), (32, 64, 4, 4, 3), (64, 64, 4, 4, 3, True),
-               (64, 128, 2, 4, 3, True), None]
-FP8_ROW_TILINGS = [None, (16, 256, 1, 4, 3), (16, 256, 1, 4, 3, True), (32, 256, 1, 4, 3, True),
-                   (64, 256, 1, 4, 3, True), (32, 128, 2, 4, 3, True), (32, 256, 1, 4, 1, True), None]
+# (block_n, block_k, num_warps) of expert_swiglu and of expert_combine, for rows <= experts / top k (the K slices
+# unrolled); None: their defaults, timed first and last (the spread between the two: noise)
+ROW_TILINGS = [None, ((8, 256, 4), (8, 256, 4)), ((16, 256, 4), (16, 256, 8)), ((32, 256, 4), (16, 256, 4)),
+               ((16, 512, 4), (8, 256, 2)), ((32, 256, 8), (32, 256, 8)), None]
 # (block_n, block_k, num_warps, num_stages) of grouped_matmul, for more rows; None: its default
 GROUPED_TILINGS = [None, (64, 128, 4, 3), (128, 64, 4, 3), (128, 128, 4, 3)]
 
 
 def quantize_experts(w):
-    """w [E, K, N] -> (w_t [E, N, K] float8_e4m3fn, scale [E, N]), as convert/quantize.py stores experts."""
-    q = jax.lax.map(quantize_weight, w)
+    """w [E, N, K] -> (w_t [E, N, K] float8_e4m3fn, scale [E, N]), as convert/quantize.py stores experts."""
+    q = jax.lax.map(lambda e: quantize_weight(e.T), w)
     return q["w_t"], q["scale"]
 
 
@@ -75,8 +74,8 @@ def main():
     layers, rng = [], np.random.default_rng(0)
     for _ in range(args.layers):
         key, ku, kd = jax.random.split(key, 3)
-        up, down = (jax.random.normal(ku, (e, h, 2 * i), jnp.bfloat16) * 0.02,
-                    jax.random.normal(kd, (e, i, h), jnp.bfloat16) * 0.02)
+        up, down = (jax.random.normal(ku, (e, 2 * i, h), jnp.bfloat16) * 0.02,
+                    jax.random.normal(kd, (e, h, i), jnp.bfloat16) * 0.02)
         if args.fp8:
             up, down = quantize_experts(up), quantize_experts(down)
         else:
@@ -90,25 +89,28 @@ def main():
         weights = jnp.full((n, k), 1.0 / k, jnp.float32)
         chosen = statistics.mean(len(np.unique(np.asarray(x))) for x in ids)
         x = jax.random.normal(key, (n, h), jnp.bfloat16)
-        variants = {"xla": dict(matmul=expert_matmul_reference, grouped=grouped_matmul_reference)}
+        xla = (expert_swiglu_reference, expert_combine_reference, grouped_matmul_reference)
+        variants = {"xla": xla}
         if n * k <= e:
-            for tiling in FP8_ROW_TILINGS if args.fp8 else ROW_TILINGS:
-                if args.tiny and tiling is not None:  # the default alone fits the tiny shapes
+            for tiling in ROW_TILINGS:
+                if args.tiny and tiling is not None:  # the defaults alone fit the tiny shapes
                     continue
-                config = tiling and ExpertMatmulConfig(*tiling)
-                kernel = functools.partial(expert_matmul, config=config, interpret=interpret)
-                label = "row " + ("default" if tiling is None else "/".join(map(str, tiling)))
-                variants[label + " again" * (label in variants)] = dict(matmul=kernel)
+                up, down = tiling or (None, None)
+                kernels = [functools.partial(fn, config=c and ExpertMatmulConfig(*c[:2], num_warps=c[2]),
+                                             interpret=interpret) for fn, c in ((expert_swiglu, up), (expert_combine,
+                                                                                                      down))]
+                label = "row " + ("default" if tiling is None else " + ".join("/".join(map(str, c)) for c in tiling))
+                variants[label + " again" * (label in variants)] = (*kernels, grouped_matmul_reference)
         else:
-            for tiling in GROUPED_TILINGS[:1] if args.fp8 else GROUPED_TILINGS:
+            for tiling in GROUPED_TILINGS[:1] if args.fp8 or args.tiny else GROUPED_TILINGS:
                 config = tiling and GroupedMatmulConfig(*tiling)
                 kernel = functools.partial(grouped_matmul, config=config, interpret=interpret)
                 label = "default" if tiling is None else "/".join(map(str, tiling))
-                variants["grouped " + label] = dict(grouped=kernel)
+                variants["grouped " + label] = (*xla[:2], kernel)
         want = None
-        for name, kw in variants.items():
-            def fn(x, w, ids, kw=kw):
-                return grouped_swiglu(x, weights, ids, *w, **kw)
+        for name, kernels in variants.items():
+            def fn(x, w, ids, kernels=kernels):
+                return moe_mlp(x, weights, ids, *w, None, kernels)
 
             got = jax.jit(fn)(x, layers[0], ids[0]).astype(jnp.float32)
             want = got if want is None else want  # XLA's, the first variant

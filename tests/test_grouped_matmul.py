@@ -10,9 +10,9 @@ import pytest
 
 from test_expert_matmul import fp8_experts
 
-from nanojax.moe import _gathered, _grouped
+from nanojax.moe import _grouped
 from pallas_kernels._compat import can_lower_for_cuda
-from pallas_kernels.expert_matmul import expert_matmul, expert_matmul_reference
+from pallas_kernels.expert_matmul import expert_products_reference, swiglu
 from pallas_kernels.grouped_matmul import GroupedMatmulConfig, grouped_matmul, grouped_matmul_reference
 
 TOL = dict(rtol=1e-5, atol=1e-4)  # both accumulate exact products in f32: only the order of the sums differs
@@ -26,7 +26,7 @@ def test_each_block_takes_its_experts_weights(block_m, k, n, experts, dtype, fp8
     block_experts = np.sort(rng.choice(experts, size=min(experts, 4), replace=False))
     block_experts = jnp.asarray(np.concatenate([np.repeat(block_experts, 2), [-1, -1]]), jnp.int32)  # 2 unused
     x = jnp.asarray(rng.normal(size=(block_experts.shape[0] * block_m, k)), dtype)
-    w, scale = fp8_experts(rng, experts, k, n) if fp8 else (jnp.asarray(rng.normal(size=(experts, k, n)), dtype), None)
+    w, scale = fp8_experts(rng, experts, k, n) if fp8 else (jnp.asarray(rng.normal(size=(experts, n, k)), dtype), None)
     used = np.repeat(np.asarray(block_experts) >= 0, block_m)
     want = grouped_matmul_reference(x, w, scale, block_experts)
     for config in (None, GroupedMatmulConfig(block_n=16, block_k=32)):  # several K slices and column blocks
@@ -38,11 +38,12 @@ def test_each_block_takes_its_experts_weights(block_m, k, n, experts, dtype, fp8
 def test_choices_grouped_by_expert_equal_each_through_its_expert(rows, top_k, experts):
     rng = np.random.default_rng(rows)
     x = jnp.asarray(rng.normal(size=(rows, 64)), jnp.float32)
-    up = (jnp.asarray(rng.normal(size=(experts, 64, 96)) * 0.1, jnp.float32), None)
-    down = (jnp.asarray(rng.normal(size=(experts, 48, 64)) * 0.1, jnp.float32), None)
+    up = (jnp.asarray(rng.normal(size=(experts, 96, 64)) * 0.1, jnp.float32), None)
+    down = (jnp.asarray(rng.normal(size=(experts, 64, 48)) * 0.1, jnp.float32), None)
     choices = jnp.asarray(rng.integers(0, experts + 1, rows * top_k), jnp.int32)  # experts: held by another device
     kept = np.asarray(choices) < experts
-    want = _gathered(x, choices, up, down, expert_matmul_reference)[kept]
+    gated = swiglu(expert_products_reference(jnp.repeat(x, top_k, axis=0), *up, choices), x.dtype)
+    want = expert_products_reference(gated, *down, choices)[kept]
     np.testing.assert_allclose(_grouped(x, choices, up, down, grouped_matmul_reference)[kept], want, **TOL)
     kernel = functools.partial(grouped_matmul, interpret=True)
     np.testing.assert_allclose(_grouped(x, choices, up, down, kernel)[kept], want, **TOL)
@@ -58,15 +59,12 @@ def test_bad_shapes_are_refused():
 
 @pytest.mark.skipif(not can_lower_for_cuda(), reason="this jaxlib compiles Triton kernels while lowering")
 @pytest.mark.parametrize("fp8", [False, True])
-def test_both_expert_kernels_lower_to_triton(fp8):
+def test_grouped_kernel_lowers_to_triton(fp8):
     """The Triton lowering rules, checked on CPU by lowering for cuda: Qwen3-30B-A3B's up projection (128 experts of
-    2048 x 1536), bf16 or FP8 as stored, at batch 1 (the per-row kernel) and 64 (the grouped one)."""
-    if fp8:
-        w, scale = jax.ShapeDtypeStruct((128, 1536, 2048), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((128, 1536),
-                                                                                                     jnp.float32)
-    else:
-        w, scale = jax.ShapeDtypeStruct((128, 2048, 1536), jnp.bfloat16), None
-    for fn, rows, ids in ((expert_matmul, 8, 8), (grouped_matmul, 640, 40)):
-        args = (jax.ShapeDtypeStruct((rows, 2048), jnp.bfloat16), w, scale, jax.ShapeDtypeStruct((ids,), jnp.int32))
-        lowered = jax.jit(lambda *a, fn=fn: fn(*a)).trace(*args).lower(lowering_platforms=("cuda",))
-        assert "triton" in lowered.as_text()
+    1536 x 2048), bf16 or FP8 as stored, at batch 64."""
+    dtype = jnp.float8_e4m3fn if fp8 else jnp.bfloat16
+    w, scale = jax.ShapeDtypeStruct((128, 1536, 2048), dtype), jax.ShapeDtypeStruct((128, 1536), jnp.float32)
+    args = (jax.ShapeDtypeStruct((640, 2048), jnp.bfloat16), w, scale if fp8 else None,
+            jax.ShapeDtypeStruct((40,), jnp.int32))
+    lowered = jax.jit(grouped_matmul).trace(*args).lower(lowering_platforms=("cuda",))
+    assert "triton" in lowered.as_text()

@@ -137,11 +137,13 @@ def test_params_layout(hf_model_dir, name):
 
 def dequantized_layers(layers):
     """Every FP8 projection's {w_t, scale, b?} (a MoE layer's experts' too) replaced by its f32 weight {w, b?}."""
-    def weight(p):
-        return {key: v for key, v in p.items() if key not in ("w_t", "scale")} | {"w": dequantize(p)}
+    def weight(p, experts=False):  # experts are [E, N, K] as w_t
+        w = dequantize(p)
+        return {key: v for key, v in p.items() if key not in ("w_t", "scale")} | {
+            "w": jnp.swapaxes(w, 1, 2) if experts else w}
 
     def layer(lp):
-        experts = {"experts": {k: weight(p) for k, p in lp["experts"].items()}} if "experts" in lp else {}
+        experts = {"experts": {k: weight(p, True) for k, p in lp["experts"].items()}} if "experts" in lp else {}
         return lp | {name: weight(lp[name]) for name in PROJECTIONS if name in lp} | experts
 
     return tuple(map(layer, layers))
