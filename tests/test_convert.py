@@ -81,6 +81,19 @@ def test_other_params_format_is_refused(hf_model_dir, tmp_path, old_format):
         load_checkpoint(dst)
 
 
+def test_experts_of_the_older_layout_are_refused(hf_model_dir, tmp_path):
+    """A MoE checkpoint written before its router and experts were [N, K] (no moe_format) would be misread; a dense
+    one's manifest needs no moe_format."""
+    dst = convert(str(hf_model_dir("qwen3_moe")[0]), tmp_path / "moe", dtype="float32", progress=False)
+    manifest = json.loads((dst / "manifest.json").read_text())
+    assert manifest.pop("moe_format") == 2
+    (dst / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"experts in layout 1 .* reads layout 2.*python -m convert "):
+        load_checkpoint(dst)
+    dense = convert(str(hf_model_dir("qwen2")[0]), tmp_path / "dense", dtype="float32", progress=False)
+    assert "moe_format" not in json.loads((dense / "manifest.json").read_text())
+
+
 def test_sharded_safetensors_equal_single_file(hf_model_dir, tmp_path):
     folder, model = hf_model_dir("llama")
     sharded = tmp_path / "sharded"
