@@ -7,7 +7,7 @@ layer's dense MLP: nanojax/model.py)."""
 import jax.numpy as jnp
 
 from convert.config import MoE
-from pallas_kernels.expert_matmul import expert_combine_reference, expert_swiglu_reference, swiglu
+from pallas_kernels.expert_matmul import expert_combine_reference, expert_swiglu_reference, swiglu, weighted_sum
 from pallas_kernels.grouped_matmul import block_rows, grouped_matmul_reference
 from pallas_kernels.topk_routing import rmsnorm_router_reference, topk_routing_reference
 
@@ -22,6 +22,12 @@ def route(x, scale, router, moe: MoE, eps: float, router_logits=rmsnorm_router_r
     return (h, *routing(logits, moe.top_k, moe.norm_topk_prob))
 
 
+def few_rows(rows: int, top_k: int, num_experts: int) -> bool:
+    """Whether a step's choices gather their experts (never more weights than the whole set) rather than group by
+    expert: the decode kernels' sizes, for the router too."""
+    return rows * top_k <= num_experts
+
+
 def moe_mlp(x, weights, ids, up, down, residual=None, kernels=(expert_swiglu_reference, expert_combine_reference,
                                                               grouped_matmul_reference)):
     """x: [N, H]; weights, ids: [N, k] each row's experts and their weights; up: (w [E, 2I, H] (gate | up), None);
@@ -32,13 +38,11 @@ def moe_mlp(x, weights, ids, up, down, residual=None, kernels=(expert_swiglu_ref
     n, k = ids.shape
     num_experts = up[0].shape[0]
     expert_swiglu, expert_combine, grouped = kernels
-    # Few rows gather their experts (never more weights than the whole set); more are grouped by expert.
-    if n * k <= num_experts:
+    if few_rows(n, k, num_experts):
         return expert_combine(expert_swiglu(x, ids, *up), weights, ids, *down, residual)
-    kept = (ids >= 0) & (ids < num_experts)
-    out = _grouped(x, jnp.where(kept, ids, num_experts).reshape(-1), up, down, grouped).reshape(n, k, -1)
-    out = jnp.sum(jnp.where(kept[..., None], out * weights[..., None], 0), axis=1).astype(x.dtype)
-    return out if residual is None else residual + out
+    choices = jnp.where((ids >= 0) & (ids < num_experts), ids, num_experts).reshape(-1)
+    out = _grouped(x, choices, up, down, grouped).reshape(n, k, -1)
+    return weighted_sum(out, weights, ids, num_experts, x.dtype, residual)
 
 
 def _grouped(x, choices, up, down, matmul):

@@ -7,7 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from nanojax.moe import moe_mlp, route
+from nanojax.moe import few_rows, moe_mlp, route
 from pallas_kernels.cascade_attention import cascade_decode_attention, cascade_decode_attention_reference
 from pallas_kernels.expert_matmul import (expert_combine, expert_combine_reference, expert_swiglu,
                                           expert_swiglu_reference)
@@ -70,7 +70,7 @@ class Ops:
         """x: [N, H] rows before the RMSNorm of weight scale, router: [E, H] -> (the normalized rows, their top-k
         experts' weights and ids); see nanojax.moe.route. Rows past the few of a decode take XLA's norm and GEMM."""
         router_logits = (self._kernel(rmsnorm_router, rmsnorm_router_reference)
-                         if x.shape[0] * moe.top_k <= moe.num_experts else rmsnorm_router_reference)
+                         if few_rows(x.shape[0], moe.top_k, moe.num_experts) else rmsnorm_router_reference)
         return route(x, scale, router, moe, eps, router_logits, self._kernel(topk_routing, topk_routing_reference))
 
     def experts(self, experts, x, weights, ids, residual):

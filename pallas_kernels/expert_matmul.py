@@ -34,8 +34,8 @@ MAX_UNROLLED = 16  # K slices a program unrolls at most (more: a longer compile 
 
 def default_config(k: int, n: int, *, combine: bool, fp8: bool) -> ExpertMatmulConfig:
     """K slices of 256 elements, unrolled up to MAX_UNROLLED; bf16: 16 columns a program for the SwiGLU, 8 for the
-    combine (which reads a token's k choices a program); FP8 rows, half the bytes: 32 and 16 with 8 warps
-    (docs/perf_notes.md, "Mixture of experts")."""
+    combine (which reads a token's k choices a program); FP8 rows, half the bytes: 32 for the SwiGLU, 16 with 8 warps
+    for the combine (docs/perf_notes.md, "Mixture of experts")."""
     block_k = pow2_divisor(k, 256)
     block_n, warps = ((16, 8) if combine else (32, 4)) if fp8 else ((8 if combine else 16), 4)
     return ExpertMatmulConfig(block_n=pow2_divisor(n, block_n), block_k=block_k, num_warps=warps,
@@ -68,10 +68,16 @@ def expert_combine_reference(a, weights, ids, w, scale, residual=None):
     """a: [T k, K] (expert_swiglu's); weights f32, ids int32: [T, k]; w: [E, N, K] (FP8 with scale [E, N]); residual:
     [T, N] or None -> [T, N] in a's dtype: residual + sum over j of weights[t, j] * a[t k + j] @ w[ids[t, j]]^T, summed
     in f32 and rounded once. An id outside [0, E) adds nothing."""
-    t, top_k = ids.shape
-    kept = (ids >= 0) & (ids < w.shape[0])
-    out = expert_products_reference(a, w, scale, ids.reshape(-1)).reshape(t, top_k, -1)
-    out = jnp.sum(jnp.where(kept[..., None], out * weights[..., None], 0), axis=1).astype(a.dtype)
+    out = expert_products_reference(a, w, scale, ids.reshape(-1)).reshape(*ids.shape, -1)
+    return weighted_sum(out, weights, ids, w.shape[0], a.dtype, residual)
+
+
+def weighted_sum(out, weights, ids, num_experts, dtype, residual):
+    """out: [T, k, N] f32, each token's choices' outputs -> [T, N] in dtype: residual (or None) + their sum weighted
+    by weights [T, k], in f32 and rounded once; a choice whose id in ids [T, k] is outside [0, num_experts) adds
+    nothing."""
+    kept = (ids >= 0) & (ids < num_experts)
+    out = jnp.sum(jnp.where(kept[..., None], out * weights[..., None], 0), axis=1).astype(dtype)
     return out if residual is None else residual + out
 
 
@@ -129,12 +135,12 @@ def _combine_kernel(ids_ref, weights_ref, a_ref, w_ref, *refs, block_k: int, unr
     store(o_ref, out.astype(o_ref.dtype))
 
 
-def _check_experts(name, w, scale, k):
+def _check_experts(w, scale, k):
     """-> (E, N) of experts w [E, N, K] (FP8: with scale [E, N])."""
     if w.ndim != 3 or w.shape[2] != k:
-        raise ValueError(f"{name} must be experts [E, N, K] with K = {k} (the rows' width), got {w.shape}")
+        raise ValueError(f"w must be experts [E, N, K] with K = {k} (the rows' width), got {w.shape}")
     if (scale is None) != (w.dtype != jnp.float8_e4m3fn) or scale is not None and scale.shape != w.shape[:2]:
-        raise ValueError(f"{name}: FP8 experts need scale [E, N] = {list(w.shape[:2])}, others none; got {w.dtype} "
+        raise ValueError(f"w: FP8 experts need scale [E, N] = {list(w.shape[:2])}, others none; got {w.dtype} "
                          f"and {None if scale is None else scale.shape}")
     return w.shape[:2]
 
@@ -149,7 +155,7 @@ def expert_swiglu(x, ids, w, scale, *, config: ExpertMatmulConfig | None = None,
     """expert_swiglu_reference's contract: a program per (choice, block of columns), reading its token's row."""
     (t, k), top_k = x.shape, ids.shape[1]
     _check_ids(ids, t)
-    num_experts, n = _check_experts("w", w, scale, k)
+    num_experts, n = _check_experts(w, scale, k)
     width = n // 2
     config = config or default_config(k, width, combine=False, fp8=scale is not None)
     bn = config.block_n
@@ -179,7 +185,7 @@ def expert_combine(a, weights, ids, w, scale, residual=None, *, config: ExpertMa
     t, top_k = ids.shape
     _check_ids(ids, t)
     k = a.shape[1]
-    num_experts, n = _check_experts("w", w, scale, k)
+    num_experts, n = _check_experts(w, scale, k)
     config = config or default_config(k, n, combine=True, fp8=scale is not None)
     bn = config.block_n
     if a.shape[0] != t * top_k or weights.shape != ids.shape or n % bn or k % config.block_k:
