@@ -74,7 +74,6 @@ def topk_routing(logits, top_k: int, normalize: bool, *, config: TopkRoutingConf
     return weights[:n, :top_k], ids[:n, :top_k]
 
 
-
 @dataclasses.dataclass(frozen=True)
 class RouterConfig:
     """A program takes one row and block_e experts, streaming H in block_k slices."""
@@ -98,22 +97,23 @@ def _router_kernel(x_ref, scale_ref, router_ref, h_ref, logits_ref, *, eps: floa
     # x_ref: [H] a row; scale_ref: [H] the norm's weight; router_ref: [block_e, H] a block of experts; h_ref: [H] the
     # normalized row (program 0 of the row writes it); logits_ref: [block_e]
     dtype, hdim = h_ref.dtype, x_ref.shape[0]
-    xf = load(x_ref).astype(jnp.float32)
-    rstd = jax.lax.rsqrt(jnp.sum(xf * xf) / hdim + eps)
+    slices = [pl.ds(i * block_k, block_k) for i in range(hdim // block_k)]  # (H need not be a power of two)
+    rstd = jax.lax.rsqrt(sum(jnp.sum(jnp.square(load(x_ref.at[ks]).astype(jnp.float32))) for ks in slices) / hdim
+                         + eps)
 
     def normed(ks):  # rms_norm's rounding: normalized in f32, rounded, times the weight in x's dtype
         x = (load(x_ref.at[ks]).astype(jnp.float32) * rstd).astype(dtype).astype(jnp.float32)
         return (load(scale_ref.at[ks]).astype(dtype).astype(jnp.float32) * x).astype(dtype)
 
     acc = jnp.zeros((router_ref.shape[0], block_k), jnp.float32)
-    for i in range(hdim // block_k):
-        ks = pl.ds(i * block_k, block_k)
+    for ks in slices:
         acc += load(router_ref.at[:, ks]).astype(jnp.float32) * normed(ks).astype(jnp.float32)[None, :]
     store(logits_ref, jnp.sum(acc, axis=1).astype(logits_ref.dtype))
 
     @pl.when(pl.program_id(1) == 0)
     def _():
-        store(h_ref, normed(pl.ds(0, hdim)))
+        for ks in slices:
+            store(h_ref.at[ks], normed(ks))
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "config", "interpret"))

@@ -36,9 +36,11 @@ def test_router_refuses_mismatched_shapes():
 
 
 @pytest.mark.skipif(not can_lower_for_cuda(), reason="this jaxlib compiles Triton kernels while lowering")
-def test_router_lowers_to_triton():
-    """Qwen3-30B-A3B's router (128 experts, hidden 2048) at batch 1, lowered for cuda on CPU."""
-    args = [jax.ShapeDtypeStruct(shape, jnp.bfloat16) for shape in ((1, 2048), (2048,), (128, 2048))]
+@pytest.mark.parametrize("experts,hidden", [(128, 2048), (64, 3584)])
+def test_router_lowers_to_triton(experts, hidden):
+    """Qwen3-30B-A3B's router and Qwen2-57B-A14B's (a hidden size not a power of two) at batch 1, lowered for cuda
+    on CPU."""
+    args = [jax.ShapeDtypeStruct(shape, jnp.bfloat16) for shape in ((1, hidden), (hidden,), (experts, hidden))]
     lowered = jax.jit(lambda *a: rmsnorm_router(*a, eps=1e-6)).trace(*args).lower(lowering_platforms=("cuda",))
     assert "triton" in lowered.as_text()
 
