@@ -98,6 +98,7 @@ def load_checkpoint(path) -> tuple[ModelConfig, dict, dict]:
     path = Path(path)
     manifest = read_json(path / MANIFEST)
     params_layout, fp8_layout = manifest.get("params_format", 1), manifest.get("fp8_format", 1)
+    moe_layout = manifest.get("moe_format", 1)
     if params_layout != PARAMS_FORMAT:
         raise CheckpointError(
             f"{path} holds params format {params_layout} (written by another nanojax version), this nanojax "
@@ -110,9 +111,9 @@ def load_checkpoint(path) -> tuple[ModelConfig, dict, dict]:
             f"{path} holds FP8 weights in layout {fp8_layout} (written by another nanojax version), "
             f"this nanojax reads layout {FP8_FORMAT}; convert its source again: {convert_command(path)}")
     config = ModelConfig.from_hf_config(read_json(path / "config.json"))
-    if config.moe and manifest.get("moe_format", 1) != MOE_FORMAT:
+    if config.moe and moe_layout != MOE_FORMAT:
         raise CheckpointError(
-            f"{path} holds experts in layout {manifest.get('moe_format', 1)} (written by another nanojax version), "
+            f"{path} holds experts in layout {moe_layout} (written by another nanojax version), "
             f"this nanojax reads layout {MOE_FORMAT}; convert its source again: {convert_command(path)}")
     return config, _load_params(path, config), manifest
 
