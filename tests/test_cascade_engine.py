@@ -20,7 +20,8 @@ def shared_prompts(vocab: int) -> tuple[list[list[int]], list[list[int]]]:
     return [system + doc_a, system + doc_b], prompts
 
 
-@pytest.mark.parametrize("name,kernels", [("qwen3", "reference"), ("llama", "reference"), ("llama", "interpret")])
+@pytest.mark.parametrize("name,kernels", [("qwen3", "reference"), ("llama", "reference"), ("llama", "interpret"),
+                                          ("qwen3_moe", "reference")])
 def test_nested_shared_prefixes_match_hf(hf_model_dir, name, kernels):
     folder, model = hf_model_dir(name)
     greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)

@@ -37,8 +37,9 @@ def _compile_with_workers(folder, directory, monkeypatch):
     return llm, lowered_here
 
 
-def test_workers_compile_their_shares_with_the_same_tokens(hf_model_dir, tmp_path, monkeypatch):
-    folder, _ = hf_model_dir("qwen3")
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
+def test_workers_compile_their_shares_with_the_same_tokens(hf_model_dir, tmp_path, monkeypatch, name):
+    folder, model = hf_model_dir(name)
     llm, lowered_here = _compile_with_workers(folder, tmp_path, monkeypatch)
     runner = llm.runner
     shares = compilation.shares(runner.programs(), 3)
@@ -47,7 +48,7 @@ def test_workers_compile_their_shares_with_the_same_tokens(hf_model_dir, tmp_pat
     assert len(runner.worker_seconds) == 2  # each worker's times, from its spawn
     assert all(0 < w["ready"] <= w["job"] <= w["done"] and 0 < w["lowering"] < w["done"] - w["job"]
                for w in runner.worker_seconds)
-    prompts = random_prompts(97, [3, 21, 9], seed=4)
+    prompts = random_prompts(model.config.vocab_size, [3, 21, 9], seed=4)
     expected = [o.token_ids for o in LLM(folder, **SMALL).generate(prompts, GREEDY, use_tqdm=False)]
     assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
     assert runner.compiles == len(runner.programs())  # nothing compiled on the way

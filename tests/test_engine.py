@@ -1,5 +1,6 @@
 """The engine: greedy outputs are identical across batching, prefix-cache hits, chunked prefill, preemption and
-multi-step decode, and equal to HF; bad requests get clear errors; steady state does not recompile."""
+multi-step decode, and equal to HF, for a dense model and a mixture of experts; bad requests get clear errors; steady
+state does not recompile."""
 import numpy as np
 import pytest
 from conftest import hf_greedy, random_prompts
@@ -10,14 +11,20 @@ from nanojax import LLM, SamplingParams
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def qwen3(hf_model_dir):
-    folder, model = hf_model_dir("qwen3")
-    prompts = random_prompts(97, [3, 21, 9, 40, 16], seed=5)
-    shared = random_prompts(97, [26], seed=6)[0]  # a shared "system prompt" over several pages
-    prompts += [shared + p for p in random_prompts(97, [4, 11], seed=7)]
+def model_case(hf_model_dir, name: str):
+    """-> (folder, prompts, HF's greedy tokens for each): five prompts, then two over a shared 26-token prefix."""
+    folder, model = hf_model_dir(name)
+    vocab = model.config.vocab_size
+    prompts = random_prompts(vocab, [3, 21, 9, 40, 16], seed=5)
+    shared = random_prompts(vocab, [26], seed=6)[0]  # a shared "system prompt" over several pages
+    prompts += [shared + p for p in random_prompts(vocab, [4, 11], seed=7)]
     expected = [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts]
     return str(folder), prompts, expected
+
+
+@pytest.fixture(scope="module")
+def qwen3(hf_model_dir):
+    return model_case(hf_model_dir, "qwen3")
 
 
 @pytest.mark.parametrize("engine_args", [
@@ -36,6 +43,25 @@ def test_greedy_equal_to_hf_under_every_engine_path(qwen3, engine_args):
         assert llm.scheduler.num_preemptions > 0
     check_invariants(llm.page_manager)
     assert llm.page_manager.num_free_pages == llm.page_manager.num_pages
+
+
+@pytest.mark.parametrize("engine_args", [
+    dict(chunk_size=5, max_num_batched_tokens=12, max_num_seqs=4),
+    dict(num_pages=18, max_num_seqs=4),
+], ids=["chunked", "preempt"])
+def test_moe_greedy_equal_to_hf_under_chunked_prefill_preemption_and_prefix_hits(hf_model_dir, engine_args):
+    """A mixture of experts (Qwen3-MoE, top 2 of 8) through the same paths: prefill chunks mixed with decodes (the
+    experts grouped for a chunk, gathered for up to E / k decode rows), preemption by recompute, then the prompts
+    again over their cached pages."""
+    folder, prompts, expected = model_case(hf_model_dir, "qwen3_moe")
+    llm = LLM(folder, dtype="float32", page_size=4, max_model_len=96, **engine_args)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
+    if "num_pages" in engine_args:
+        assert llm.scheduler.num_preemptions > 0
+    again = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in again] == expected
+    assert sum(o.num_cached_tokens for o in again) > 0
+    check_invariants(llm.page_manager)
 
 
 def test_mixed_and_row_limited_steps_are_one_dispatch_each(qwen3, monkeypatch):

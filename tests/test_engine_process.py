@@ -197,3 +197,21 @@ def test_engine_process_splits_the_model_over_devices(model, llm, monkeypatch):
         assert [[e for e in s if e.finish_reason is not None][0].token_ids for s in streams] == want
     finally:
         engine.close()
+
+
+def test_a_mixture_of_experts_served_from_a_child_process_equals_the_in_process_engine(hf_model_dir):
+    """Qwen3-MoE (top 2 of 8) in the engine's own process behind the server: the same greedy tokens as in-process."""
+    folder, hf = hf_model_dir("qwen3_moe")
+    moe = dataclasses.replace(load_model(str(folder), "float32").resolved(), tokenizer=byte_tokenizer())
+    prompts = random_prompts(hf.config.vocab_size, [5, 13, 30], seed=3)
+    want = LLM(moe, **ENGINE).generate(prompts, greedy(max_tokens=12), use_tqdm=False)
+    engine = EngineProcess(moe, **ENGINE)
+    server = BackgroundServer(build_app(engine, "tiny-moe", api_key=KEY, limits=LIMITS))
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120)
+        got = client.completions.create(model="tiny-moe", prompt=prompts, max_tokens=12, temperature=0,
+                                        extra_body={"ignore_eos": True, "return_token_ids": True})
+        assert [choice.token_ids for choice in got.choices] == [out.token_ids for out in want]
+    finally:
+        server.stop()
+        engine.close()
