@@ -98,22 +98,20 @@ def _router_kernel(x_ref, scale_ref, router_ref, h_ref, logits_ref, *, eps: floa
     # normalized row (program 0 of the row writes it); logits_ref: [block_e]
     dtype, hdim = h_ref.dtype, x_ref.shape[0]
     slices = [pl.ds(i * block_k, block_k) for i in range(hdim // block_k)]  # (H need not be a power of two)
-    rstd = jax.lax.rsqrt(sum(jnp.sum(jnp.square(load(x_ref.at[ks]).astype(jnp.float32))) for ks in slices) / hdim
-                         + eps)
-
-    def normed(ks):  # rms_norm's rounding: normalized in f32, rounded, times the weight in x's dtype
-        x = (load(x_ref.at[ks]).astype(jnp.float32) * rstd).astype(dtype).astype(jnp.float32)
-        return (load(scale_ref.at[ks]).astype(dtype).astype(jnp.float32) * x).astype(dtype)
-
+    xs = [load(x_ref.at[ks]).astype(jnp.float32) for ks in slices]
+    rstd = jax.lax.rsqrt(sum(jnp.sum(jnp.square(x)) for x in xs) / hdim + eps)
+    # rms_norm's rounding: normalized in f32, rounded, times the weight in x's dtype
+    hs = [(load(scale_ref.at[ks]).astype(dtype).astype(jnp.float32) * (x * rstd).astype(dtype).astype(jnp.float32))
+          .astype(dtype) for ks, x in zip(slices, xs)]
     acc = jnp.zeros((router_ref.shape[0], block_k), jnp.float32)
-    for ks in slices:
-        acc += load(router_ref.at[:, ks]).astype(jnp.float32) * normed(ks).astype(jnp.float32)[None, :]
+    for ks, h in zip(slices, hs):
+        acc += load(router_ref.at[:, ks]).astype(jnp.float32) * h.astype(jnp.float32)[None, :]
     store(logits_ref, jnp.sum(acc, axis=1).astype(logits_ref.dtype))
 
     @pl.when(pl.program_id(1) == 0)
     def _():
-        for ks in slices:
-            store(h_ref.at[ks], normed(ks))
+        for ks, h in zip(slices, hs):
+            store(h_ref.at[ks], h)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "config", "interpret"))
