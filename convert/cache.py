@@ -71,14 +71,11 @@ def temporary_folder(parent: Path, name: str) -> Iterator[Path]:
     tmp = parent / f".{name}{TMP}{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        fd = os.open(tmp / f"{WRITER_LOCK}.new", os.O_CREAT | os.O_WRONLY, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+        with open(os.open(tmp / f"{WRITER_LOCK}.new", os.O_CREAT | os.O_WRONLY, 0o600), "wb") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
             # Renamed once held: a lock file another process finds under its name is never one not yet locked.
             os.replace(tmp / f"{WRITER_LOCK}.new", tmp / WRITER_LOCK)
             yield tmp
-        finally:
-            os.close(fd)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

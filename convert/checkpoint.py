@@ -97,25 +97,22 @@ def load_checkpoint(path) -> tuple[ModelConfig, dict, dict]:
     """-> (config, params as numpy arrays, manifest); CheckpointError for a layout this code does not read."""
     path = Path(path)
     manifest = read_json(path / MANIFEST)
-    params_layout, fp8_layout = manifest.get("params_format", 1), manifest.get("fp8_format", 1)
-    moe_layout = manifest.get("moe_format", 1)
-    if params_layout != PARAMS_FORMAT:
-        raise CheckpointError(
-            f"{path} holds params format {params_layout} (written by another nanojax version), this nanojax "
-            f"reads format {PARAMS_FORMAT}; convert its source again: {convert_command(path)}")
+    _check_layout(path, manifest, "params_format", PARAMS_FORMAT, "params", "format")
     if manifest.get("quantization") not in QUANTIZATIONS:
         raise CheckpointError(f"{path} holds {manifest['quantization']!r} weights, which this nanojax does not read "
                               f"(it reads {list(QUANTIZATIONS)})")
-    if manifest.get("quantization") == "fp8" and fp8_layout != FP8_FORMAT:
-        raise CheckpointError(
-            f"{path} holds FP8 weights in layout {fp8_layout} (written by another nanojax version), "
-            f"this nanojax reads layout {FP8_FORMAT}; convert its source again: {convert_command(path)}")
+    if manifest.get("quantization") == "fp8":
+        _check_layout(path, manifest, "fp8_format", FP8_FORMAT, "FP8 weights in", "layout")
     config = ModelConfig.from_hf_config(read_json(path / "config.json"))
-    if config.moe and moe_layout != MOE_FORMAT:
-        raise CheckpointError(
-            f"{path} holds experts in layout {moe_layout} (written by another nanojax version), "
-            f"this nanojax reads layout {MOE_FORMAT}; convert its source again: {convert_command(path)}")
+    if config.moe:
+        _check_layout(path, manifest, "moe_format", MOE_FORMAT, "experts in", "layout")
     return config, _load_params(path, config), manifest
+
+
+def _check_layout(path: Path, manifest: dict, key: str, expected: int, what: str, kind: str) -> None:
+    if (found := manifest.get(key, 1)) != expected:
+        raise CheckpointError(f"{path} holds {what} {kind} {found} (written by another nanojax version), this nanojax "
+                              f"reads {kind} {expected}; convert its source again: {convert_command(path)}")
 
 
 def _save_params(path: Path, parts) -> int:

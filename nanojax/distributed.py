@@ -90,7 +90,7 @@ def _broadcast_call(name: str):
         if jax.process_index() != 0:
             raise RuntimeError(f"process {jax.process_index()} runs the steps process 0 sends: call follow()")
         with self._lock:
-            if not self._stop.alive:
+            if not self.stop.alive:
                 raise RuntimeError("this runner has stopped (LLM.close): the other processes have left")
             _broadcast_bytes(pickle.dumps((name, args, kwargs)))
             return method(self, *args, **kwargs)
@@ -104,18 +104,15 @@ class DistributedRunner(ModelRunner):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._lock = threading.Lock()  # a broadcast and its call, one at a time (engine loop, close, exit)
-        # Stops the followers once, on stop() or at exit: registered after jax's exit hook, so it runs first.
-        self._stop = _Stop(self._lock)
-        atexit.register(self._stop)
+        # On process 0, stop() tells the other processes to stop following (their `follow` returns), once; also at
+        # exit: registered after jax's exit hook, so it runs first. A no-op elsewhere.
+        self.stop = _Stop(self._lock)
+        atexit.register(self.stop)
 
     decode = _broadcast_call("decode")
     prefill = _broadcast_call("prefill")
     set_slot = _broadcast_call("set_slot")
     set_masks = _broadcast_call("set_masks")
-
-    def stop(self) -> None:
-        """On process 0: tells the other processes to stop following (their `follow` returns); no-op elsewhere."""
-        self._stop()
 
     def follow(self) -> None:
         """On a process other than 0: runs each call process 0 broadcasts, until it sends stop."""

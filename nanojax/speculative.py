@@ -50,7 +50,8 @@ CATCH_UP = 64
 
 def draft_proposals(params, cache, batch: Batch, hist, base, last, left, k: int, *, draft: ModelConfig, ops):
     """The draft model's k greedy tokens after `last` -> (proposals [B, k], counts [B], cache): the draft is fed each
-    row's tokens from its first stale slot to `last` (at base), then its own k - 1 (only into slots before base + left)."""
+    row's tokens from its first stale slot to `last` (at base), then its own k - 1 (only into slots before
+    base + left)."""
     b, width = hist.shape
     pos = jnp.arange(width)[None, :]
     stale = (pos < base[:, None]) & (history(cache.draft, batch, base, last) != hist)

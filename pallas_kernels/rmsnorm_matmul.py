@@ -234,8 +234,8 @@ def _check_inputs(x, w, w_scale, bias, residual, norm_eps, activation):
     if bias is not None and (bias.shape != (n,) or not jnp.issubdtype(bias.dtype, jnp.floating)):
         raise ValueError(f"bias must be [N] = [{n}] (w's outputs), floating point, got {bias.dtype}{bias.shape}")
     if residual is not None and (residual.shape != (m, n_out) or residual.dtype != x.dtype):
-        raise ValueError(f"residual must be [M, N_out] = [{m}, {n_out}] (the output's shape) of x's dtype {x.dtype}, got "
-                         f"residual dtype {residual.dtype}, shape {residual.shape}")
+        raise ValueError(f"residual must be [M, N_out] = [{m}, {n_out}] (the output's shape) of x's dtype {x.dtype}, "
+                         f"got residual dtype {residual.dtype}, shape {residual.shape}")
     if x.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
         raise ValueError(f"x's dtype must be bf16, f16 or f32, got {x.dtype}")
     if w_scale is None and w.dtype != x.dtype:
